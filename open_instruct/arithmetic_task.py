@@ -1,0 +1,98 @@
+"""The embedded verifiable task: integer arithmetic word prompts with exact answers.
+
+Why this task: it needs no download, its answers are checked by code (RLVR), and the embedded
+SmolLM2-135M-Instruct gets one-digit addition right about 40% of the time when sampling at
+temperature 1.0 (about 90% greedy), so reinforcement learning has room to improve it.
+
+Rows follow the trainer's RLVR schema: `messages` (the user turn), `ground_truth` (the exact
+integer as a string) and `dataset` (the verifier name, "arithmetic").
+
+The train and test splits never share a question: the set of distinct questions is partitioned
+first, then each split is filled from its own part. One-digit addition has only 81 questions
+(1..9 + 1..9), so a split is a partition of them, not a sample with repeats.
+"""
+
+import itertools
+import os
+import random
+
+OPERATIONS = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+}
+PROMPT_TEMPLATE = "What is {a} {op} {b}? Give the final answer as a number at the end."
+VERIFIER_NAME = "arithmetic"
+
+
+def operand_range(digits: int) -> range:
+    """Operands with exactly `digits` digits (one digit: 1..9; zero is left out as too easy)."""
+    if digits < 1:
+        raise ValueError(f"digits={digits} is not a number of digits; use 1 or more.")
+    return range(1 if digits == 1 else 10 ** (digits - 1), 10**digits)
+
+
+def all_questions(digits: int, operations: tuple[str, ...]) -> list[tuple[int, str, int]]:
+    """Every distinct (a, op, b) with `digits`-digit operands, in a fixed order."""
+    unknown = [op for op in operations if op not in OPERATIONS]
+    if unknown or not operations:
+        raise ValueError(f"operations={list(operations)} must be a non-empty subset of {list(OPERATIONS)}.")
+    operands = operand_range(digits)
+    return [(a, op, b) for op in operations for a, b in itertools.product(operands, operands)]
+
+
+def question_to_row(a: int, op: str, b: int) -> dict:
+    return {
+        "messages": [{"role": "user", "content": PROMPT_TEMPLATE.format(a=a, op=op, b=b)}],
+        "ground_truth": str(OPERATIONS[op](a, b)),
+        "dataset": VERIFIER_NAME,
+    }
+
+
+def make_arithmetic_rows(
+    seed: int = 0,
+    digits: int = 1,
+    operations: tuple[str, ...] = ("+",),
+    test_fraction: float = 0.25,
+    max_test_rows: int = 256,
+) -> dict[str, list[dict]]:
+    """Partition the distinct questions into `train` and `test` rows, deterministically for `seed`.
+
+    The test split holds `test_fraction` of the questions, capped at `max_test_rows` so that an
+    eval stays cheap for two-digit tasks (8100 questions per operation).
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction={test_fraction} must lie strictly between 0 and 1.")
+    questions = all_questions(digits, tuple(operations))
+    random.Random(seed).shuffle(questions)
+    num_test = max(1, min(max_test_rows, round(len(questions) * test_fraction)))
+    test_questions, train_questions = questions[:num_test], questions[num_test:]
+    return {
+        "train": [question_to_row(*q) for q in train_questions],
+        "test": [question_to_row(*q) for q in test_questions],
+    }
+
+
+def write_arithmetic_dataset(
+    output_dir: str,
+    seed: int = 0,
+    digits: int = 1,
+    operations: tuple[str, ...] = ("+",),
+    test_fraction: float = 0.25,
+) -> dict[str, str]:
+    """Write `{output_dir}/train.parquet` and `test.parquet`; return split name -> path.
+
+    Files are written to a temporary name and renamed, so a reader never sees half a file.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(output_dir, exist_ok=True)
+    paths = {}
+    for split, rows in make_arithmetic_rows(seed, digits, operations, test_fraction).items():
+        path = os.path.join(output_dir, f"{split}.parquet")
+        tmp_path = f"{path}.tmp-{os.getpid()}"
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path)
+        os.replace(tmp_path, path)
+        paths[split] = path
+    return paths

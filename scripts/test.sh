@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Install what is needed (once) and run the test suite.
+#
+#   bash scripts/test.sh                 # everything (CI runs this)
+#   bash scripts/test.sh -k rl_utils     # extra arguments go to pytest
+#
+# Tests run inside a loopback-only network namespace when the machine allows it (root), because
+# Ray listens on every interface otherwise; Ray tests skip with a reason when it does not.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+bash scripts/install.sh ${OPEN_INSTRUCT_CURRENT_ENV:+--current-env}
+python="${OPEN_INSTRUCT_VENV:-$REPO/.venv}/bin/python"
+[[ -n "${OPEN_INSTRUCT_CURRENT_ENV:-}" ]] && python="$(command -v python3)"
+
+export WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+# Build the embedded model once, with the network still there for nothing: it is all local.
+"$python" -c "from open_instruct.embedded_model import smollm2_path, tiny_model_path; smollm2_path(); tiny_model_path()"
+
+pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 "$@")
+status=0
+if unshare -n true 2>/dev/null; then
+  echo "[test] running pytest in a loopback-only network namespace"
+  unshare -n bash -c 'ip link set lo up && OPEN_INSTRUCT_LOOPBACK_ONLY=1 exec "$@"' _ "${pytest_cmd[@]}" || status=$?
+else
+  echo "[test] cannot create a network namespace here; Ray tests will be skipped"
+  "${pytest_cmd[@]}" || status=$?
+fi
+if [[ $status == 5 ]]; then
+  echo "[test] pytest collected no tests: the test setup is broken" >&2
+  exit 1
+fi
+exit $status

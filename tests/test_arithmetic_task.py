@@ -1,0 +1,46 @@
+import pyarrow.parquet as pq
+import pytest
+
+from open_instruct.arithmetic_task import all_questions, make_arithmetic_rows, write_arithmetic_dataset
+
+
+def question_of(row: dict) -> str:
+    return row["messages"][0]["content"]
+
+
+def test_one_digit_addition_partitions_all_81_questions():
+    rows = make_arithmetic_rows(seed=0, digits=1, operations=("+",))
+    train, test = {question_of(r) for r in rows["train"]}, {question_of(r) for r in rows["test"]}
+    assert len(rows["train"]) + len(rows["test"]) == 81
+    assert len(train | test) == 81, "a question appears twice"
+    assert not train & test, "train and test share a question"
+
+
+@pytest.mark.parametrize("digits,operations", [(1, ("+", "-", "*")), (2, ("+",))])
+def test_splits_are_disjoint_and_answers_exact(digits, operations):
+    rows = make_arithmetic_rows(seed=3, digits=digits, operations=operations)
+    assert not {question_of(r) for r in rows["train"]} & {question_of(r) for r in rows["test"]}
+    for row in rows["train"][:200] + rows["test"]:
+        a, op, b = question_of(row).removeprefix("What is ").split("?")[0].split(" ")
+        assert int(row["ground_truth"]) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert row["dataset"] == "arithmetic"
+        assert len(str(a)) == digits and len(str(b)) == digits
+
+
+def test_same_seed_same_rows_other_seed_other_split():
+    assert make_arithmetic_rows(seed=1) == make_arithmetic_rows(seed=1)
+    assert make_arithmetic_rows(seed=1)["test"] != make_arithmetic_rows(seed=2)["test"]
+
+
+def test_parquet_round_trip(tmp_path):
+    paths = write_arithmetic_dataset(str(tmp_path), seed=0)
+    rows = make_arithmetic_rows(seed=0)
+    for split, path in paths.items():
+        assert pq.read_table(path).to_pylist() == rows[split]
+
+
+def test_bad_arguments_are_clear():
+    with pytest.raises(ValueError, match="subset of"):
+        all_questions(1, ("/",))
+    with pytest.raises(ValueError, match="test_fraction"):
+        make_arithmetic_rows(test_fraction=1.5)

