@@ -24,6 +24,8 @@ def configure_vllm_environment() -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # Without it vLLM cuts torch to 1 thread for the whole process, learner included.
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 @dataclass

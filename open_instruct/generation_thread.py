@@ -1,0 +1,170 @@
+"""The vLLM generation thread and the bounded queues that feed it (Cleanba-style actor/learner).
+
+The learner (main thread) and the generator (this thread) talk only through three queues of
+size 1:
+
+    param_prompt_Q : learner -> generator   GenerationRequest(policy_version, weights, prompts, run_eval)
+    response_Q     : generator -> learner   Rollout(policy_version, completions, timings)
+    eval_Q         : generator -> learner   Rollout for the greedy eval prompts (when run_eval)
+
+Size 1 is the whole scheduling policy: the learner can run at most one batch ahead of the
+generator, which gives the "generate with policy k while training policy k+1" overlap and never
+lets the data drift more than one version behind.
+
+Failure handling: any exception in the thread is stored and the thread ends; every queue wait in
+the learner wakes up at least every `poll_s` seconds, sees the failure and raises it with its
+cause. A wait longer than `timeout_s` raises with a message instead of hanging.
+"""
+
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from open_instruct import vllm_utils
+
+
+@dataclass
+class GenerationRequest:
+    policy_version: int
+    weights: list[tuple[str, torch.Tensor]] | None  # None: keep the engine's current weights
+    prompt_token_ids: list[list[int]]
+    run_eval: bool = False
+
+
+@dataclass
+class Rollout:
+    policy_version: int  # the weights that generated these completions
+    completions: list[vllm_utils.Completion]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationSettings:
+    engine: vllm_utils.EngineConfig
+    samples_per_prompt: int
+    temperature: float
+    response_length: int
+    stop_token_ids: list[int]
+    stop_strings: list[str] | None
+    eval_prompt_token_ids: list[list[int]] | None = None
+    seed: int = 0
+
+
+class GenerationThreadError(RuntimeError):
+    pass
+
+
+class GenerationThread(threading.Thread):
+    """Owns the vLLM engine: reload weights, generate, hand back rollouts, until told to stop."""
+
+    def __init__(self, settings: GenerationSettings, poll_s: float = 1.0, timeout_s: float = 1800.0):
+        super().__init__(name="vllm-generation", daemon=True)
+        self.settings = settings
+        self.param_prompt_Q: queue.Queue = queue.Queue(maxsize=1)
+        self.response_Q: queue.Queue = queue.Queue(maxsize=1)
+        self.eval_Q: queue.Queue = queue.Queue(maxsize=1)
+        self.poll_s = poll_s
+        self.timeout_s = timeout_s
+        self.error: BaseException | None = None
+        self.error_traceback = ""
+        self._stop_requested = threading.Event()
+
+    # ---- generator side (this thread) ----
+    def run(self) -> None:
+        try:
+            self.serve()
+        except BaseException as error:  # noqa: BLE001 - everything must reach the learner
+            self.error = error
+            self.error_traceback = traceback.format_exc()
+
+    def serve(self) -> None:
+        settings = self.settings
+        llm = vllm_utils.create_engine(settings.engine)
+        train_params = vllm_utils.sampling_params(
+            n=settings.samples_per_prompt,
+            temperature=settings.temperature,
+            max_tokens=settings.response_length,
+            stop_token_ids=settings.stop_token_ids,
+            stop_strings=settings.stop_strings,
+            seed=settings.seed,
+        )
+        eval_params = vllm_utils.sampling_params(
+            n=1,
+            temperature=0.0,
+            max_tokens=settings.response_length,
+            stop_token_ids=settings.stop_token_ids,
+            stop_strings=settings.stop_strings,
+        )
+        while not self._stop_requested.is_set():
+            request = self._wait(self.param_prompt_Q.get, "the next prompts from the learner", stop_aware=True)
+            if request is None:
+                return
+            timings = {}
+            if request.weights is not None:
+                timings["weight_sync"] = vllm_utils.load_weights(llm, request.weights)
+            if request.prompt_token_ids:  # an eval-only request (the final eval) has no training prompts
+                start = time.time()
+                completions = vllm_utils.generate(llm, request.prompt_token_ids, train_params)
+                timings["generation"] = time.time() - start
+                self._put(self.response_Q, Rollout(request.policy_version, completions, timings))
+            if request.run_eval and settings.eval_prompt_token_ids:
+                start = time.time()
+                eval_completions = vllm_utils.generate(llm, settings.eval_prompt_token_ids, eval_params)
+                eval_timings = {"eval_generation": time.time() - start}
+                self._put(self.eval_Q, Rollout(request.policy_version, eval_completions, eval_timings))
+
+    def _put(self, q: queue.Queue, item) -> None:
+        self._wait(lambda timeout: q.put(item, timeout=timeout), "the learner to take the last rollout", True)
+
+    def _wait(self, call, what: str, stop_aware: bool = False):
+        """Call a blocking queue op in `poll_s` slices; give up after `timeout_s` with a message."""
+        deadline = time.time() + self.timeout_s
+        while True:
+            if stop_aware and self._stop_requested.is_set():
+                return None
+            try:
+                return call(timeout=self.poll_s)
+            except (queue.Empty, queue.Full):
+                if time.time() > deadline:
+                    raise TimeoutError(f"The generation thread waited {self.timeout_s:.0f}s for {what}.")
+
+    # ---- learner side (main thread) ----
+    def send(self, request: GenerationRequest) -> None:
+        self._learner_wait(lambda timeout: self.param_prompt_Q.put(request, timeout=timeout), "take new prompts")
+
+    def receive(self) -> Rollout:
+        return self._learner_wait(self.response_Q.get, "return a rollout")
+
+    def receive_eval(self) -> Rollout:
+        return self._learner_wait(self.eval_Q.get, "return the eval rollout")
+
+    def _learner_wait(self, call, what: str):
+        deadline = time.time() + self.timeout_s
+        while True:
+            self.raise_if_failed()
+            try:
+                return call(timeout=self.poll_s)
+            except (queue.Empty, queue.Full):
+                if not self.is_alive():
+                    self.raise_if_failed()
+                    raise GenerationThreadError(f"The generation thread ended without an error before it could {what}.")
+                if time.time() > deadline:
+                    raise TimeoutError(
+                        f"Waited {self.timeout_s:.0f}s for the generation thread to {what}; raise "
+                        f"--queue_timeout_s if generation is this slow, or check that the engine is not stuck."
+                    )
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise GenerationThreadError(
+                f"The vLLM generation thread failed: {type(self.error).__name__}: {self.error}\n"
+                f"--- generation thread traceback ---\n{self.error_traceback}"
+            ) from self.error
+
+    def shutdown(self) -> None:
+        self._stop_requested.set()
+        self.join(timeout=self.poll_s * 5)

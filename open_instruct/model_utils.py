@@ -1,0 +1,236 @@
+"""Models for PPO: loading, the value/reward heads, forward passes over query+response, saving.
+
+Layout of every learner batch (the PPO detail "left-pad the prompts"):
+
+    query_response = [pad pad q q q q | r r r r pad pad]    # [batch, context_length + response_len]
+                      ^ left-padded    ^ response, right-padded after its stop token
+
+so the response always starts at column `context_length`, and the logits that predict response
+token j sit at column `context_length - 1 + j`.
+"""
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from open_instruct.rl_utils import logprobs_from_logits
+
+
+def learner_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def autocast(device: torch.device):
+    """bf16 compute with fp32 master weights on GPUs; plain fp32 on CPUs.
+
+    Measured on the 2-core CPU machines (SmolLM2-135M, 8 x 112 tokens): bf16 autocast made the
+    backward pass 40x slower (190 s vs 4.5 s in fp32), so the CPU learner stays in fp32.
+    """
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """PPO detail: dropout off, so that logprobs of the same tokens agree between passes."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(model.config, key):
+            setattr(model.config, key, 0.0)
+
+
+def explain_load_error(role: str, path: str, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"Could not load the {role} from {path!r} ({type(error).__name__}: {str(error).splitlines()[0]}); "
+        f"give an existing local HF folder, or a hub id with network access, or 'embedded' for the built-in model."
+    )
+
+
+def load_tokenizer(path: str, revision: str | None = None):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    except (OSError, ValueError) as error:
+        raise explain_load_error("tokenizer", path, error) from error
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(path: str, device: torch.device, revision: str | None = None, trainable: bool = True) -> nn.Module:
+    """A causal LM: the trainable policy in fp32 (autocast does bf16 compute), or a frozen bf16 copy."""
+    dtype = torch.float32 if trainable else torch.bfloat16
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype)
+    except (OSError, ValueError) as error:
+        raise explain_load_error("policy" if trainable else "reference policy", path, error) from error
+    disable_dropout(model)
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
+    model.to(device)
+    if not trainable:
+        model.eval().requires_grad_(False)
+    return model
+
+
+def init_score_head(model: nn.Module) -> None:
+    """PPO detail: a fresh scalar head with std 1/sqrt(hidden+1), bias 0 (Ziegler et al. 2019)."""
+    head = model.score
+    nn.init.normal_(head.weight, std=1.0 / math.sqrt(model.config.hidden_size + 1))
+    if head.bias is not None:
+        nn.init.zeros_(head.bias)
+
+
+def load_scalar_model(
+    path: str, device: torch.device, *, trainable: bool, pad_token_id: int, revision: str | None = None
+) -> nn.Module:
+    """A backbone with a 1-output `score` head: the value model (trainable) or a reward model (frozen).
+
+    A causal-LM checkpoint has no score head, so transformers creates one; its init is then reset
+    to the PPO value-head init. A reward-model checkpoint keeps its trained head.
+    """
+    try:
+        config = AutoConfig.from_pretrained(path, revision=revision)
+        head_is_new = not any("ForSequenceClassification" in a for a in (config.architectures or []))
+        config.num_labels = 1
+        config.pad_token_id = pad_token_id
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, config=config, revision=revision, dtype=torch.float32 if trainable else torch.bfloat16
+        )
+    except (OSError, ValueError) as error:
+        raise explain_load_error("value model" if trainable else "reward model", path, error) from error
+    if head_is_new:
+        init_score_head(model)
+    disable_dropout(model)
+    model.to(device)
+    if not trainable:
+        model.eval().requires_grad_(False)
+    return model
+
+
+def check_same_vocab(policy_tokenizer, reward_tokenizer, policy_path: str, reward_path: str) -> None:
+    """The reward model reads the policy's token ids, so both must share one vocabulary."""
+    if policy_tokenizer.get_vocab() != reward_tokenizer.get_vocab():
+        raise ValueError(
+            f"The reward model {reward_path!r} has a different vocabulary ({len(reward_tokenizer)} tokens) from the "
+            f"policy {policy_path!r} ({len(policy_tokenizer)} tokens); train the reward model from the same base "
+            f"model or tokenizer as the policy."
+        )
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions count real tokens only, so a left-padded prompt starts at position 0."""
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def forward_backbone(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        **kwargs,
+    )
+
+
+def response_logits(
+    model: nn.Module, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int
+) -> torch.Tensor:
+    """Logits predicting each response token.  # [batch, response_len, vocab]"""
+    logits = forward_backbone(model, query_response, attention_mask).logits
+    return logits[:, context_length - 1 : -1]
+
+
+def response_logprobs(
+    model: nn.Module,
+    query_response: torch.Tensor,
+    attention_mask: torch.Tensor,
+    context_length: int,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob of each response token, its logits), both from logits / temperature like vLLM samples."""
+    logits = response_logits(model, query_response, attention_mask, context_length)
+    response = query_response[:, context_length:]
+    return logprobs_from_logits(logits, response, temperature), logits
+
+
+def token_scores(model: nn.Module, query_response: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The score head applied at every position.  # [batch, seq_len]"""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = forward_backbone(backbone, query_response, attention_mask).last_hidden_state
+    return model.score(hidden).squeeze(-1)
+
+
+def response_values(
+    value_model: nn.Module, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int
+) -> torch.Tensor:
+    """V(s) for the state before each response token.  # [batch, response_len]"""
+    return token_scores(value_model, query_response, attention_mask)[:, context_length - 1 : -1]
+
+
+def reward_model_scores(
+    reward_model: nn.Module,
+    query_response: torch.Tensor,
+    attention_mask: torch.Tensor,
+    context_length: int,
+    response_length: torch.Tensor,
+) -> torch.Tensor:
+    """The reward model's score read at the last real response token.  # [batch]"""
+    scores = token_scores(reward_model, query_response, attention_mask)
+    last_index = context_length + response_length - 1
+    return scores.gather(1, last_index.unsqueeze(1)).squeeze(1)
+
+
+def no_grad_in_chunks(fn, chunk_size: int, *tensors: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Run `fn` over row chunks without gradients (bf16 autocast) and concatenate the float32 results."""
+    outputs = []
+    with torch.no_grad(), autocast(device):
+        for start in range(0, tensors[0].shape[0], chunk_size):
+            outputs.append(fn(*(t[start : start + chunk_size] for t in tensors)).float())
+    return torch.cat(outputs)
+
+
+def named_weights_for_engine(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
+    """A snapshot of the policy's weights with HF names, detached and copied, for the vLLM engine.
+
+    A copy, because the learner keeps updating its parameters in place while the generation
+    thread loads (and generates with) this version.
+    """
+    return [(name, param.detach().to(dtype=dtype, copy=True)) for name, param in model.named_parameters()]
+
+
+def save_hf_folder(model: nn.Module, tokenizer, output_dir: str, extra_files: dict[str, dict] | None = None) -> str:
+    """Save model (bf16), tokenizer, chat template and generation config atomically.
+
+    Written to a temporary folder beside `output_dir`, then swapped in with renames, so a crash
+    mid-save leaves the previous checkpoint intact.
+    """
+    output_dir = os.path.abspath(output_dir)
+    parent = os.path.dirname(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}-saving-", dir=parent)
+    try:
+        state_dict = {name: tensor.detach().to("cpu", torch.bfloat16) for name, tensor in model.state_dict().items()}
+        model.config.dtype = torch.bfloat16
+        model.save_pretrained(tmp_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp_dir)
+        for name, content in (extra_files or {}).items():
+            with open(os.path.join(tmp_dir, name), "w") as f:
+                json.dump(content, f, indent=2)
+        old_dir = None
+        if os.path.exists(output_dir):
+            old_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}-old-", dir=parent)
+            os.rename(output_dir, os.path.join(old_dir, "previous"))
+        os.rename(tmp_dir, output_dir)
+        if old_dir:
+            shutil.rmtree(old_dir, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return output_dir

@@ -1,0 +1,198 @@
+"""Arguments of the PPO trainer: one dataclass per concern, parsed from the CLI and/or a YAML file.
+
+    python -m open_instruct.ppo_vllm_thread_ray_gtrl configs/train_configs/ppo_arithmetic_debug.yaml \
+        --learning_rate 1e-6      # command-line flags override the YAML
+
+Sizes derived from them (`BatchSizes`) are computed and checked before any model loads.
+"""
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field, fields
+
+import yaml
+from transformers import HfArgumentParser
+
+from open_instruct.dataset_transformation import DatasetArgs
+from open_instruct.ground_truth_utils import RewardConfig
+
+
+def arg(default, help: str, **kwargs):
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kwargs})
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass
+class ModelArgs:
+    model_name_or_path: str = arg("embedded", "Policy: HF folder, hub id, 'embedded' (SmolLM2-135M) or 'tiny'.")
+    model_revision: str | None = arg(None, "Hub revision of the policy.")
+    reward_model_path: str | None = arg(None, "Reward model (a *ForSequenceClassification checkpoint).")
+    reward_model_revision: str | None = arg(None, "Hub revision of the reward model.")
+    value_model_path: str | None = arg(None, "Value model init; default: the reward model, else the policy.")
+    gradient_checkpointing: bool = arg(False, "Trade compute for memory in the policy and value models.")
+
+
+@dataclass
+class PPOArgs:
+    learning_rate: float = arg(3e-6, "AdamW learning rate of the policy and value models.")
+    lr_scheduler_type: str = arg("linear", "transformers scheduler name: linear, cosine, constant, ...")
+    warmup_ratio: float = arg(0.0, "Fraction of the training steps used for LR warm-up.")
+    weight_decay: float = arg(0.0, "AdamW weight decay.")
+    max_grad_norm: float = arg(1.0, "Gradient clipping norm (per model).")
+    total_episodes: int = arg(512, "Responses to train on in total (one episode = one sampled response).")
+    num_epochs: int = arg(4, "PPO epochs over each rollout batch.")
+    num_mini_batches: int = arg(1, "Minibatches per PPO epoch (one optimizer step each).")
+    per_device_train_batch_size: int = arg(8, "Micro-batch size of a forward/backward pass.")
+    local_rollout_batch_size: int = arg(8, "Prompts per training step.")
+    number_samples_per_prompt: int = arg(4, "Responses sampled per prompt.")
+    beta: float = arg(0.05, "KL coefficient (reward penalty, or loss weight with --kl_in_loss).")
+    kl_estimator: str = arg("k1", "KL estimator: k1, k2 or k3.", choices=["k1", "k2", "k3"])
+    kl_in_loss: bool = arg(False, "Put beta * KL(k3) in the policy loss instead of the reward.")
+    cliprange: float = arg(0.2, "PPO ratio clip.")
+    cliprange_value: float = arg(0.2, "Value clip around the old values.")
+    vf_coef: float = arg(0.1, "Value loss coefficient.")
+    gamma: float = arg(1.0, "Discount factor.")
+    lam: float = arg(0.95, "GAE lambda.")
+    whiten_rewards: bool = arg(False, "Whiten per-token rewards (without shifting their mean).")
+    whiten_advantages: bool = arg(True, "Whiten advantages over the valid tokens of the batch.")
+
+
+@dataclass
+class GenerationArgs:
+    response_length: int = arg(64, "Maximum new tokens per response.")
+    max_token_length: int = arg(512, "Maximum prompt + response tokens (vLLM's max_model_len).")
+    temperature: float = arg(1.0, "Sampling temperature (the learner's logprobs use logits / temperature).")
+    stop_token: str | None = arg("eos", "Stop token: eos, period, or none.", choices=["eos", "period", "none"])
+    stop_strings: list[str] = arg([], "Extra strings that end a response.", nargs="*")
+    async_mode: bool = arg(True, "Generate batch k+1 with policy k while training on batch k (off by one).")
+    vllm_gpu_memory_utilization: float = arg(0.4, "GPU memory fraction for vLLM (the learner shares the GPU).")
+    vllm_enforce_eager: bool = arg(True, "Disable CUDA graphs in vLLM.")
+    queue_timeout_s: float = arg(1800.0, "Longest wait on the generation thread before failing with a message.")
+
+
+@dataclass
+class RunArgs:
+    exp_name: str = arg("ppo", "Experiment name (default hub repo name).")
+    run_name: str | None = arg(None, "Run name; default {exp_name}__{seed}__{unix time}.")
+    seed: int = arg(1, "Seed of torch, sampling and data order.")
+    output_dir: str = arg("output/ppo", "Where metrics, checkpoints and the final model go.")
+    save_freq: int = arg(-1, "Save a checkpoint every N steps (-1: only the final model).")
+    num_evals: int = arg(4, "Greedy evals on the eval split over the run (plus one at the start).")
+    num_samples_to_log: int = arg(4, "Sample completions logged per step.")
+    with_tracking: bool = arg(False, "Log to wandb.")
+    wandb_project_name: str = arg("open_instruct", "wandb project.")
+    wandb_entity: str | None = arg(None, "wandb entity.")
+    push_to_hub: bool = arg(False, "Upload the final model to the HF Hub.")
+    hf_entity: str | None = arg(None, "Hub user or org (default: the logged-in user).")
+    hf_repo_id: str | None = arg(None, "Hub repo name (default: exp_name).")
+    hf_repo_revision: str | None = arg(None, "Hub branch (default: run_name).")
+    hf_endpoint: str | None = arg(None, "Hub endpoint (default: huggingface_hub's, or HF_ENDPOINT).")
+
+
+ARG_GROUPS = (ModelArgs, DatasetArgs, RewardConfig, PPOArgs, GenerationArgs, RunArgs)
+
+
+@dataclass
+class Args:
+    model: ModelArgs
+    data: DatasetArgs
+    reward: RewardConfig
+    ppo: PPOArgs
+    gen: GenerationArgs
+    run: RunArgs
+
+    def as_flat_dict(self) -> dict:
+        return {f.name: getattr(group, f.name) for group in vars(self).values() for f in fields(group)}
+
+
+def yaml_to_cli(path: str) -> list[str]:
+    with open(path) as f:
+        config = yaml.safe_load(f) or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a mapping of flag: value, not a {type(config).__name__}.")
+    argv = []
+    for key, value in config.items():
+        values = value if isinstance(value, list) else [value]
+        argv += [f"--{key}"] + [str(v) for v in values]
+    return argv
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].endswith((".yaml", ".yml")):
+        argv = yaml_to_cli(argv[0]) + argv[1:]
+    parser = HfArgumentParser(ARG_GROUPS)
+    *groups, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        raise ValueError(f"Unknown arguments {unknown}; run with --help for the list of flags.")
+    args = Args(*groups)
+    if args.gen.stop_token == "none":
+        args.gen.stop_token = None
+    if not args.data.dataset_mixer_list:
+        from open_instruct.embedded_model import arithmetic_data_path
+
+        data_dir = arithmetic_data_path()
+        args.data.dataset_mixer_list = [data_dir, "1.0"]
+        args.data.dataset_mixer_eval_list = args.data.dataset_mixer_eval_list or [data_dir, "1.0"]
+    if args.run.run_name is None:
+        args.run.run_name = f"{args.run.exp_name}__{args.run.seed}__{int(time.time())}"
+    return args
+
+
+@dataclass
+class BatchSizes:
+    prompts_per_step: int
+    rollout_batch_size: int  # responses per step
+    mini_batch_size: int
+    gradient_accumulation_steps: int
+    num_training_steps: int
+    eval_freq: int
+    save_freq: int
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in vars(self).items())
+
+
+def compute_batch_sizes(args: Args) -> BatchSizes:
+    """Derive the step sizes; any inconsistency is an error here, before a model loads."""
+    ppo, gen = args.ppo, args.gen
+    rollout = ppo.local_rollout_batch_size * ppo.number_samples_per_prompt
+    if rollout % ppo.num_mini_batches:
+        raise ValueError(
+            f"--num_mini_batches {ppo.num_mini_batches} does not divide the rollout batch of {rollout} responses "
+            f"(local_rollout_batch_size {ppo.local_rollout_batch_size} x number_samples_per_prompt "
+            f"{ppo.number_samples_per_prompt}); pick a divisor of {rollout}."
+        )
+    mini = rollout // ppo.num_mini_batches
+    if mini % ppo.per_device_train_batch_size:
+        raise ValueError(
+            f"--per_device_train_batch_size {ppo.per_device_train_batch_size} does not divide the minibatch of "
+            f"{mini} responses; pick a divisor of {mini}."
+        )
+    steps = ppo.total_episodes // rollout
+    if steps < 1:
+        raise ValueError(
+            f"--total_episodes {ppo.total_episodes} is less than one step of {rollout} responses; raise it."
+        )
+    if gen.response_length >= gen.max_token_length:
+        raise ValueError(
+            f"--response_length {gen.response_length} leaves no room for a prompt in --max_token_length "
+            f"{gen.max_token_length}; raise --max_token_length."
+        )
+    if args.data.max_prompt_token_length + gen.response_length > gen.max_token_length:
+        raise ValueError(
+            f"--max_prompt_token_length {args.data.max_prompt_token_length} + --response_length "
+            f"{gen.response_length} exceeds --max_token_length {gen.max_token_length}; lower one or raise the last."
+        )
+    eval_freq = max(1, math.ceil(steps / args.run.num_evals)) if args.run.num_evals > 0 else 0
+    return BatchSizes(
+        prompts_per_step=ppo.local_rollout_batch_size,
+        rollout_batch_size=rollout,
+        mini_batch_size=mini,
+        gradient_accumulation_steps=mini // ppo.per_device_train_batch_size,
+        num_training_steps=steps,
+        eval_freq=eval_freq,
+        save_freq=args.run.save_freq,
+    )

@@ -1,0 +1,237 @@
+"""The PPO learner: turns a rollout into training tensors (`make_experience`) and runs the update (`train`).
+
+It holds the trainable policy and value model, the frozen reference policy, and the reward model
+when one is used. All the math it calls lives in `rl_utils` (pure and tested); this module only
+arranges tensors and models around it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import get_scheduler
+
+from open_instruct import model_utils as mu
+from open_instruct import rl_utils as rl
+from open_instruct.dataset_transformation import left_pad
+from open_instruct.ground_truth_utils import RewardManager
+from open_instruct.ppo_args import Args, BatchSizes
+from open_instruct.vllm_utils import Completion
+
+
+@dataclass
+class PromptBatch:
+    """The prompts of one rollout request; each is sampled `number_samples_per_prompt` times."""
+
+    token_ids: list[list[int]]
+    ground_truths: list[str | None]
+    verifier_names: list[str | None]
+    texts: list[str]
+
+
+@dataclass
+class Experience:
+    """Everything the PPO epochs need about one rollout batch (on the learner device)."""
+
+    query_response: torch.Tensor  # [batch, context_length + response_len], left-padded queries
+    attention_mask: torch.Tensor  # [batch, context_length + response_len]
+    context_length: int
+    response_mask: torch.Tensor  # [batch, response_len]
+    logprob: torch.Tensor  # [batch, response_len] policy logprobs when the batch was made ("old")
+    ref_logprob: torch.Tensor  # [batch, response_len]
+    value: torch.Tensor  # [batch, response_len] ("old" values)
+    advantage: torch.Tensor  # [batch, response_len]
+    return_: torch.Tensor  # [batch, response_len]
+
+
+class PPOLearner:
+    def __init__(self, args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int]):
+        self.args, self.sizes, self.tokenizer = args, sizes, tokenizer
+        self.stop_token_ids = stop_token_ids
+        self.device = mu.learner_device()
+        model_args = args.model
+        self.policy = mu.load_policy(policy_path, self.device, model_args.model_revision, trainable=True)
+        self.ref_policy = mu.load_policy(policy_path, self.device, model_args.model_revision, trainable=False)
+        self.reward_model = None
+        if args.reward.reward_model_multiplier != 0:
+            if model_args.reward_model_path is None:
+                raise ValueError("--reward_model_multiplier is non-zero but no --reward_model_path was given.")
+            mu.check_same_vocab(
+                tokenizer, mu.load_tokenizer(model_args.reward_model_path), policy_path, model_args.reward_model_path
+            )
+            self.reward_model = mu.load_scalar_model(
+                model_args.reward_model_path,
+                self.device,
+                trainable=False,
+                pad_token_id=tokenizer.pad_token_id,
+                revision=model_args.reward_model_revision,
+            )
+        value_path = model_args.value_model_path or model_args.reward_model_path or policy_path
+        self.value_model = mu.load_scalar_model(
+            value_path, self.device, trainable=True, pad_token_id=tokenizer.pad_token_id
+        )
+        if model_args.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+            self.value_model.gradient_checkpointing_enable()
+        self.policy.train()
+        self.value_model.train()
+        optimizer_steps = sizes.num_training_steps * args.ppo.num_epochs * args.ppo.num_mini_batches
+        self.optimizers, self.schedulers = [], []
+        for model in (self.policy, self.value_model):
+            optimizer = torch.optim.AdamW(
+                model.parameters(), lr=args.ppo.learning_rate, weight_decay=args.ppo.weight_decay, eps=1e-5
+            )
+            self.optimizers.append(optimizer)
+            self.schedulers.append(
+                get_scheduler(
+                    args.ppo.lr_scheduler_type,
+                    optimizer,
+                    num_warmup_steps=int(args.ppo.warmup_ratio * optimizer_steps),
+                    num_training_steps=optimizer_steps,
+                )
+            )
+        self.shuffle_generator = torch.Generator().manual_seed(args.run.seed)
+
+    def weights_for_engine(self) -> list[tuple[str, torch.Tensor]]:
+        return mu.named_weights_for_engine(self.policy)
+
+    @property
+    def lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+    def make_experience(
+        self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager
+    ) -> tuple[Experience, dict[str, float], dict]:
+        """Score a rollout and compute logprobs, values, KL-shaped rewards and GAE advantages."""
+        ppo, gen, device = self.args.ppo, self.args.gen, self.device
+        pad = self.tokenizer.pad_token_id
+        query, query_mask = left_pad([prompts.token_ids[c.prompt_index] for c in completions], pad)
+        raw_response = torch.full((len(completions), gen.response_length), pad, dtype=torch.long)
+        generated_length = torch.tensor([len(c.token_ids) for c in completions])
+        for row, completion in enumerate(completions):
+            raw_response[row, : len(completion.token_ids)] = torch.tensor(completion.token_ids)
+        # PPO detail: truncate at the first stop token; the mask comes from lengths (pad may equal eos).
+        response, stop_length = rl.truncate_response(raw_response, self.stop_token_ids, pad)
+        response_length = torch.minimum(stop_length, generated_length)
+        response_mask = rl.response_mask_from_lengths(response_length, gen.response_length)
+        stopped = [c.finish_reason == "stop" for c in completions]
+
+        context_length = query.shape[1]
+        query_response = torch.cat([query, response], dim=1).to(device)
+        attention_mask = torch.cat([query_mask, response_mask.long()], dim=1).to(device)
+        response_mask, response_length = response_mask.to(device), response_length.to(device)
+        chunk = ppo.per_device_train_batch_size
+
+        def logprob_of(model):
+            return lambda qr, am: mu.response_logprobs(model, qr, am, context_length, gen.temperature)[0]
+
+        logprob = mu.no_grad_in_chunks(logprob_of(self.policy), chunk, query_response, attention_mask, device=device)
+        ref_logprob = mu.no_grad_in_chunks(
+            logprob_of(self.ref_policy), chunk, query_response, attention_mask, device=device
+        )
+        value = mu.no_grad_in_chunks(
+            lambda qr, am: mu.response_values(self.value_model, qr, am, context_length),
+            chunk, query_response, attention_mask, device=device,
+        )
+        rm_score = None
+        if self.reward_model is not None:
+            rm_score = mu.no_grad_in_chunks(
+                lambda qr, am, length: mu.reward_model_scores(self.reward_model, qr, am, context_length, length),
+                chunk, query_response, attention_mask, response_length, device=device,
+            ).cpu()
+        score, reward_metrics = reward_manager.score(
+            [c.text for c in completions],
+            [prompts.ground_truths[c.prompt_index] for c in completions],
+            [prompts.verifier_names[c.prompt_index] for c in completions],
+            stopped,
+            rm_score,
+        )
+        score = score.to(device)
+
+        kl = rl.compute_kl(logprob, ref_logprob, ppo.kl_estimator)
+        reward_beta = 0.0 if ppo.kl_in_loss else ppo.beta  # with --kl_in_loss the KL is a loss term instead
+        reward, non_score_reward = rl.per_token_rewards(score, kl, response_mask, reward_beta)
+        if ppo.whiten_rewards:
+            reward = rl.masked_whiten(reward, response_mask, shift_mean=False)
+        advantage, return_ = rl.compute_gae(reward, value, response_mask, ppo.gamma, ppo.lam)
+        if ppo.whiten_advantages:
+            advantage = rl.masked_whiten(advantage, response_mask)
+
+        masked_kl = torch.where(response_mask, kl, torch.zeros_like(kl))
+        metrics = {
+            "objective/kl": masked_kl.sum(1).mean().item(),
+            "objective/entropy": (-torch.where(response_mask, logprob, torch.zeros_like(logprob))).sum(1).mean().item(),
+            "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
+            "objective/rlhf_reward": (non_score_reward.sum(1) + score).mean().item(),
+            "objective/scores": score.mean().item(),
+            "val/sequence_lengths": response_length.float().mean().item(),
+            "val/num_stop_token_ids": float(sum(stopped)),
+            "val/advantage_mean": rl.masked_mean(advantage, response_mask).item(),
+            "val/value_mean": rl.masked_mean(value, response_mask).item(),
+            **reward_metrics,
+        }
+        samples = {"score": score.tolist(), "response_length": response_length.tolist()}
+        experience = Experience(
+            query_response, attention_mask, context_length, response_mask, logprob, ref_logprob, value,
+            advantage, return_,
+        )
+        return experience, metrics, samples
+
+    def train(self, exp: Experience) -> dict[str, float]:
+        """`num_epochs` PPO epochs over shuffled minibatches; one optimizer step per minibatch."""
+        ppo, temperature = self.args.ppo, self.args.gen.temperature
+        micro_size, accumulation = ppo.per_device_train_batch_size, self.sizes.gradient_accumulation_steps
+        stats: dict[str, list[float]] = {}
+
+        def record(**values: torch.Tensor) -> None:
+            for key, value in values.items():
+                stats.setdefault(key, []).append(value.item())
+
+        for _ in range(ppo.num_epochs):
+            order = torch.randperm(exp.query_response.shape[0], generator=self.shuffle_generator)
+            for minibatch in order.split(self.sizes.mini_batch_size):
+                for micro in minibatch.split(micro_size):
+                    mask = exp.response_mask[micro]
+                    qr, am = exp.query_response[micro], exp.attention_mask[micro]
+                    with mu.autocast(self.device):
+                        new_logprob, logits = mu.response_logprobs(self.policy, qr, am, exp.context_length, temperature)
+                        new_value = mu.response_values(self.value_model, qr, am, exp.context_length).float()
+                    pg_loss, pg_clipfrac, approxkl, ratio = rl.policy_loss(
+                        new_logprob, exp.logprob[micro], exp.advantage[micro], mask, ppo.cliprange
+                    )
+                    vf_loss, vf_clipfrac = rl.value_loss(
+                        new_value, exp.value[micro], exp.return_[micro], mask, ppo.cliprange_value, ppo.vf_coef
+                    )
+                    loss = pg_loss + vf_loss
+                    if ppo.kl_in_loss:
+                        loss = loss + ppo.beta * rl.kl_penalty_loss(new_logprob, exp.ref_logprob[micro], mask, "k3")
+                    (loss / accumulation).backward()
+                    with torch.no_grad():
+                        entropy = rl.masked_mean(rl.entropy_from_logits(logits.float() / temperature), mask)
+                    record(
+                        pg_loss=pg_loss, vf_loss=vf_loss, loss=loss, pg_clipfrac=pg_clipfrac, vf_clipfrac=vf_clipfrac,
+                        approxkl=approxkl, ratio=ratio, entropy=entropy,
+                    )
+                for model, optimizer, scheduler in zip(
+                    (self.policy, self.value_model), self.optimizers, self.schedulers
+                ):
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), ppo.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()
+
+        def mean(key: str) -> float:
+            return sum(stats[key]) / len(stats[key])
+
+        return {
+            "loss/policy_avg": mean("pg_loss"),
+            "loss/value_avg": mean("vf_loss"),
+            "objective/loss": mean("loss"),
+            "policy/approxkl_avg": mean("approxkl"),
+            "policy/clipfrac_avg": mean("pg_clipfrac"),
+            "policy/entropy_avg": mean("entropy"),
+            "val/clipfrac_avg": mean("vf_clipfrac"),
+            "val/ratio": mean("ratio"),
+        }
+
+    def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> str:
+        return mu.save_hf_folder(self.policy, self.tokenizer, output_dir, extra_files)

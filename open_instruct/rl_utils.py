@@ -1,0 +1,254 @@
+"""PPO math: masked statistics, stop-token truncation, KL estimators, per-token rewards, GAE and losses.
+
+Everything here is pure torch: tensors in, tensors out, no models, no I/O, no globals.
+
+Conventions (shapes in comments use these names):
+- `batch`: number of responses; `response_len`: padded response length; `vocab`: vocabulary size.
+- A response mask is True on real tokens and is always a prefix of the row (tokens 0 .. response_length-1).
+  Masks come from lengths, never from comparing with the pad id, because the pad id may equal a stop id.
+- Padded positions may hold anything (even NaN or inf): every function selects valid positions with
+  `torch.where` before doing arithmetic, so padding never reaches an output or a gradient.
+
+Sources: "The N Implementation Details of RLHF with PPO" (Huang et al., 2023), Schulman's note
+"Approximating KL Divergence" (2020), and "High-Dimensional Continuous Control Using Generalized Advantage
+Estimation" (Schulman et al., 2016).
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _select(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Zero out padded positions; `torch.where` (not multiplication) so NaN/inf padding cannot leak."""
+    return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Mean of `values` over positions where `mask` is true (bool or 0/1).
+
+    axis=None gives a scalar over all valid elements; axis=int gives the mean along that axis.
+    A row (or whole mask) with no valid element has mean 0, not NaN, so an empty row adds nothing to a loss.
+    """
+    mask = mask.bool()
+    total = _select(values, mask).sum() if axis is None else _select(values, mask).sum(axis)
+    count = mask.sum() if axis is None else mask.sum(axis)
+    return total / count.clamp(min=1).to(values.dtype)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance (scalar) of `values` over valid positions; Bessel-corrected by the number of valid elements."""
+    mask = mask.bool()
+    count = int(mask.sum().item())
+    needed = 2 if unbiased else 1
+    if count < needed:
+        raise ValueError(
+            f"masked_var got a mask with {count} valid element(s) but needs at least {needed}"
+            f"{' for the unbiased estimate' if unbiased else ''}; pass a mask that selects more elements"
+            f"{' or unbiased=False' if unbiased and count == 1 else ''}."
+        )
+    centered = _select(values - masked_mean(values, mask), mask)
+    return centered.pow(2).sum() / (count - 1 if unbiased else count)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise valid positions to zero mean and unit variance; padded positions come back as 0.
+
+    shift_mean=False only rescales (the mean is added back), as used for reward whitening, where
+    shifting the mean would change the sign of the reward signal (N implementation details, "reward whitening").
+    """
+    # Select first: a NaN on padding times a zero upstream gradient would still be NaN in backward.
+    values = _select(values, mask)
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return _select(whitened, mask)
+
+
+def first_true_indices(bools: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Index of the first True in each row of `bools` [batch, n]; n when a row has none. Returns [batch]."""
+    row_len = bools.size(-1)
+    position = torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.where(bools.bool(), position, torch.full_like(position, row_len)).min(dim=-1).values
+
+
+def response_mask_from_lengths(response_length: torch.Tensor, response_len: int) -> torch.Tensor:
+    """Bool mask [batch, response_len], True on the first response_length[i] positions of row i."""
+    position = torch.arange(response_len, device=response_length.device)
+    return position.unsqueeze(0) < response_length.unsqueeze(1)
+
+
+def truncate_response(
+    response: torch.Tensor, stop_token_ids: Sequence[int], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut each response after its first stop token (N implementation details, "truncate at stop token").
+
+    response: [batch, response_len] token ids. The stop token itself is kept (the policy chose it, so it is an
+    action with a logprob). Returns (truncated_response [batch, response_len] with pad_token_id after the stop
+    token, response_length [batch] counting real tokens including the stop token; response_len when a row
+    has no stop token).
+    """
+    response_len = response.size(1)
+    stop_ids = torch.as_tensor(list(stop_token_ids), dtype=response.dtype, device=response.device)
+    is_stop = torch.isin(response, stop_ids)  # [batch, response_len]
+    response_length = (first_true_indices(is_stop) + 1).clamp(max=response_len)  # [batch]
+    mask = response_mask_from_lengths(response_length, response_len)
+    truncated_response = torch.where(mask, response, torch.full_like(response, pad_token_id))
+    return truncated_response, response_length
+
+
+def compute_kl(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman, 2020).
+
+    With log_ratio = logprob - ref_logprob:
+    k1 = log_ratio (unbiased, high variance, can be negative);
+    k2 = log_ratio**2 / 2 (biased, low variance, >= 0);
+    k3 = exp(-log_ratio) - 1 + log_ratio (unbiased, low variance, >= 0).
+    """
+    log_ratio = logprob - ref_logprob
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.pow(2)
+    if estimator == "k3":
+        # expm1 keeps precision when the policy is close to the reference (log_ratio near 0).
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"Unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}.")
+
+
+def per_token_rewards(
+    score: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense per-token reward: a KL penalty on every real token plus the sequence score on the last one.
+
+    score: [batch]; kl, response_mask: [batch, response_len]. Returns (reward, non_score_reward), both
+    [batch, response_len] and 0 on padding.
+
+    The score goes on the LAST REAL token (index response_length - 1): that is the last action the policy
+    took, the one that completed the text the score judges. open-instruct places it one position later when
+    there is room, but that position is padding: its value and logprob carry no meaning and it is masked out
+    of GAE and the losses, so a score placed there would be lost or would depend on garbage.
+    """
+    response_length = response_mask.bool().sum(dim=1)  # [batch]
+    if bool((response_length == 0).any()):
+        empty_rows = torch.nonzero(response_length == 0).flatten().tolist()
+        raise ValueError(
+            f"per_token_rewards got response rows {empty_rows} with no valid token; every response needs at "
+            f"least one token to carry its score (build the mask with truncate_response/response_mask_from_lengths)."
+        )
+    non_score_reward = _select(-beta * kl, response_mask)
+    last_index = (response_length - 1).unsqueeze(1)  # [batch, 1]
+    reward = non_score_reward.scatter_add(1, last_index, score.to(non_score_reward.dtype).unsqueeze(1))
+    return reward, non_score_reward
+
+
+def compute_gae(
+    reward: torch.Tensor, value: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al., 2016) over each response, run backwards in time.
+
+    reward, value, response_mask: [batch, response_len]. The value after the last real token is 0 (the
+    episode ends there), so delta_t = r_t + gamma * V_{t+1} - V_t with V = 0 beyond the response, and
+    A_t = delta_t + gamma * lam * A_{t+1}. Returns (advantage, return_), both [batch, response_len],
+    with return_ = advantage + value on real tokens and 0 on padding.
+    """
+    mask = response_mask.bool()
+    reward = _select(reward, mask)
+    value = _select(value, mask)  # a zero value on padding is the bootstrap 0 at the end of each response
+    response_len = reward.size(1)
+    next_advantage = torch.zeros_like(reward[:, 0])  # [batch]
+    advantage_reversed = []
+    for t in reversed(range(response_len)):
+        next_value = value[:, t + 1] if t + 1 < response_len else torch.zeros_like(value[:, t])
+        delta = reward[:, t] + gamma * next_value - value[:, t]
+        next_advantage = _select(delta + gamma * lam * next_advantage, mask[:, t])
+        advantage_reversed.append(next_advantage)
+    advantage = torch.stack(advantage_reversed[::-1], dim=1)  # [batch, response_len]
+    return_ = advantage + value  # both are already 0 on padding
+    return advantage, return_
+
+
+def policy_loss(
+    new_logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantage: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate loss over real tokens. All inputs [batch, response_len].
+
+    Returns (loss, clipfrac, approxkl, ratio_mean): scalars; only `loss` carries a gradient.
+    clipfrac is the fraction of tokens where the clipped term wins (its gradient is then zero);
+    approxkl = 0.5 * mean(log_ratio**2), the k2 estimate of KL(old || new).
+    """
+    log_ratio = _select(new_logprob - old_logprob, response_mask)
+    advantage = _select(advantage, response_mask)
+    ratio = torch.exp(log_ratio)
+    unclipped_loss = -advantage * ratio
+    clipped_loss = -advantage * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(unclipped_loss, clipped_loss), response_mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped_loss > unclipped_loss).float(), response_mask)
+        approxkl = 0.5 * masked_mean(log_ratio.pow(2), response_mask)
+        ratio_mean = masked_mean(ratio, response_mask)
+    return loss, clipfrac, approxkl, ratio_mean
+
+
+def value_loss(
+    new_value: torch.Tensor,
+    old_value: torch.Tensor,
+    return_: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    vf_coef: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss (N implementation details, "value function loss clipping"). Inputs [batch, response_len].
+
+    The new value may move at most cliprange_value from the rollout's value; the loss is the larger of the
+    clipped and unclipped squared errors. Returns (loss, clipfrac); clipfrac carries no gradient.
+    """
+    new_value = _select(new_value, response_mask)
+    old_value = _select(old_value, response_mask)
+    return_ = _select(return_, response_mask)
+    clipped_value = old_value + torch.clamp(new_value - old_value, -cliprange_value, cliprange_value)
+    unclipped_loss = (new_value - return_).pow(2)
+    clipped_loss = (clipped_value - return_).pow(2)
+    loss = vf_coef * 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), response_mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped_loss > unclipped_loss).float(), response_mask)
+    return loss, clipfrac
+
+
+def kl_penalty_loss(
+    logprob: torch.Tensor, ref_logprob: torch.Tensor, response_mask: torch.Tensor, estimator: str = "k3"
+) -> torch.Tensor:
+    """Mean per-token KL estimate over real tokens, for putting the KL in the loss (GRPO style) instead of
+    the reward. Inputs [batch, response_len]; returns a scalar the trainer multiplies by beta."""
+    kl = compute_kl(_select(logprob, response_mask), _select(ref_logprob, response_mask), estimator)
+    return masked_mean(kl, response_mask)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last axis: logsumexp(z) - sum(softmax(z) * z). [..., vocab] -> [...]."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each label under softmax(logits / temperature). logits [batch, seq, vocab],
+    labels [batch, seq] -> float32 [batch, seq].
+
+    vLLM samples from logits / temperature, so the logprobs PPO compares against must use the same
+    temperature. log_softmax(z)[y] = z[y] - logsumexp(z); going row by row keeps only one [seq, vocab]
+    float32 copy alive at a time instead of a [batch, seq, vocab] one.
+    """
+    logprob_rows = []
+    for row_logits, row_labels in zip(logits, labels):
+        scaled = row_logits.float() / temperature  # [seq, vocab]
+        label_logit = scaled.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)  # [seq]
+        logprob_rows.append(label_logit - torch.logsumexp(scaled, dim=-1))
+    return torch.stack(logprob_rows)

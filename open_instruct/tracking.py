@@ -1,0 +1,287 @@
+"""Experiment tracking: a JSONL metrics log that is always written, wandb on top when asked, and plots.
+
+The JSONL files in `output_dir` are the record of a run: they are written whether or not wandb is on, one
+line per call and flushed at once, so a crash keeps everything logged before it. wandb mirrors them.
+
+Files written by `MetricsLogger` in `output_dir`:
+- `metrics.jsonl`: one line per `log()` call, `{"step": step, **metrics}`.
+- `samples.jsonl`: one line per sample row, `{"step": step, "table": name, **row}`.
+- `summary.json`: the final values set with `set_summary()`, rewritten atomically after each call.
+
+Non-finite numbers (NaN, +inf, -inf) are written as JSON `null`: Python's `json.dumps` would write the bare
+tokens `NaN`/`Infinity`, which strict JSON readers (jq, JavaScript's JSON.parse) reject. `read_metrics`
+therefore returns `None` for them, and the plots leave a gap there. wandb still receives the original value, so
+its charts show the NaN.
+"""
+
+import json
+import math
+import os
+import tempfile
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_PLOT_KEYS = (
+    "objective/verifiable_correct_rate",
+    "objective/scores",
+    "objective/rlhf_reward",
+    "objective/kl",
+    "eval/correct_rate",
+    "loss/policy_avg",
+    "loss/value_avg",
+    "val/sequence_lengths",
+)
+
+# Short labels for the one-line progress summary; a key not listed here shows its last path component.
+SHORT_NAMES = {
+    "training_step": "step",
+    "episode": "ep",
+    "objective/verifiable_correct_rate": "correct",
+    "objective/scores": "score",
+    "objective/rlhf_reward": "reward",
+    "objective/kl": "kl",
+    "objective/entropy": "ent",
+    "objective/non_score_reward": "kl_pen",
+    "eval/correct_rate": "eval",
+    "loss/policy_avg": "pg",
+    "loss/value_avg": "vf",
+    "val/sequence_lengths": "len",
+    "val/ratio": "ratio",
+    "policy/clipfrac_avg": "clip",
+}
+
+
+def _json_safe(value: Any, where: str) -> Any:
+    """Turn `value` into plain JSON data: non-finite floats become None, tensor/numpy scalars become numbers."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(key): _json_safe(item, f"{where}.{key}") for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # a 0-d torch tensor or numpy scalar
+        return _json_safe(value.item(), where)
+    raise TypeError(
+        f"{where} has a value of type {type(value).__name__} that cannot be written as JSON; pass a number, "
+        "string, bool, None, or a list/dict of those (call .item() or .tolist() on tensors first)."
+    )
+
+
+def _append_json_lines(path: str, records: list[dict]) -> None:
+    # Open, write, close on every call: the lines are on disk when this returns, even if the process dies next.
+    text = "".join(json.dumps(record, allow_nan=False) + "\n" for record in records)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+
+
+def _replace_atomically(path: str, write) -> None:
+    """Call write(tmp_path), then rename over `path`: a reader sees the old file or the new one, never half."""
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp_path)
+        os.replace(tmp_path, path)
+    finally:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+
+
+class MetricsLogger:
+    """Log training metrics to `{output_dir}/metrics.jsonl` and, with `with_tracking`, to a wandb run.
+
+    The JSONL files are appended to, never truncated: a resumed run in the same `output_dir` continues them.
+    wandb is configured through its own environment variables (`WANDB_MODE=offline`, `WANDB_DIR`, ...).
+    """
+
+    def __init__(
+        self,
+        output_dir: str,
+        *,
+        with_tracking: bool = False,
+        wandb_project: str = "open_instruct",
+        wandb_entity: str | None = None,
+        run_name: str = "run",
+        config: dict | None = None,
+    ):
+        os.makedirs(output_dir, exist_ok=True)
+        self.output_dir = output_dir
+        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(output_dir, "samples.jsonl")
+        self.summary_path = os.path.join(output_dir, "summary.json")
+        self._summary: dict[str, Any] = {}
+        self._lock = threading.Lock()  # generation/eval threads may log while the learner logs
+        self._run = None
+        self._wandb_url: str | None = None
+        if with_tracking:
+            import wandb  # imported here: it takes a second and is not needed without tracking
+
+            self._run = wandb.init(project=wandb_project, entity=wandb_entity, name=run_name, config=config)
+            self._wandb_url = self._run.url  # kept so the model card can link the run after finish()
+
+    @property
+    def wandb_url(self) -> str | None:
+        """The wandb run page, or None without tracking or in offline mode (an offline run has no page yet)."""
+        return self._wandb_url
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Append `{"step": step, **metrics}` to metrics.jsonl and send the metrics to wandb at that step."""
+        metrics = dict(metrics)
+        metrics_step = metrics.pop("step", step)
+        if metrics_step != step:
+            raise ValueError(
+                f"metrics passed to MetricsLogger.log hold 'step' = {metrics_step!r} but the step argument is {step}; "
+                "drop the 'step' key (the logger writes it from the argument) or rename that metric."
+            )
+        record = _json_safe({"step": step, **metrics}, "metrics")
+        with self._lock:
+            _append_json_lines(self.metrics_path, [record])
+            if self._run is not None:
+                self._run.log(metrics, step=step)
+
+    def log_samples(self, rows: list[dict], step: int, name: str = "sample_completions") -> None:
+        """Record sample rows (e.g. prompt, response, score) in samples.jsonl and, when tracking, a wandb.Table."""
+        if not rows:
+            return
+        records = [_json_safe({"step": step, "table": name, **row}, f"{name}[{i}]") for i, row in enumerate(rows)]
+        with self._lock:
+            _append_json_lines(self.samples_path, records)
+            if self._run is not None:
+                import wandb
+
+                columns = list(dict.fromkeys(key for row in rows for key in row))  # union of keys, first-seen order
+                table = wandb.Table(columns=columns, data=[[row.get(column) for column in columns] for row in rows])
+                self._run.log({name: table}, step=step)
+
+    def set_summary(self, key: str, value: Any) -> None:
+        """Set a final value (best eval score, total time, ...) in the wandb summary and in summary.json."""
+        safe_value = _json_safe(value, f"summary[{key!r}]")
+        with self._lock:
+            self._summary[key] = safe_value
+            text = json.dumps(self._summary, indent=2, allow_nan=False) + "\n"
+
+            def write(tmp_path: str) -> None:
+                with open(tmp_path, "w", encoding="utf-8") as f:
+                    f.write(text)
+
+            _replace_atomically(self.summary_path, write)
+            if self._run is not None:
+                self._run.summary[key] = value
+
+    def finish(self) -> None:
+        """Close the wandb run (uploads or syncs it); safe to call twice."""
+        with self._lock:
+            if self._run is not None:
+                self._run.finish()
+                self._run = None
+
+
+def _format_value(key: str, value: Any) -> str:
+    if value is None:
+        return "nan"
+    if isinstance(value, int):  # bools too
+        return str(int(value))
+    if key.startswith("time/"):
+        return f"{value:.1f}s"
+    return f"{value:.3g}"
+
+
+def format_progress(metrics: dict, keys: list[str]) -> str:
+    """One compact line for a progress bar, e.g. `step 3 | correct 0.41 | reward 0.12 | kl 0.003 | total 12.4s`.
+
+    Keys missing from `metrics` are left out; a key shows as its SHORT_NAMES label or its last path component.
+    Integers print as they are, `time/*` values as seconds with one decimal, other numbers with 3 significant digits.
+    """
+    parts = []
+    for key in keys:
+        if key in metrics:
+            label = SHORT_NAMES.get(key, key.rsplit("/", 1)[-1])
+            parts.append(f"{label} {_format_value(key, metrics[key])}")
+    return " | ".join(parts)
+
+
+def read_metrics(metrics_jsonl: str) -> list[dict]:
+    """Read a metrics.jsonl file; a cut-off last line (the process died mid-write) is skipped."""
+    if not os.path.isfile(metrics_jsonl):
+        raise FileNotFoundError(
+            f"metrics file {metrics_jsonl!r} does not exist; pass the metrics.jsonl written by MetricsLogger in the "
+            "run's output_dir."
+        )
+    with open(metrics_jsonl, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                break
+            raise ValueError(
+                f"line {number} of {metrics_jsonl!r} is not valid JSON ({e.msg}); fix or delete that line."
+            ) from e
+    return records
+
+
+def training_curves(records: list[dict], keys: list[str]) -> tuple[str, dict[str, tuple[list, list]]]:
+    """The (x, y) points of each key in `keys` that has a logged value, and the name of the x axis.
+
+    x is `episode` when any row logged it, else `step`. A row without `episode` (e.g. eval metrics logged on their
+    own) takes the episode logged at its step. Non-finite values (null in the JSONL) become NaN: a gap in the line.
+    """
+    episode_at_step = {r.get("step"): r["episode"] for r in records if r.get("episode") is not None}
+    x_key = "episode" if episode_at_step else "step"
+    curves = {}
+    for key in keys:
+        if key in curves or not any(record.get(key) is not None for record in records):
+            continue
+        xs, ys = [], []
+        for record in records:
+            step = record.get("step")
+            x = step if x_key == "step" else record.get("episode", episode_at_step.get(step))
+            if key in record and x is not None:
+                xs.append(x)
+                ys.append(math.nan if record[key] is None else record[key])
+        curves[key] = (xs, ys)
+    return x_key, curves
+
+
+def plot_training_curves(metrics_jsonl: str, png_path: str, keys: list[str] | None = None) -> str:
+    """Plot one subplot per logged metric of `keys` (default DEFAULT_PLOT_KEYS) to a PNG; return png_path.
+
+    Keys that were never logged are skipped; see `training_curves` for the x axis and the gaps.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    wanted = list(DEFAULT_PLOT_KEYS if keys is None else keys)
+    x_key, curves = training_curves(read_metrics(metrics_jsonl), wanted)
+    if not curves:
+        raise ValueError(
+            f"{metrics_jsonl!r} has no logged value for any of {wanted}; pass keys= with metric names that appear in "
+            "that file."
+        )
+    ncols = 1 if len(curves) == 1 else 2
+    nrows = math.ceil(len(curves) / ncols)
+    # A Figure with its own Agg canvas (no pyplot): no global state, safe to call from any thread.
+    figure = Figure(figsize=(5 * ncols, 3 * nrows), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    for index, (key, (xs, ys)) in enumerate(curves.items()):
+        axes = figure.add_subplot(nrows, ncols, index + 1)
+        axes.plot(xs, ys, marker="." if len(xs) < 50 else None, linewidth=1.2)
+        axes.set_title(key, fontsize=10)
+        axes.set_xlabel(x_key)
+        axes.grid(alpha=0.3)
+    run_name = os.path.basename(os.path.dirname(os.path.abspath(metrics_jsonl)))
+    figure.suptitle(f"Training curves: {run_name}")
+
+    def write(tmp_path: str) -> None:
+        figure.savefig(tmp_path, format="png")
+
+    _replace_atomically(png_path, write)
+    return png_path

@@ -1,0 +1,228 @@
+"""Tests for scripts/data_preprocess: local copies with the hub datasets' real column layout, converted and
+read back through the trainer's loader."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from open_instruct.dataset_transformation import load_prompt_dataset
+from scripts.data_preprocess import arithmetic, full_hh_rlhf, gsm8k, hellaswag
+from scripts.data_preprocess import math as math_converter
+from scripts.data_preprocess.common import last_boxed_content
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_parquet(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def load_split(output_dir: Path, split: str) -> list[dict]:
+    """A converted split as the trainer reads it: shuffled, so equal files give equal lists."""
+    path = output_dir / f"{split}.parquet"
+    return load_prompt_dataset([str(path), "1.0"], [split], seed=0).remove_columns("source").to_list()
+
+
+def by_prompt(rows: list[dict]) -> dict[str, dict]:
+    return {row["messages"][-1]["content"]: row for row in rows}
+
+
+GSM8K_ROWS = [
+    {
+        "question": "Natalia sold clips to 48 friends in April, and half as many in May. How many in all?",
+        "answer": "In May she sold 48/2 = <<48/2=24>>24 clips.\nIn all 48+24 = <<48+24=72>>72.\n#### 72",
+    },
+    {"question": "A farm has 1,000 hens and 72 ducks. How many birds?", "answer": "1000+72=1072\n#### 1,072"},
+    {"question": "A row with no final answer.", "answer": "It is unclear."},
+]
+
+
+def test_gsm8k_from_a_folder_with_split_files(tmp_path):
+    write_parquet(tmp_path / "gsm8k" / "main" / "train-00000-of-00001.parquet", GSM8K_ROWS)
+    write_jsonl(tmp_path / "gsm8k" / "main" / "test-00000-of-00001.jsonl", GSM8K_ROWS[:1])
+    written = gsm8k.main(["--input", str(tmp_path / "gsm8k"), "--output_dir", str(tmp_path / "out")])
+    assert sorted(written) == ["test", "train"]
+    train = by_prompt(load_split(tmp_path / "out", "train"))
+    assert len(train) == 2  # the row without "####" is skipped
+    assert train[GSM8K_ROWS[0]["question"]] == {
+        "messages": [{"role": "user", "content": GSM8K_ROWS[0]["question"]}],
+        "ground_truth": "72",
+        "dataset": "gsm8k",
+    }
+    assert train[GSM8K_ROWS[1]["question"]]["ground_truth"] == "1072"
+    assert len(load_split(tmp_path / "out", "test")) == 1
+
+
+def test_verl_format_reads_back_as_the_same_rows(tmp_path):
+    write_parquet(tmp_path / "train.parquet", GSM8K_ROWS)
+    common_args = ["--input", str(tmp_path / "train.parquet"), "--splits", "train"]
+    gsm8k.main([*common_args, "--output_dir", str(tmp_path / "rlvr")])
+    gsm8k.main([*common_args, "--output_dir", str(tmp_path / "verl"), "--format", "verl"])
+    verl_file = pq.read_table(tmp_path / "verl" / "train.parquet")
+    assert verl_file.column_names == ["prompt", "data_source", "reward_model", "extra_info"]
+    assert verl_file.to_pylist()[0]["reward_model"] == {"ground_truth": "72", "style": "rule"}
+    assert load_split(tmp_path / "verl", "train") == load_split(tmp_path / "rlvr", "train")
+
+
+def test_single_file_input_needs_one_split_and_max_rows_limits(tmp_path):
+    write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    with pytest.raises(ValueError, match=r"is a single file, so it holds one split, but --splits asks for"):
+        gsm8k.main(["--input", str(tmp_path / "gsm8k.jsonl"), "--output_dir", str(tmp_path / "out")])
+    one_split = ["--input", str(tmp_path / "gsm8k.jsonl"), "--splits", "train", "--output_dir", str(tmp_path)]
+    gsm8k.main([*one_split, "--max_rows", "1"])
+    assert len(load_split(tmp_path, "train")) == 1
+
+
+def test_wrong_column_layout_names_the_missing_fields(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [{"problem": "1+1", "solution": "2"}])
+    with pytest.raises(ValueError, match=r"gsm8k row lacks the field\(s\) \['question', 'answer'\]"):
+        gsm8k.main(["--input", str(tmp_path / "train.jsonl"), "--splits", "train", "--output_dir", str(tmp_path)])
+
+
+def test_math_takes_the_last_boxed_answer(tmp_path):
+    rows = [
+        {
+            "problem": "Compute $\\frac{1}{2} + \\frac{1}{2}$.",
+            "solution": "First $\\boxed{0}$ is wrong; the sum is $\\boxed{1}$.",
+            "level": "Level 1",
+            "type": "Prealgebra",
+        },
+        {
+            "problem": "Simplify $\\frac{2}{4}$.",
+            "solution": "Divide: $\\boxed{\\frac{1}{2}}$.",
+            "level": "Level 2",
+            "type": "Algebra",
+        },
+        {"problem": "No answer here.", "solution": "We stop.", "level": "Level 3", "type": "Geometry"},
+    ]
+    write_parquet(tmp_path / "math" / "data" / "train-00000-of-00001.parquet", rows)
+    write_parquet(tmp_path / "math" / "data" / "test-00000-of-00001.parquet", rows[:1])
+    math_converter.main(["--input", str(tmp_path / "math"), "--output_dir", str(tmp_path / "out")])
+    train = by_prompt(load_split(tmp_path / "out", "train"))
+    assert {prompt: row["ground_truth"] for prompt, row in train.items()} == {
+        rows[0]["problem"]: "1",
+        rows[1]["problem"]: "\\frac{1}{2}",
+    }
+    assert {row["dataset"] for row in train.values()} == {"math"}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so $\\boxed{\\frac{a}{b^{2}}}$.", "\\frac{a}{b^{2}}"),
+        ("\\boxed{1} then \\boxed{2}", "2"),
+        ("\\fbox{7}", "7"),
+        ("is $\\boxed 5$.", "5"),
+        ("no box", None),
+        ("\\boxed{unbalanced", None),
+    ],
+)
+def test_last_boxed_content(text, expected):
+    assert last_boxed_content(text) == expected
+
+
+HELLASWAG_ROW = {
+    "ind": 4,
+    "activity_label": "Removing ice from car",
+    "ctx_a": "Then, the man writes over the snow covering the window of a car, and a woman wearing winter "
+    "clothes smiles.",
+    "ctx_b": "then",
+    "ctx": "Then, the man writes over the snow covering the window of a car, and a woman wearing winter clothes "
+    "smiles. then",
+    "endings": [
+        ", the man adds wax to the windshield and cuts it.",
+        ", a person board a ski lift, while two men supporting the head of the person wearing winter clothes snow "
+        "as the we girls sled.",
+        ", the man puts on a christmas coat, knitted with netting.",
+        ", the man continues removing the snow on his car.",
+    ],
+    "source_id": "activitynet~v_-1IBHYS3L-Y",
+    "split": "train",
+    "split_type": "indomain",
+    "label": "3",
+}
+
+
+def test_hellaswag_lettered_choices(tmp_path):
+    unlabelled = HELLASWAG_ROW | {"label": ""}
+    write_jsonl(tmp_path / "hellaswag" / "validation.jsonl", [HELLASWAG_ROW, unlabelled])
+    hellaswag.main(
+        ["--input", str(tmp_path / "hellaswag"), "--splits", "validation", "--output_dir", str(tmp_path / "out")]
+    )
+    (row,) = load_split(tmp_path / "out", "validation")
+    prompt = row["messages"][0]["content"]
+    assert HELLASWAG_ROW["ctx"] in prompt
+    assert "A. , the man adds wax" in prompt and "D. , the man continues removing the snow" in prompt
+    assert row["ground_truth"] == "D" and row["dataset"] == "string_match"
+
+
+def test_full_hh_rlhf_prompt_only(tmp_path):
+    rows = [
+        {
+            "chosen": "\n\nHuman: What are some cuss words in english?\n\nAssistant: I'd rather not list those."
+            "\n\nHuman: What's your favorite one?\n\nAssistant: I haven't even thought about it.",
+            "rejected": "\n\nHuman: What are some cuss words in english?\n\nAssistant: I'd rather not list those."
+            "\n\nHuman: What's your favorite one?\n\nAssistant: Ass.",
+        },
+        {"chosen": "no dialogue markers at all", "rejected": "none here either"},
+    ]
+    write_parquet(tmp_path / "hh" / "train.parquet", rows)
+    write_parquet(tmp_path / "hh" / "test.parquet", rows[:1])
+    full_hh_rlhf.main(["--input", str(tmp_path / "hh"), "--output_dir", str(tmp_path / "out")])
+    (row,) = load_split(tmp_path / "out", "train")  # the malformed row is skipped
+    assert row == {
+        "messages": [
+            {"role": "user", "content": "What are some cuss words in english?"},
+            {"role": "assistant", "content": "I'd rather not list those."},
+            {"role": "user", "content": "What's your favorite one?"},
+        ],
+        "ground_truth": None,
+        "dataset": None,
+    }
+
+
+def test_arithmetic_in_both_formats(tmp_path):
+    written = arithmetic.main(["--output_dir", str(tmp_path / "rlvr"), "--seed", "1"])
+    assert sorted(written) == ["test", "train"]
+    arithmetic.main(["--output_dir", str(tmp_path / "verl"), "--seed", "1", "--format", "verl"])
+    train = load_split(tmp_path / "rlvr", "train")
+    assert len(train) + len(load_split(tmp_path / "rlvr", "test")) == 81  # all one-digit additions
+    assert {row["dataset"] for row in train} == {"arithmetic"}
+    assert load_split(tmp_path / "verl", "train") == train
+
+
+def test_converter_runs_as_a_module(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", GSM8K_ROWS[:1])
+    command = [sys.executable, "-m", "scripts.data_preprocess.gsm8k", "--input", str(tmp_path / "train.jsonl")]
+    command += ["--splits", "train", "--output_dir", str(tmp_path / "out")]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert "train: wrote 1 rows" in result.stdout
+    assert load_split(tmp_path / "out", "train")[0]["ground_truth"] == "72"
+
+
+def test_without_input_the_hub_dataset_is_read(tmp_path, monkeypatch):
+    import datasets
+
+    from scripts.data_preprocess import common
+
+    calls = []
+
+    def fake_load_dataset(name, config, split):
+        calls.append((name, config, split))
+        return datasets.Dataset.from_list(GSM8K_ROWS)
+
+    monkeypatch.setattr(common.datasets, "load_dataset", fake_load_dataset)
+    gsm8k.main(["--output_dir", str(tmp_path), "--max_rows", "2"])
+    assert calls == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
+    assert len(load_split(tmp_path, "test")) == 2
