@@ -51,7 +51,6 @@ class GenerationSettings:
     stop_token_ids: list[int]
     stop_strings: list[str] | None
     eval_prompt_token_ids: list[list[int]] | None = None
-    seed: int = 0
 
 
 class GenerationThreadError(RuntimeError):
@@ -72,6 +71,7 @@ class GenerationThread(threading.Thread):
         self.error: BaseException | None = None
         self.error_traceback = ""
         self._stop_requested = threading.Event()
+        self._engine_ready = threading.Event()
 
     # ---- generator side (this thread) ----
     def run(self) -> None:
@@ -84,14 +84,14 @@ class GenerationThread(threading.Thread):
     def serve(self) -> None:
         settings = self.settings
         llm = vllm_utils.create_engine(settings.engine)
+        self._engine_ready.set()
         train_params = vllm_utils.sampling_params(
             n=settings.samples_per_prompt,
             temperature=settings.temperature,
             max_tokens=settings.response_length,
             stop_token_ids=settings.stop_token_ids,
             stop_strings=settings.stop_strings,
-            seed=settings.seed,
-        )
+        )  # no per-request seed: the engine's seeded generator must advance, or every step replays one stream
         eval_params = vllm_utils.sampling_params(
             n=1,
             temperature=0.0,
@@ -157,6 +157,15 @@ class GenerationThread(threading.Thread):
                         f"Waited {self.timeout_s:.0f}s for the generation thread to {what}; raise "
                         f"--queue_timeout_s if generation is this slow, or check that the engine is not stuck."
                     )
+
+    def wait_until_ready(self) -> None:
+        """Block until the engine is up (on a shared GPU, vLLM must size its cache before the learner allocates)."""
+
+        def wait_for_engine(timeout: float) -> None:
+            if not self._engine_ready.wait(timeout):
+                raise queue.Empty
+
+        self._learner_wait(wait_for_engine, "start the vLLM engine")
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

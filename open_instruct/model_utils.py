@@ -143,9 +143,13 @@ def forward_backbone(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
 def response_logits(
     model: nn.Module, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int
 ) -> torch.Tensor:
-    """Logits predicting each response token.  # [batch, response_len, vocab]"""
-    logits = forward_backbone(model, query_response, attention_mask).logits
-    return logits[:, context_length - 1 : -1]
+    """Logits predicting each response token.  # [batch, response_len, vocab]
+
+    `logits_to_keep` skips the vocabulary projection for prompt positions nobody needs.
+    """
+    response_len = query_response.shape[1] - context_length
+    logits = forward_backbone(model, query_response, attention_mask, logits_to_keep=response_len + 1).logits
+    return logits[:, :-1]
 
 
 def response_logprobs(

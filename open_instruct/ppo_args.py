@@ -7,6 +7,7 @@ Sizes derived from them (`BatchSizes`) are computed and checked before any model
 """
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -136,6 +137,10 @@ def parse_args(argv: list[str] | None = None) -> Args:
         data_dir = arithmetic_data_path()
         args.data.dataset_mixer_list = [data_dir, "1.0"]
         args.data.dataset_mixer_eval_list = args.data.dataset_mixer_eval_list or [data_dir, "1.0"]
+    if args.data.dataset_cache_dir is None:  # tokenise once per data/tokenizer/template, reuse afterwards
+        from open_instruct.embedded_model import cache_dir
+
+        args.data.dataset_cache_dir = os.path.join(cache_dir(), "tokenized_prompts")
     if args.run.run_name is None:
         args.run.run_name = f"{args.run.exp_name}__{args.run.seed}__{int(time.time())}"
     return args

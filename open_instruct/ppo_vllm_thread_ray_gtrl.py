@@ -79,7 +79,6 @@ def start_generation_thread(args: Args, policy_path: str, stop_token_ids: list[i
         stop_token_ids=stop_token_ids,
         stop_strings=args.gen.stop_strings,
         eval_prompt_token_ids=list(eval_dataset["input_ids_prompt"]) if eval_dataset is not None else None,
-        seed=args.run.seed,
     )
     thread = GenerationThread(settings, timeout_s=args.gen.queue_timeout_s)
     thread.start()
@@ -87,19 +86,28 @@ def start_generation_thread(args: Args, policy_path: str, stop_token_ids: list[i
 
 
 def eval_metrics(rollout: Rollout, eval_dataset, reward_manager: RewardManager) -> tuple[dict, list[dict]]:
-    """Greedy eval: correct rate on the eval split (verifiers only) and mean response length."""
+    """Greedy eval: correct rate on the eval rows that have a ground truth, and mean response length.
+
+    Rows without a ground truth (reward-model-only data) count for the length only: the reward model
+    belongs to the learner, and an eval that waited for it would stall the generation thread.
+    """
     completions = rollout.completions
     ground_truths = [eval_dataset[c.prompt_index]["ground_truth"] for c in completions]
     names = [eval_dataset[c.prompt_index]["dataset"] for c in completions]
-    _, metrics = reward_manager.score(
-        [c.text for c in completions], ground_truths, names, [c.finish_reason == "stop" for c in completions]
-    )
     result = {
-        "eval/correct_rate": metrics.get("objective/verifiable_correct_rate", float("nan")),
         "eval/sequence_lengths": sum(len(c.token_ids) for c in completions) / len(completions),
         "eval/policy_version": rollout.policy_version,
         "time/eval_generation": rollout.timings.get("eval_generation", 0.0),
     }
+    verifiable = [i for i, gt in enumerate(ground_truths) if gt is not None]
+    if verifiable and reward_manager.config.apply_verifiable_reward:
+        _, metrics = reward_manager.score(
+            [completions[i].text for i in verifiable],
+            [ground_truths[i] for i in verifiable],
+            [names[i] for i in verifiable],
+            [completions[i].finish_reason == "stop" for i in verifiable],
+        )
+        result["eval/correct_rate"] = metrics["objective/verifiable_correct_rate"]
     samples = [
         {"policy_version": rollout.policy_version, "ground_truth": gt, "response": c.text, "token_ids": c.token_ids}
         for c, gt in zip(completions, ground_truths)
@@ -146,6 +154,8 @@ def train(args: Args, sizes: BatchSizes) -> dict:
 
     # ---- models and the generation thread (the engine starts while the learner loads) ----
     generator = start_generation_thread(args, policy_path, stop_token_ids, eval_dataset)
+    if torch.cuda.is_available():
+        generator.wait_until_ready()  # vLLM sizes its KV cache from free GPU memory: let it measure first
     learner = PPOLearner(args, sizes, tokenizer, policy_path, stop_token_ids)
     logger = MetricsLogger(
         args.run.output_dir,
