@@ -210,6 +210,26 @@ def named_weights_for_engine(model: nn.Module, dtype: torch.dtype = torch.bfloat
     return [(name, param.detach().to(dtype=dtype, copy=True)) for name, param in model.named_parameters()]
 
 
+def bf16_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict in bf16 on the CPU, each shared tensor once (a tied lm_head is not stored twice)."""
+    state_dict, seen = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        state_dict[name] = tensor.detach().to("cpu", torch.bfloat16)
+    return state_dict
+
+
+def mark_config_dtype(config_path: str, dtype: str) -> None:
+    """save_pretrained records the in-memory (fp32) dtype; the files hold bf16, so say so."""
+    with open(config_path) as f:
+        config = json.load(f)
+    config["dtype"] = dtype
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
 def save_hf_folder(model: nn.Module, tokenizer, output_dir: str, extra_files: dict[str, dict] | None = None) -> str:
     """Save model (bf16), tokenizer, chat template and generation config atomically.
 
@@ -221,9 +241,8 @@ def save_hf_folder(model: nn.Module, tokenizer, output_dir: str, extra_files: di
     os.makedirs(parent, exist_ok=True)
     tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}-saving-", dir=parent)
     try:
-        state_dict = {name: tensor.detach().to("cpu", torch.bfloat16) for name, tensor in model.state_dict().items()}
-        model.config.dtype = torch.bfloat16
-        model.save_pretrained(tmp_dir, state_dict=state_dict)
+        model.save_pretrained(tmp_dir, state_dict=bf16_state_dict(model))
+        mark_config_dtype(os.path.join(tmp_dir, "config.json"), "bfloat16")
         tokenizer.save_pretrained(tmp_dir)
         for name, content in (extra_files or {}).items():
             with open(os.path.join(tmp_dir, name), "w") as f:

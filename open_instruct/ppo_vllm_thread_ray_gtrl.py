@@ -109,7 +109,13 @@ def eval_metrics(rollout: Rollout, eval_dataset, reward_manager: RewardManager) 
         )
         result["eval/correct_rate"] = metrics["objective/verifiable_correct_rate"]
     samples = [
-        {"policy_version": rollout.policy_version, "ground_truth": gt, "response": c.text, "token_ids": c.token_ids}
+        {
+            "policy_version": rollout.policy_version,
+            "prompt": eval_dataset[c.prompt_index]["messages"][-1]["content"],
+            "ground_truth": gt,
+            "response": c.text,
+            "token_ids": c.token_ids,
+        }
         for c, gt in zip(completions, ground_truths)
     ]
     return result, samples

@@ -1,0 +1,116 @@
+"""The learner side of GenerationThread's protocol: a failure of the thread reaches the learner with its cause,
+and a wait on the queues ends with a message instead of hanging.
+
+Only the first test starts the real engine (it fails at creation, after `import vllm`, ~10 s); the others need
+a thread that is alive but never produces anything, or one that ended, which `serve` overrides give without an
+engine. The full loop with a working engine runs in tests/test_ppo_trainer.py.
+"""
+
+import time
+
+import pytest
+
+from open_instruct.generation_thread import (
+    GenerationRequest,
+    GenerationSettings,
+    GenerationThread,
+    GenerationThreadError,
+)
+from open_instruct.vllm_utils import EngineConfig
+
+
+def settings(model_path: str) -> GenerationSettings:
+    return GenerationSettings(
+        engine=EngineConfig(model_path, max_model_len=128),
+        samples_per_prompt=1,
+        temperature=1.0,
+        response_length=8,
+        stop_token_ids=[],
+        stop_strings=None,
+    )
+
+
+class IdleGenerationThread(GenerationThread):
+    """Alive, but never takes prompts nor returns rollouts: from the learner's side, a stuck engine."""
+
+    def serve(self) -> None:
+        self._stop_requested.wait()
+
+
+class EndedGenerationThread(GenerationThread):
+    """Returns from `serve` at once, without an error."""
+
+    def serve(self) -> None:
+        return
+
+
+@pytest.fixture
+def idle_thread():
+    thread = IdleGenerationThread(settings("unused"), poll_s=0.05, timeout_s=1.0)
+    thread.start()
+    yield thread
+    thread.shutdown()
+
+
+def test_engine_creation_failure_reaches_the_learner_with_its_cause(tmp_path):
+    missing = str(tmp_path / "no-model-here")
+    thread = GenerationThread(settings(missing), poll_s=0.1, timeout_s=120.0)
+    start = time.time()
+    thread.start()
+    with pytest.raises(GenerationThreadError) as error:
+        thread.receive()
+    seconds = time.time() - start
+
+    message = str(error.value)
+    assert message.startswith("The vLLM generation thread failed: ")
+    assert missing in message  # vLLM's own error names the path it could not load
+    assert "--- generation thread traceback ---" in message and "create_engine" in message
+    assert error.value.__cause__ is thread.error
+    assert seconds < 60, f"the failure took {seconds:.0f}s to reach the learner"  # the error, not the 120 s timeout
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    # Every later call of the learner fails the same way at once.
+    with pytest.raises(GenerationThreadError, match="generation thread failed"):
+        thread.send(GenerationRequest(0, None, [[1, 2, 3]]))
+
+
+def test_receive_times_out_with_a_message_when_no_rollout_arrives(idle_thread):
+    start = time.time()
+    with pytest.raises(TimeoutError) as error:
+        idle_thread.receive()
+    seconds = time.time() - start
+    assert str(error.value) == (
+        "Waited 1s for the generation thread to return a rollout; raise --queue_timeout_s if generation is this "
+        "slow, or check that the engine is not stuck."
+    )
+    assert 1.0 <= seconds < 3.0
+    assert idle_thread.is_alive()
+
+
+def test_receive_eval_times_out_too(idle_thread):
+    with pytest.raises(TimeoutError, match="to return the eval rollout"):
+        idle_thread.receive_eval()
+
+
+def test_learner_runs_at_most_one_request_ahead(idle_thread):
+    """The prompt queue holds one request: the second send waits for the generator, then times out."""
+    idle_thread.send(GenerationRequest(0, None, [[1, 2, 3]]))
+    with pytest.raises(TimeoutError, match="Waited 1s for the generation thread to take new prompts"):
+        idle_thread.send(GenerationRequest(1, None, [[4, 5, 6]]))
+
+
+def test_a_thread_that_ended_without_an_error_is_reported():
+    thread = EndedGenerationThread(settings("unused"), poll_s=0.05, timeout_s=30.0)
+    thread.start()
+    thread.join(timeout=5)
+    start = time.time()
+    with pytest.raises(GenerationThreadError, match="ended without an error before it could return a rollout"):
+        thread.receive()
+    assert time.time() - start < 1.0  # noticed at the first poll, not after the 30 s timeout
+
+
+def test_shutdown_stops_an_idle_thread_promptly(idle_thread):
+    start = time.time()
+    idle_thread.shutdown()
+    assert not idle_thread.is_alive()
+    assert time.time() - start < 1.0

@@ -1,0 +1,427 @@
+"""End-to-end runs of the PPO trainer on the tiny model: real vLLM engine, learner, queues, files, Hub push.
+
+Every run is a subprocess (`python -m open_instruct.ppo_vllm_thread_ray_gtrl ...`), because one process cannot
+reliably create a second in-process vLLM engine, and has a timeout, so that a hang fails a test instead of the
+CI job. Runs are few (30-60 s each on 2 CPU cores) and shared through module-scoped fixtures:
+
+- `async_run`: the default asynchronous mode, 4 steps.
+- `sync_run`: `--async_mode false`, 3 steps at a high learning rate, pushing to a local fake Hub, with wandb
+  tracking in offline mode.
+- one crash run: a failure injected into the generation thread.
+
+The argument parsing and batch-size checks at the end run in-process: they load no model.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from open_instruct.ppo_args import compute_batch_sizes, parse_args
+from open_instruct.ppo_vllm_thread_ray_gtrl import main
+from open_instruct.tracking import read_metrics
+from tests.fake_hub import FakeHub
+
+TESTS_DIR = Path(__file__).resolve().parent
+TRAINER = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]
+RUN_TIMEOUT_S = 300
+RESPONSE_LENGTH = 16
+ROLLOUT_BATCH_SIZE = 8  # 4 prompts x 2 samples per step
+SMALL_RUN = [
+    "--local_rollout_batch_size", "4",
+    "--number_samples_per_prompt", "2",
+    "--per_device_train_batch_size", "4",
+    "--num_epochs", "1",
+    "--response_length", str(RESPONSE_LENGTH),
+]  # fmt: skip
+# A handful of eval prompts with distinct sums, so a logged eval row maps back to its prompt by its ground truth.
+EVAL_QUESTIONS = [(1, 1), (2, 3), (4, 0), (3, 4), (5, 3), (6, 3)]
+HUB_USER, HUB_REPO, HUB_TOKEN = "test-user", "tiny-ppo", "hf_fake_token_for_tests"
+STEP_METRICS = [
+    "episode", "lr", "epoch",
+    "objective/kl", "objective/scores", "objective/rlhf_reward", "objective/non_score_reward", "objective/entropy",
+    "objective/loss", "objective/verifiable_correct_rate",
+    "loss/policy_avg", "loss/value_avg",
+    "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
+    "time/from_scratch", "time/training", "time/generation", "time/weight_sync",
+    "val/sequence_lengths", "val/num_stop_token_ids",
+]  # fmt: skip
+
+
+# ---- running the trainer --------------------------------------------------------------------------------------------
+
+
+def last_lines(text: str | bytes | None, count: int = 40) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return "\n".join((text or "").splitlines()[-count:])
+
+
+def run_command(
+    command: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess, float]:
+    """Run `command` offline (no hub, wandb offline) unless `env` says otherwise; fail the test on a timeout."""
+    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **(env or {})}
+    start = time.time()
+    try:
+        process = subprocess.run(
+            command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"`{' '.join(command)}` did not end within {RUN_TIMEOUT_S}s:\n{last_lines(expired.stderr)}")
+    return process, time.time() - start
+
+
+def run_to_completion(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    process, _ = run_command(command, cwd, env)
+    assert process.returncode == 0, f"the run failed (exit code {process.returncode}):\n{last_lines(process.stderr)}"
+    return process
+
+
+@dataclass
+class Run:
+    output_dir: Path
+    num_steps: int
+    async_mode: bool
+
+    @property
+    def model_dir(self) -> Path:
+        return self.output_dir / "model"
+
+    def metrics(self) -> list[dict]:
+        return read_metrics(str(self.output_dir / "metrics.jsonl"))
+
+    def step_lines(self) -> list[dict]:
+        """The one line per training step (eval-only lines, like the final eval's, have no learner version)."""
+        return [line for line in self.metrics() if "policy_version/learner" in line]
+
+    def eval_rows(self, policy_version: int) -> list[dict]:
+        with open(self.output_dir / "samples.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        return [r for r in rows if r["table"] == "eval_completions" and r["policy_version"] == policy_version]
+
+
+@pytest.fixture(scope="module")
+def eval_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "eval.jsonl"
+    with open(path, "w") as f:
+        for a, b in EVAL_QUESTIONS:
+            question = f"What is {a} + {b}? Give the final answer as a number at the end."
+            messages = [{"role": "user", "content": question}]
+            f.write(json.dumps({"messages": messages, "ground_truth": str(a + b), "dataset": "arithmetic"}) + "\n")
+    return path
+
+
+def eval_messages(eval_file: Path) -> dict[str, list[dict]]:
+    with open(eval_file) as f:
+        rows = [json.loads(line) for line in f]
+    return {row["ground_truth"]: row["messages"] for row in rows}
+
+
+@pytest.fixture(scope="module")
+def async_run(tiny_model_dir, eval_file, tmp_path_factory) -> Run:
+    workdir = tmp_path_factory.mktemp("async_run")
+    command = TRAINER + [
+        "--model_name_or_path", tiny_model_dir,
+        "--total_episodes", "32",
+        "--num_evals", "2",
+        "--dataset_mixer_eval_list", str(eval_file), "1.0",
+        "--output_dir", str(workdir / "output"),
+        *SMALL_RUN,
+    ]  # fmt: skip
+    run_to_completion(command, cwd=workdir)
+    return Run(workdir / "output", num_steps=4, async_mode=True)
+
+
+@dataclass
+class SyncRun:
+    run: Run
+    hub: FakeHub  # stopped after the run; what it received stays readable
+    hub_endpoint: str
+    workdir: Path
+
+
+@pytest.fixture(scope="module")
+def sync_run(tiny_model_dir, eval_file, tmp_path_factory) -> SyncRun:
+    workdir = tmp_path_factory.mktemp("sync_run")
+    with FakeHub(user=HUB_USER) as hub:
+        command = TRAINER + [
+            "--model_name_or_path", tiny_model_dir,
+            "--async_mode", "false",
+            "--total_episodes", "24",
+            # Far above a real run's learning rate: 3 steps must change the tiny model's greedy output, so that
+            # comparing vLLM with the learner would catch an engine left on stale weights.
+            "--learning_rate", "1e-2",
+            "--lr_scheduler_type", "constant",
+            "--num_evals", "1",
+            "--dataset_mixer_eval_list", str(eval_file), "1.0",
+            "--output_dir", str(workdir / "output"),
+            "--with_tracking", "true",
+            "--push_to_hub", "true",
+            "--hf_endpoint", hub.endpoint,
+            "--hf_entity", HUB_USER,
+            "--hf_repo_id", HUB_REPO,
+            *SMALL_RUN,
+        ]  # fmt: skip
+        env = {"HF_HUB_OFFLINE": "0", "HF_TOKEN": HUB_TOKEN, "WANDB_DIR": str(workdir)}
+        run_to_completion(command, cwd=workdir, env=env)
+        endpoint = hub.endpoint
+    return SyncRun(Run(workdir / "output", num_steps=3, async_mode=False), hub, endpoint, workdir)
+
+
+# ---- 1. every step is logged, finite, with the right policy versions -----------------------------------------------
+
+
+@pytest.mark.parametrize("run_fixture", ["async_run", "sync_run"])
+def test_every_step_logs_finite_metrics_and_the_expected_policy_versions(run_fixture, request):
+    fixture = request.getfixturevalue(run_fixture)
+    run = fixture.run if isinstance(fixture, SyncRun) else fixture
+    lines = run.step_lines()
+    assert [line["step"] for line in lines] == list(range(1, run.num_steps + 1))
+    for line in lines:
+        step = line["step"]
+        missing = [key for key in STEP_METRICS if key not in line]
+        assert not missing, f"step {step} did not log {missing}"
+        not_finite = {key: line[key] for key in STEP_METRICS if not is_finite_number(line[key])}
+        assert not not_finite, f"step {step} logged non-finite metrics {not_finite}"
+        # The learner trains policy step-1 into policy step; async trains on data one version older than sync.
+        assert line["policy_version/learner"] == step - 1
+        expected_rollout_version = max(0, step - 2) if run.async_mode else step - 1
+        assert line["policy_version/rollout"] == expected_rollout_version, f"step {step}"
+        assert line["episode"] == step * ROLLOUT_BATCH_SIZE
+        # Version 0 is the engine's own start; every later version was loaded into the engine first.
+        loaded_weights = line["policy_version/rollout"] > 0
+        assert (line["time/weight_sync"] > 0) == loaded_weights, f"step {step}: {line['time/weight_sync']}"
+        assert line["time/generation"] > 0 and line["time/training"] > 0
+    assert all(a["time/from_scratch"] < b["time/from_scratch"] for a, b in zip(lines, lines[1:]))
+
+    # Evals: the first of the initial policy at step 1, the last of the final policy, at the last step.
+    evals = [line for line in run.metrics() if "eval/policy_version" in line]
+    assert evals[0]["step"] == 1 and evals[0]["eval/policy_version"] == 0
+    assert evals[-1]["step"] == run.num_steps and evals[-1]["eval/policy_version"] == run.num_steps
+    assert all(is_finite_number(line["eval/correct_rate"]) for line in evals)
+    assert len(run.eval_rows(policy_version=run.num_steps)) == len(EVAL_QUESTIONS)
+
+
+def is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+# ---- 2. after a weight sync, vLLM generates exactly what the learner's weights do ------------------------------------
+
+
+def hf_greedy(model, tokenizer, prompt: list[int]) -> list[int]:
+    input_ids = torch.tensor([prompt])
+    with torch.no_grad():
+        output = model.generate(
+            input_ids,
+            max_new_tokens=RESPONSE_LENGTH,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return output[0, input_ids.shape[1] :].tolist()
+
+
+def explain_mismatch(model, tokenizer, prompt: list[int], vllm_ids: list[int], hf_ids: list[int]) -> str:
+    """Where the two greedy outputs part, and the learner's top-2 logit margin there (a bf16 tie or a real bug?)."""
+    first = next((i for i, (a, b) in enumerate(zip(vllm_ids, hf_ids)) if a != b), min(len(vllm_ids), len(hf_ids)))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + hf_ids[:first]])).logits[0, -1].float()
+    top2 = logits.topk(2).values
+    return (
+        f"vLLM {tokenizer.decode(vllm_ids)!r} != transformers {tokenizer.decode(hf_ids)!r}; they part at token "
+        f"{first}, where the learner's top-2 logit margin is {(top2[0] - top2[1]).item():.4f} "
+        f"(max logit {top2[0].item():.3f})"
+    )
+
+
+def rows_by_ground_truth(rows: list[dict]) -> dict[str, dict]:
+    return {row["ground_truth"]: row for row in rows}
+
+
+def test_after_a_weight_sync_vllm_generates_what_the_learner_weights_generate(sync_run, eval_file, tiny_model_dir):
+    """The final eval is generated by vLLM right after it loaded the final learner weights (bf16); the saved model
+    run greedily by transformers in bf16 must produce exactly the same tokens on every eval prompt."""
+    run = sync_run.run
+    final_rows = run.eval_rows(policy_version=run.num_steps)
+    assert sorted(row["ground_truth"] for row in final_rows) == sorted(str(a + b) for a, b in EVAL_QUESTIONS)
+    messages = eval_messages(eval_file)
+    tokenizer = AutoTokenizer.from_pretrained(run.model_dir)
+    prompts = {
+        truth: tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+        for truth, chat in messages.items()
+    }
+    final_model = AutoModelForCausalLM.from_pretrained(run.model_dir, dtype=torch.bfloat16)
+    for row in final_rows:
+        learner_ids = hf_greedy(final_model, tokenizer, prompts[row["ground_truth"]])
+        assert row["token_ids"] == learner_ids, explain_mismatch(
+            final_model, tokenizer, prompts[row["ground_truth"]], row["token_ids"], learner_ids
+        )
+
+    # Not trivially true: the run trained every weight, and the initial weights greedily generate something else,
+    # which is what the engine did generate at version 0, before any sync.
+    initial_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    initial_params = dict(initial_model.named_parameters())
+    unchanged = [name for name, p in final_model.named_parameters() if torch.equal(p, initial_params[name])]
+    assert not unchanged, f"training left these weights unchanged: {unchanged}"
+    first_rows = rows_by_ground_truth(run.eval_rows(policy_version=0))
+    for row in final_rows:
+        initial_ids = hf_greedy(initial_model, tokenizer, prompts[row["ground_truth"]])
+        assert initial_ids != row["token_ids"], "training did not change the greedy output; the check proves nothing"
+        assert first_rows[row["ground_truth"]]["token_ids"] == initial_ids
+
+
+# ---- 3. the saved folder reloads -------------------------------------------------------------------------------------
+
+
+def test_saved_model_folder_reloads_in_transformers_and_vllm(sync_run, eval_file, tiny_model_dir, tmp_path):
+    run = sync_run.run
+    model_dir = run.model_dir
+    _, loading_info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, output_loading_info=True)
+    assert not loading_info["missing_keys"] and not loading_info["unexpected_keys"], loading_info
+    config = AutoConfig.from_pretrained(model_dir)
+    assert config.architectures == ["LlamaForCausalLM"] and config.tie_word_embeddings
+    tokenizer, base_tokenizer = AutoTokenizer.from_pretrained(model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokenizer.get_vocab() == base_tokenizer.get_vocab()
+    assert tokenizer.chat_template and tokenizer.chat_template == base_tokenizer.chat_template
+    generation_config = GenerationConfig.from_pretrained(model_dir)
+    assert generation_config.eos_token_id == tokenizer.eos_token_id
+    with open(model_dir / "open_instruct_args.json") as f:
+        saved_args = json.load(f)
+    assert saved_args["learning_rate"] == 1e-2 and saved_args["async_mode"] is False
+
+    # A fresh vLLM engine on the folder reproduces the final eval exactly: same weights, same engine.
+    final_rows = run.eval_rows(policy_version=run.num_steps)
+    messages = eval_messages(eval_file)
+    prompts = [
+        tokenizer.apply_chat_template(messages[row["ground_truth"]], add_generation_prompt=True, return_dict=False)
+        for row in final_rows
+    ]
+    prompts_path = tmp_path / "prompts.json"
+    prompts_path.write_text(json.dumps(prompts))
+    process = run_to_completion(
+        [sys.executable, str(TESTS_DIR / "vllm_greedy.py"), str(model_dir), str(prompts_path), str(RESPONSE_LENGTH)],
+        cwd=tmp_path,
+    )
+    reloaded_ids = json.loads(process.stdout.strip().splitlines()[-1])
+    assert reloaded_ids == [row["token_ids"] for row in final_rows]
+
+
+# ---- 4. a crash in the generation thread ends the run ---------------------------------------------------------------
+
+
+def test_generation_thread_crash_ends_the_run_with_its_cause(tiny_model_dir, tmp_path):
+    """The generation thread fails at its second vLLM call; the run must exit non-zero, name the cause, not hang
+    (the learner's queue timeout stays at its 30-minute default), and leave no final model or summary."""
+    command = [
+        sys.executable, str(TESTS_DIR / "crash_generation.py"),
+        "--model_name_or_path", tiny_model_dir,
+        "--total_episodes", "32",
+        "--num_evals", "0",
+        "--output_dir", str(tmp_path / "output"),
+        *SMALL_RUN,
+    ]  # fmt: skip
+    process, seconds = run_command(command, cwd=tmp_path)
+    assert process.returncode != 0, "the run ignored the failure of its generation thread"
+    assert "RuntimeError: injected generation failure" in process.stderr, last_lines(process.stderr)
+    assert "GenerationThreadError: The vLLM generation thread failed" in process.stderr
+    assert seconds < RUN_TIMEOUT_S / 2, f"the crashed run took {seconds:.0f}s to end"
+    assert not (tmp_path / "output" / "model").exists()
+    assert not (tmp_path / "output" / "summary.json").exists()
+
+
+# ---- 5. push to the Hub, wandb tracking ------------------------------------------------------------------------------
+
+
+def test_push_to_hub_uploads_the_model_folder_to_the_run_branch(sync_run):
+    hub, model_dir = sync_run.hub, sync_run.run.model_dir
+    with open(model_dir / "open_instruct_args.json") as f:
+        run_name = json.load(f)["run_name"]
+    repo_id = f"{HUB_USER}/{HUB_REPO}"
+    assert set(hub.repos) == {repo_id}
+    assert set(hub.repos[repo_id]) == {"main", run_name}
+    [commit] = hub.commits
+    assert (commit.repo_id, commit.revision) == (repo_id, run_name)
+    folder = {path.name: path.read_bytes() for path in model_dir.iterdir()}
+    assert commit.files == folder
+    assert {"README.md", "config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(folder)
+    card = folder["README.md"].decode()
+    assert card.startswith("---\n") and f"# {HUB_REPO}" in card and "- ppo" in card
+    assert all(request.authorization == f"Bearer {HUB_TOKEN}" for request in hub.requests)
+    assert hub.unhandled == []
+    with open(sync_run.run.output_dir / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["hub_url"] == f"{sync_run.hub_endpoint}/{repo_id}/tree/{run_name}"
+    assert summary["model_dir"] == str(model_dir)
+
+
+def test_with_tracking_writes_an_offline_wandb_run(sync_run):
+    offline_runs = list((sync_run.workdir / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1, f"expected one offline wandb run under {sync_run.workdir / 'wandb'}"
+    assert list(offline_runs[0].glob("run-*.wandb")), f"{offline_runs[0]} holds no .wandb log"
+
+
+# ---- 6. arguments: YAML config with command-line overrides, batch-size checks (in-process, no model) ---------------
+
+
+def test_yaml_config_with_a_command_line_override(tmp_path):
+    config = {
+        "model_name_or_path": "tiny",
+        "dataset_mixer_list": ["data/prompts.jsonl", 500],
+        "learning_rate": 1.0e-4,
+        "total_episodes": 64,
+        "async_mode": False,
+        "stop_strings": ["</answer>", "Question:"],
+    }
+    config_path = tmp_path / "ppo.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+
+    args = parse_args([str(config_path), "--learning_rate", "5e-5"])
+
+    assert args.ppo.learning_rate == 5e-5  # the command line wins
+    assert args.model.model_name_or_path == "tiny"
+    assert args.data.dataset_mixer_list == ["data/prompts.jsonl", "500"]
+    assert args.ppo.total_episodes == 64
+    assert args.gen.async_mode is False
+    assert args.gen.stop_strings == ["</answer>", "Question:"]
+    assert args.ppo.num_epochs == 4  # not in the file: the default
+
+
+def sizes_error(*flags: str) -> str:
+    args = parse_args(["--dataset_mixer_list", "data/prompts.jsonl", "1.0", *flags])
+    with pytest.raises(ValueError) as error:
+        compute_batch_sizes(args)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_batch_size_errors_name_the_values_and_the_fix():
+    rollout_of_12 = ["--local_rollout_batch_size", "4", "--number_samples_per_prompt", "3"]
+    assert sizes_error(*rollout_of_12, "--num_mini_batches", "5") == (
+        "--num_mini_batches 5 does not divide the rollout batch of 12 responses (local_rollout_batch_size 4 x "
+        "number_samples_per_prompt 3); pick a divisor of 12."
+    )
+    assert sizes_error(*rollout_of_12, "--per_device_train_batch_size", "8") == (
+        "--per_device_train_batch_size 8 does not divide the minibatch of 12 responses; pick a divisor of 12."
+    )
+    assert sizes_error(*rollout_of_12, "--per_device_train_batch_size", "4", "--total_episodes", "8") == (
+        "--total_episodes 8 is less than one step of 12 responses; raise it."
+    )
+
+
+def test_inconsistent_sizes_fail_before_any_model_loads():
+    # The model path does not exist: reaching the model loading would raise FileNotFoundError instead.
+    with pytest.raises(ValueError, match="--num_mini_batches 3 does not divide"):
+        main(["--model_name_or_path", "/no/such/model", "--dataset_mixer_list", "data/prompts.jsonl", "1.0",
+              "--num_mini_batches", "3"])  # fmt: skip
