@@ -37,7 +37,11 @@ class ModelArgs:
 
 @dataclass
 class PPOArgs:
-    learning_rate: float = arg(3e-6, "AdamW learning rate of the policy and value models.")
+    learning_rate: float = arg(3e-6, "AdamW learning rate of the policy.")
+    value_learning_rate: float | None = arg(
+        None, "AdamW learning rate of the value model (default: --learning_rate). A fresh value head needs a "
+        "faster one: Adam ignores --vf_coef's scale, so at the policy's rate the critic stays near its random init."
+    )
     lr_scheduler_type: str = arg("linear", "transformers scheduler name: linear, cosine, constant, ...")
     warmup_ratio: float = arg(0.0, "Fraction of the training steps used for LR warm-up.")
     weight_decay: float = arg(0.0, "AdamW weight decay.")

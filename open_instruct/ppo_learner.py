@@ -76,10 +76,9 @@ class PPOLearner:
         self.value_model.train()
         optimizer_steps = sizes.num_training_steps * args.ppo.num_epochs * args.ppo.num_mini_batches
         self.optimizers, self.schedulers = [], []
-        for model in (self.policy, self.value_model):
-            optimizer = torch.optim.AdamW(
-                model.parameters(), lr=args.ppo.learning_rate, weight_decay=args.ppo.weight_decay, eps=1e-5
-            )
+        value_lr = args.ppo.value_learning_rate or args.ppo.learning_rate
+        for model, lr in ((self.policy, args.ppo.learning_rate), (self.value_model, value_lr)):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.ppo.weight_decay, eps=1e-5)
             self.optimizers.append(optimizer)
             self.schedulers.append(
                 get_scheduler(
