@@ -5,7 +5,7 @@ size 1:
 
     param_prompt_Q : learner -> generator   GenerationRequest(policy_version, weights, prompts, run_eval)
     response_Q     : generator -> learner   Rollout(policy_version, completions, timings)
-    eval_Q         : generator -> learner   Rollout for the greedy eval prompts (when run_eval)
+    eval_Q         : generator -> learner   Rollout of the eval prompts, greedy and sampled (when run_eval)
 
 Size 1 is the whole scheduling policy: the learner can run at most one batch ahead of the
 generator, which gives the "generate with policy k while training policy k+1" overlap and never
@@ -40,6 +40,7 @@ class Rollout:
     policy_version: int  # the weights that generated these completions
     completions: list[vllm_utils.Completion]
     timings: dict[str, float] = field(default_factory=dict)
+    sampled_completions: list[vllm_utils.Completion] = field(default_factory=list)  # eval only: at temperature
 
 
 @dataclass
@@ -51,6 +52,7 @@ class GenerationSettings:
     stop_token_ids: list[int]
     stop_strings: list[str] | None
     eval_prompt_token_ids: list[list[int]] | None = None
+    eval_samples_per_prompt: int = 0  # sampled eval at the training temperature, besides greedy
 
 
 class GenerationThreadError(RuntimeError):
@@ -99,6 +101,13 @@ class GenerationThread(threading.Thread):
             stop_token_ids=settings.stop_token_ids,
             stop_strings=settings.stop_strings,
         )
+        sampled_eval_params = vllm_utils.sampling_params(
+            n=max(1, settings.eval_samples_per_prompt),
+            temperature=settings.temperature,
+            max_tokens=settings.response_length,
+            stop_token_ids=settings.stop_token_ids,
+            stop_strings=settings.stop_strings,
+        )
         while not self._stop_requested.is_set():
             request = self._wait(self.param_prompt_Q.get, "the next prompts from the learner", stop_aware=True)
             if request is None:
@@ -114,8 +123,11 @@ class GenerationThread(threading.Thread):
             if request.run_eval and settings.eval_prompt_token_ids:
                 start = time.time()
                 eval_completions = vllm_utils.generate(llm, settings.eval_prompt_token_ids, eval_params)
+                sampled = []
+                if settings.eval_samples_per_prompt > 0:
+                    sampled = vllm_utils.generate(llm, settings.eval_prompt_token_ids, sampled_eval_params)
                 eval_timings = {"eval_generation": time.time() - start}
-                self._put(self.eval_Q, Rollout(request.policy_version, eval_completions, eval_timings))
+                self._put(self.eval_Q, Rollout(request.policy_version, eval_completions, eval_timings, sampled))
 
     def _put(self, q: queue.Queue, item) -> None:
         self._wait(lambda timeout: q.put(item, timeout=timeout), "the learner to take the last rollout", True)

@@ -84,7 +84,10 @@ class RunArgs:
     seed: int = arg(1, "Seed of torch, sampling and data order.")
     output_dir: str = arg("output/ppo", "Where metrics, checkpoints and the final model go.")
     save_freq: int = arg(-1, "Save a checkpoint every N steps (-1: only the final model).")
-    num_evals: int = arg(4, "Greedy evals on the eval split over the run (plus one at the start).")
+    num_evals: int = arg(4, "Evals on the eval split over the run (plus one at the start).")
+    eval_samples_per_prompt: int = arg(
+        4, "Besides greedy, sample this many responses per eval prompt at --temperature (0: greedy only)."
+    )
     num_samples_to_log: int = arg(4, "Sample completions logged per step.")
     with_tracking: bool = arg(False, "Log to wandb.")
     wandb_project_name: str = arg("open_instruct", "wandb project.")

@@ -79,35 +79,44 @@ def start_generation_thread(args: Args, policy_path: str, stop_token_ids: list[i
         stop_token_ids=stop_token_ids,
         stop_strings=args.gen.stop_strings,
         eval_prompt_token_ids=list(eval_dataset["input_ids_prompt"]) if eval_dataset is not None else None,
+        eval_samples_per_prompt=args.run.eval_samples_per_prompt,
     )
     thread = GenerationThread(settings, timeout_s=args.gen.queue_timeout_s)
     thread.start()
     return thread
 
 
+def verifiable_correct_rate(completions, eval_dataset, reward_manager: RewardManager) -> float | None:
+    rows = [eval_dataset[c.prompt_index] for c in completions]
+    verifiable = [(c, row) for c, row in zip(completions, rows) if row["ground_truth"] is not None]
+    if not verifiable or not reward_manager.config.apply_verifiable_reward:
+        return None
+    _, metrics = reward_manager.score(
+        [c.text for c, _ in verifiable],
+        [row["ground_truth"] for _, row in verifiable],
+        [row["dataset"] for _, row in verifiable],
+        [c.finish_reason == "stop" for c, _ in verifiable],
+    )
+    return metrics["objective/verifiable_correct_rate"]
+
+
 def eval_metrics(rollout: Rollout, eval_dataset, reward_manager: RewardManager) -> tuple[dict, list[dict]]:
-    """Greedy eval: correct rate on the eval rows that have a ground truth, and mean response length.
+    """Eval: greedy and sampled correct rates on the eval rows that have a ground truth, greedy length.
 
     Rows without a ground truth (reward-model-only data) count for the length only: the reward model
     belongs to the learner, and an eval that waited for it would stall the generation thread.
     """
     completions = rollout.completions
     ground_truths = [eval_dataset[c.prompt_index]["ground_truth"] for c in completions]
-    names = [eval_dataset[c.prompt_index]["dataset"] for c in completions]
     result = {
         "eval/sequence_lengths": sum(len(c.token_ids) for c in completions) / len(completions),
         "eval/policy_version": rollout.policy_version,
         "time/eval_generation": rollout.timings.get("eval_generation", 0.0),
     }
-    verifiable = [i for i, gt in enumerate(ground_truths) if gt is not None]
-    if verifiable and reward_manager.config.apply_verifiable_reward:
-        _, metrics = reward_manager.score(
-            [completions[i].text for i in verifiable],
-            [ground_truths[i] for i in verifiable],
-            [names[i] for i in verifiable],
-            [completions[i].finish_reason == "stop" for i in verifiable],
-        )
-        result["eval/correct_rate"] = metrics["objective/verifiable_correct_rate"]
+    for key, eval_completions in (("eval/correct_rate", completions), ("eval/sampled_correct_rate", rollout.sampled_completions)):
+        correct_rate = verifiable_correct_rate(eval_completions, eval_dataset, reward_manager)
+        if correct_rate is not None:
+            result[key] = correct_rate
     samples = [
         {
             "policy_version": rollout.policy_version,
@@ -247,14 +256,16 @@ def train(args: Args, sizes: BatchSizes) -> dict:
 
 
 def summarize(metrics_path: str) -> dict:
-    """Start vs end: greedy eval correct rate, and the sampled correct rate (mean of the first/last 3 steps)."""
+    """Start vs end: eval correct rates (greedy, sampled), and the training batches' sampled correct rate
+    (mean of the first / last 3 steps)."""
     records = read_metrics(metrics_path)
-    evals = [r for r in records if r.get("eval/correct_rate") is not None]
     sampled = [r["objective/verifiable_correct_rate"] for r in records if r.get("objective/verifiable_correct_rate") is not None]
     summary = {}
-    if evals:
-        summary["eval_correct_rate_start"] = evals[0]["eval/correct_rate"]
-        summary["eval_correct_rate_end"] = evals[-1]["eval/correct_rate"]
+    for key in ("eval/correct_rate", "eval/sampled_correct_rate"):
+        values = [r[key] for r in records if r.get(key) is not None]
+        if values:
+            name = key.removeprefix("eval/")
+            summary[f"eval_{name}_start"], summary[f"eval_{name}_end"] = values[0], values[-1]
     if sampled:
         window = min(3, len(sampled))
         summary["sampled_correct_rate_start"] = sum(sampled[:window]) / window

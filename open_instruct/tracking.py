@@ -28,6 +28,7 @@ DEFAULT_PLOT_KEYS = (
     "objective/rlhf_reward",
     "objective/kl",
     "eval/correct_rate",
+    "eval/sampled_correct_rate",
     "loss/policy_avg",
     "loss/value_avg",
     "val/sequence_lengths",

@@ -209,6 +209,7 @@ def test_every_step_logs_finite_metrics_and_the_expected_policy_versions(run_fix
     assert evals[0]["step"] == 1 and evals[0]["eval/policy_version"] == 0
     assert evals[-1]["step"] == run.num_steps and evals[-1]["eval/policy_version"] == run.num_steps
     assert all(is_finite_number(line["eval/correct_rate"]) for line in evals)
+    assert all(0.0 <= line["eval/sampled_correct_rate"] <= 1.0 for line in evals)
     assert len(run.eval_rows(policy_version=run.num_steps)) == len(EVAL_QUESTIONS)
 
 
