@@ -61,3 +61,36 @@ def test_transformers_and_vllm_agree_greedily(engine_and_model):
         hf_output = model.generate(input_ids, max_new_tokens=16, do_sample=False, eos_token_id=tokenizer.eos_token_id)
     hf_tokens = hf_output[0, input_ids.shape[1] :].tolist()
     assert vllm_tokens == hf_tokens, f"vLLM {tokenizer.decode(vllm_tokens)!r} != HF {tokenizer.decode(hf_tokens)!r}"
+
+
+def test_learner_logprobs_match_the_engine_on_left_padded_batches(engine_and_model):
+    """The PPO ratio and KL need the learner's logprob of each sampled token to be the engine's.
+
+    Prompts of different lengths are left-padded in one batch, so attending to the padding shows up as a
+    large disagreement on the padded row (checked: it fails then). A constant shift of position ids does
+    not: RoPE sees relative positions only. Tolerance: bf16 rounding (observed mean difference ~0.03).
+    """
+    from vllm import SamplingParams
+
+    from open_instruct.dataset_transformation import left_pad
+    from open_instruct.model_utils import response_logprobs
+
+    llm, model, tokenizer, prompts = engine_and_model
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=16, logprobs=0, seed=0)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    samples = [(prompts[i], s) for i, output in enumerate(outputs) for s in output.outputs]
+    query, query_mask = left_pad([prompt for prompt, _ in samples], tokenizer.pad_token_id)
+    assert (query_mask == 0).any(), "the prompts should have different lengths, so that one row is padded"
+    response = torch.full((len(samples), 16), tokenizer.pad_token_id)
+    response_mask = torch.zeros(len(samples), 16, dtype=torch.long)
+    for row, (_, sample) in enumerate(samples):
+        response[row, : len(sample.token_ids)] = torch.tensor(sample.token_ids)
+        response_mask[row, : len(sample.token_ids)] = 1
+    with torch.no_grad():
+        learner_logprob, _ = response_logprobs(
+            model, torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1), query.shape[1], 1.0
+        )
+    for row, (_, sample) in enumerate(samples):
+        engine_logprob = torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])
+        difference = (learner_logprob[row, : len(sample.token_ids)] - engine_logprob).abs()
+        assert difference.mean() < 0.1, f"row {row}: learner and engine logprobs differ by {difference.mean():.3f}"
