@@ -78,7 +78,8 @@ def load_policy(path: str, device: torch.device, revision: str | None = None, tr
     except (OSError, ValueError) as error:
         raise explain_load_error("policy" if trainable else "reference policy", path, error) from error
     disable_dropout(model)
-    model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
+    if model.generation_config.pad_token_id is None:  # 0 is a valid pad id: test for None, not falsiness
+        model.generation_config.pad_token_id = model.config.eos_token_id
     model.to(device)
     if not trainable:
         model.eval().requires_grad_(False)

@@ -64,7 +64,9 @@ def prompt_batch(dataset, indices: list[int], tokenizer) -> PromptBatch:
     )
 
 
-def start_generation_thread(args: Args, policy_path: str, stop_token_ids: list[int], eval_dataset) -> GenerationThread:
+def start_generation_thread(
+    args: Args, policy_path: str, stop_token_ids: list[int], eval_prompts: PromptBatch | None
+) -> GenerationThread:
     settings = GenerationSettings(
         engine=EngineConfig(
             policy_path,
@@ -78,7 +80,7 @@ def start_generation_thread(args: Args, policy_path: str, stop_token_ids: list[i
         response_length=args.gen.response_length,
         stop_token_ids=stop_token_ids,
         stop_strings=args.gen.stop_strings,
-        eval_prompt_token_ids=list(eval_dataset["input_ids_prompt"]) if eval_dataset is not None else None,
+        eval_prompt_token_ids=eval_prompts.token_ids if eval_prompts is not None else None,
         eval_samples_per_prompt=args.run.eval_samples_per_prompt,
     )
     thread = GenerationThread(settings, timeout_s=args.gen.queue_timeout_s)
@@ -86,52 +88,50 @@ def start_generation_thread(args: Args, policy_path: str, stop_token_ids: list[i
     return thread
 
 
-def verifiable_correct_rate(completions, eval_dataset, reward_manager: RewardManager) -> float | None:
-    rows = [eval_dataset[c.prompt_index] for c in completions]
-    verifiable = [(c, row) for c, row in zip(completions, rows) if row["ground_truth"] is not None]
+def verifiable_correct_rate(completions, prompts: PromptBatch, reward_manager: RewardManager) -> float | None:
+    verifiable = [c for c in completions if prompts.ground_truths[c.prompt_index] is not None]
     if not verifiable or not reward_manager.config.apply_verifiable_reward:
         return None
     _, metrics = reward_manager.score(
-        [c.text for c, _ in verifiable],
-        [row["ground_truth"] for _, row in verifiable],
-        [row["dataset"] for _, row in verifiable],
-        [c.finish_reason == "stop" for c, _ in verifiable],
+        [c.text for c in verifiable],
+        [prompts.ground_truths[c.prompt_index] for c in verifiable],
+        [prompts.verifier_names[c.prompt_index] for c in verifiable],
+        [c.finish_reason == "stop" for c in verifiable],
     )
     return metrics["objective/verifiable_correct_rate"]
 
 
-def eval_metrics(rollout: Rollout, eval_dataset, reward_manager: RewardManager) -> tuple[dict, list[dict]]:
+def eval_metrics(rollout: Rollout, eval_prompts: PromptBatch, reward_manager: RewardManager) -> tuple[dict, list[dict]]:
     """Eval: greedy and sampled correct rates on the eval rows that have a ground truth, greedy length.
 
     Rows without a ground truth (reward-model-only data) count for the length only: the reward model
     belongs to the learner, and an eval that waited for it would stall the generation thread.
     """
     completions = rollout.completions
-    ground_truths = [eval_dataset[c.prompt_index]["ground_truth"] for c in completions]
     result = {
         "eval/sequence_lengths": sum(len(c.token_ids) for c in completions) / len(completions),
         "eval/policy_version": rollout.policy_version,
         "time/eval_generation": rollout.timings.get("eval_generation", 0.0),
     }
     for key, eval_completions in (("eval/correct_rate", completions), ("eval/sampled_correct_rate", rollout.sampled_completions)):
-        correct_rate = verifiable_correct_rate(eval_completions, eval_dataset, reward_manager)
+        correct_rate = verifiable_correct_rate(eval_completions, eval_prompts, reward_manager)
         if correct_rate is not None:
             result[key] = correct_rate
     samples = [
         {
             "policy_version": rollout.policy_version,
-            "prompt": eval_dataset[c.prompt_index]["messages"][-1]["content"],
-            "ground_truth": gt,
+            "prompt": eval_prompts.texts[c.prompt_index],
+            "ground_truth": eval_prompts.ground_truths[c.prompt_index],
             "response": c.text,
             "token_ids": c.token_ids,
         }
-        for c, gt in zip(completions, ground_truths)
+        for c in completions
     ]
     return result, samples
 
 
-def log_eval(generator, eval_dataset, reward_manager, logger: MetricsLogger, step: int) -> dict:
-    metrics, samples = eval_metrics(generator.receive_eval(), eval_dataset, reward_manager)
+def log_eval(generator, eval_prompts: PromptBatch, reward_manager, logger: MetricsLogger, step: int) -> dict:
+    metrics, samples = eval_metrics(generator.receive_eval(), eval_prompts, reward_manager)
     logger.log_samples(samples, step, name="eval_completions")
     return metrics
 
@@ -163,12 +163,15 @@ def train(args: Args, sizes: BatchSizes) -> dict:
     tokenizer = load_tokenizer(policy_path, args.model.model_revision)
     train_dataset, eval_dataset = build_prompt_datasets(args.data, tokenizer)
     reward_manager = RewardManager(args.reward)
-    reward_manager.validate(list(train_dataset["dataset"]) + (list(eval_dataset["dataset"]) if eval_dataset else []))
+    eval_verifier_names = list(eval_dataset["dataset"]) if eval_dataset is not None else []
+    reward_manager.validate(list(train_dataset["dataset"]) + eval_verifier_names)
     prompt_order = ShufflingIterator(len(train_dataset), sizes.prompts_per_step, args.run.seed)
     stop_token_ids = stop_token_ids_for(tokenizer, args.gen.stop_token)
+    # The eval split is small and fixed: read it from the dataset once, not row by row at every eval.
+    eval_prompts = prompt_batch(eval_dataset, list(range(len(eval_dataset))), tokenizer) if eval_dataset is not None else None
 
     # ---- models and the generation thread (the engine starts while the learner loads) ----
-    generator = start_generation_thread(args, policy_path, stop_token_ids, eval_dataset)
+    generator = start_generation_thread(args, policy_path, stop_token_ids, eval_prompts)
     if torch.cuda.is_available():
         generator.wait_until_ready()  # vLLM sizes its KV cache from free GPU memory: let it measure first
     learner = PPOLearner(args, sizes, tokenizer, policy_path, stop_token_ids)
@@ -186,7 +189,7 @@ def train(args: Args, sizes: BatchSizes) -> dict:
     def request_rollout(version: int) -> None:
         prompts = prompt_batch(train_dataset, next(prompt_order), tokenizer)
         run_eval = (
-            eval_dataset is not None
+            eval_prompts is not None
             and sizes.eval_freq > 0
             and version % sizes.eval_freq == 0
             and version not in evaluated_versions  # async sends version 0 twice
@@ -218,7 +221,7 @@ def train(args: Args, sizes: BatchSizes) -> dict:
             if not args.gen.async_mode and step < sizes.num_training_steps:
                 request_rollout(version=step)  # sync: the next batch comes from the policy just trained
             if request.run_eval:
-                metrics.update(log_eval(generator, eval_dataset, reward_manager, logger, step))
+                metrics.update(log_eval(generator, eval_prompts, reward_manager, logger, step))
 
             episode = step * sizes.rollout_batch_size
             metrics.update({
@@ -244,9 +247,9 @@ def train(args: Args, sizes: BatchSizes) -> dict:
         # ---- finish: evaluate the final policy (this also syncs its weights into vLLM), save, push ----
         final_step = sizes.num_training_steps
         final_eval = {}
-        if eval_dataset is not None:
+        if eval_prompts is not None:
             generator.send(GenerationRequest(final_step, learner.weights_for_engine(), [], run_eval=True))
-            final_eval = log_eval(generator, eval_dataset, reward_manager, logger, final_step)
+            final_eval = log_eval(generator, eval_prompts, reward_manager, logger, final_step)
             logger.log({**final_eval, "episode": final_step * sizes.rollout_batch_size}, final_step)
     finally:
         generator.shutdown()
