@@ -73,6 +73,11 @@ class GenerationArgs:
     stop_strings: list[str] = arg([], "Extra strings that end a response.", nargs="*")
     async_mode: bool = arg(True, "Generate batch k+1 with policy k while training on batch k (off by one).")
     vllm_gpu_memory_utilization: float = arg(0.4, "GPU memory fraction for vLLM (the learner shares the GPU).")
+    vllm_dtype: str = arg(
+        "auto",
+        "vLLM weights and compute dtype; auto: bfloat16 on GPUs, float32 on CPUs (bf16 is emulated without AVX-512).",
+        choices=["auto", "bfloat16", "float32", "float16"],
+    )
     vllm_enforce_eager: bool = arg(True, "Disable CUDA graphs in vLLM.")
     queue_timeout_s: float = arg(1800.0, "Longest wait on the generation thread before failing with a message.")
 

@@ -15,7 +15,7 @@ from open_instruct import rl_utils as rl
 from open_instruct.dataset_transformation import left_pad
 from open_instruct.ground_truth_utils import RewardManager
 from open_instruct.ppo_args import Args, BatchSizes
-from open_instruct.vllm_utils import Completion
+from open_instruct.vllm_utils import Completion, engine_dtype
 
 
 @dataclass
@@ -91,7 +91,8 @@ class PPOLearner:
         self.shuffle_generator = torch.Generator().manual_seed(args.run.seed)
 
     def weights_for_engine(self) -> list[tuple[str, torch.Tensor]]:
-        return mu.named_weights_for_engine(self.policy)
+        """The policy's weights, copied in the engine's dtype."""
+        return mu.named_weights_for_engine(self.policy, getattr(torch, engine_dtype(self.args.gen.vllm_dtype)))
 
     @property
     def lr(self) -> float:
@@ -104,14 +105,16 @@ class PPOLearner:
         ppo, gen, device = self.args.ppo, self.args.gen, self.device
         pad = self.tokenizer.pad_token_id
         query, query_mask = left_pad([prompts.token_ids[c.prompt_index] for c in completions], pad)
-        raw_response = torch.full((len(completions), gen.response_length), pad, dtype=torch.long)
         generated_length = torch.tensor([len(c.token_ids) for c in completions])
+        # As wide as the longest response in this batch, not --response_length: no compute on padding.
+        width = max(int(generated_length.max()), 1)
+        raw_response = torch.full((len(completions), width), pad, dtype=torch.long)
         for row, completion in enumerate(completions):
             raw_response[row, : len(completion.token_ids)] = torch.tensor(completion.token_ids)
         # PPO detail: truncate at the first stop token; the mask comes from lengths (pad may equal eos).
         response, stop_length = rl.truncate_response(raw_response, self.stop_token_ids, pad)
         response_length = torch.minimum(stop_length, generated_length)
-        response_mask = rl.response_mask_from_lengths(response_length, gen.response_length)
+        response_mask = rl.response_mask_from_lengths(response_length, width)
         stopped = [c.finish_reason == "stop" for c in completions]
 
         context_length = query.shape[1]

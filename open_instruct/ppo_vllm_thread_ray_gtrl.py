@@ -72,6 +72,7 @@ def start_generation_thread(
             policy_path,
             max_model_len=args.gen.max_token_length,
             seed=args.run.seed,
+            dtype=args.gen.vllm_dtype,
             gpu_memory_utilization=args.gen.vllm_gpu_memory_utilization,
             enforce_eager=args.gen.vllm_enforce_eager,
         ),

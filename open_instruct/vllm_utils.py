@@ -28,12 +28,22 @@ def configure_vllm_environment() -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
+def engine_dtype(requested: str | None = "auto") -> str:
+    """The engine's dtype name: `requested`, or for "auto"/None the project's inference dtype for this machine."""
+    if requested not in (None, "auto"):
+        return requested
+    from open_instruct.model_utils import inference_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return str(inference_dtype(device)).removeprefix("torch.")
+
+
 @dataclass
 class EngineConfig:
     model_path: str
     max_model_len: int
     seed: int = 0
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bf16 on GPUs, fp32 on CPUs (model_utils.inference_dtype says why)
     gpu_memory_utilization: float = 0.4  # the learner shares the GPU on a single-GPU run
     enforce_eager: bool = True  # CUDA graphs must be re-captured after each weight load otherwise
     max_num_seqs: int = 256
@@ -57,7 +67,7 @@ def create_engine(config: EngineConfig):
     kwargs = dict(
         model=config.model_path,
         tokenizer=config.model_path,
-        dtype=config.dtype,
+        dtype=engine_dtype(config.dtype),
         seed=config.seed,
         max_model_len=config.max_model_len,
         enforce_eager=config.enforce_eager,

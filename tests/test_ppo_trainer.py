@@ -165,6 +165,8 @@ def sync_run(tiny_model_dir, eval_file, tmp_path_factory) -> SyncRun:
             "--num_evals", "1",
             "--dataset_mixer_eval_list", str(eval_file), "1.0",
             "--output_dir", str(workdir / "output"),
+            # The saved folder is bf16; an engine in bf16 holds exactly those weights (the async run covers fp32).
+            "--vllm_dtype", "bfloat16",
             "--with_tracking", "true",
             "--push_to_hub", "true",
             "--hf_endpoint", hub.endpoint,
@@ -396,6 +398,17 @@ def test_yaml_config_with_a_command_line_override(tmp_path):
     assert args.gen.async_mode is False
     assert args.gen.stop_strings == ["</answer>", "Question:"]
     assert args.ppo.num_epochs == 4  # not in the file: the default
+
+
+@pytest.mark.parametrize("name", ["ppo_arithmetic_cpu.yaml", "ppo_arithmetic_gpu.yaml"])
+def test_shipped_debug_configs_parse_into_consistent_sizes(name):
+    """ppo.sh runs these files; a key the dataclasses do not know, or sizes that do not divide, fails here."""
+    args = parse_args([str(TESTS_DIR.parent / "configs" / "train_configs" / name)])
+    sizes = compute_batch_sizes(args)
+    rollout = args.ppo.local_rollout_batch_size * args.ppo.number_samples_per_prompt
+    assert sizes.num_training_steps * rollout <= args.ppo.total_episodes
+    assert sizes.mini_batch_size * args.ppo.num_mini_batches == rollout
+    assert args.gen.response_length + args.data.max_prompt_token_length <= args.gen.max_token_length
 
 
 def sizes_error(*flags: str) -> str:

@@ -4,7 +4,7 @@
 
 PROMPTS_JSON is a file holding a list of prompt token-id lists; the output is one list of completion token ids
 per prompt, in order. tests/test_ppo_trainer.py runs it as a subprocess, because one process cannot reliably
-create a second in-process vLLM engine. The engine settings are the trainer's (bf16, the model's tokenizer, the
+create a second in-process vLLM engine. The engine settings are the sync test run's (bf16, the model's tokenizer, the
 EOS token as the stop token), so the same weights must give the same greedy tokens as the trainer's eval.
 """
 
@@ -17,7 +17,7 @@ from open_instruct.vllm_utils import EngineConfig, create_engine, generate, samp
 
 def greedy_completions(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     tokenizer = load_tokenizer(model_dir)
-    llm = create_engine(EngineConfig(model_dir, max_model_len=512))
+    llm = create_engine(EngineConfig(model_dir, max_model_len=512, dtype="bfloat16"))
     params = sampling_params(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=[tokenizer.eos_token_id])
     return [completion.token_ids for completion in generate(llm, prompts, params)]
 
