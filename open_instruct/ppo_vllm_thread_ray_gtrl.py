@@ -114,7 +114,8 @@ def eval_metrics(rollout: Rollout, eval_prompts: PromptBatch, reward_manager: Re
         "eval/policy_version": rollout.policy_version,
         "time/eval_generation": rollout.timings.get("eval_generation", 0.0),
     }
-    for key, eval_completions in (("eval/correct_rate", completions), ("eval/sampled_correct_rate", rollout.sampled_completions)):
+    by_key = {"eval/correct_rate": completions, "eval/sampled_correct_rate": rollout.sampled_completions}
+    for key, eval_completions in by_key.items():
         correct_rate = verifiable_correct_rate(eval_completions, eval_prompts, reward_manager)
         if correct_rate is not None:
             result[key] = correct_rate
@@ -163,13 +164,14 @@ def train(args: Args, sizes: BatchSizes) -> dict:
     policy_path = resolve_model_path(args.model.model_name_or_path)
     tokenizer = load_tokenizer(policy_path, args.model.model_revision)
     train_dataset, eval_dataset = build_prompt_datasets(args.data, tokenizer)
+    # The eval split is small and fixed: read it from the dataset once, not row by row at every eval.
+    eval_prompts = None
+    if eval_dataset is not None:
+        eval_prompts = prompt_batch(eval_dataset, list(range(len(eval_dataset))), tokenizer)
     reward_manager = RewardManager(args.reward)
-    eval_verifier_names = list(eval_dataset["dataset"]) if eval_dataset is not None else []
-    reward_manager.validate(list(train_dataset["dataset"]) + eval_verifier_names)
+    reward_manager.validate(list(train_dataset["dataset"]) + (eval_prompts.verifier_names if eval_prompts else []))
     prompt_order = ShufflingIterator(len(train_dataset), sizes.prompts_per_step, args.run.seed)
     stop_token_ids = stop_token_ids_for(tokenizer, args.gen.stop_token)
-    # The eval split is small and fixed: read it from the dataset once, not row by row at every eval.
-    eval_prompts = prompt_batch(eval_dataset, list(range(len(eval_dataset))), tokenizer) if eval_dataset is not None else None
 
     # ---- models and the generation thread (the engine starts while the learner loads) ----
     generator = start_generation_thread(args, policy_path, stop_token_ids, eval_prompts)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from open_instruct.model_utils import inference_dtype, learner_device
+
 
 def configure_vllm_environment() -> None:
     """Set vLLM's environment before `import vllm` reads it (user settings win).
@@ -32,10 +34,7 @@ def engine_dtype(requested: str | None = "auto") -> str:
     """The engine's dtype name: `requested`, or for "auto"/None the project's inference dtype for this machine."""
     if requested not in (None, "auto"):
         return requested
-    from open_instruct.model_utils import inference_dtype
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return str(inference_dtype(device)).removeprefix("torch.")
+    return str(inference_dtype(learner_device())).removeprefix("torch.")
 
 
 @dataclass

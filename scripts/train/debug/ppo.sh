@@ -5,7 +5,7 @@
 #   bash scripts/train/debug/ppo.sh
 #   bash scripts/train/debug/ppo.sh --total_episodes 64 --async_mode false
 #
-# On a GPU it uses configs/train_configs/ppo_arithmetic_gpu.yaml; on a CPU the 2-core ~10 minute
+# On a GPU it uses configs/train_configs/ppo_arithmetic_gpu.yaml; on a CPU the 2-core ~14 minute
 # configs/train_configs/ppo_arithmetic_cpu.yaml. Results: output/ppo_arithmetic_debug/
 # (metrics.jsonl, training_curves.png, summary.json, model/).
 set -euo pipefail
