@@ -93,6 +93,7 @@ class GenerationThread(threading.Thread):
             max_tokens=settings.response_length,
             stop_token_ids=settings.stop_token_ids,
             stop_strings=settings.stop_strings,
+            with_logprobs=True,  # the learner checks every step that it computes the same logprobs
         )  # no per-request seed: the engine's seeded generator must advance, or every step replays one stream
         eval_params = vllm_utils.sampling_params(
             n=1,

@@ -180,6 +180,7 @@ def write_model_card(
     wandb_url: str | None,
     training_args: dict,
     metrics: dict | None,
+    weights_dtype: str | None = None,
     command: str | None = None,
 ) -> str:
     """Write `{folder}/README.md`: Hub metadata (front matter), what was trained and how, final metrics, wandb link.
@@ -212,6 +213,8 @@ def write_model_card(
         "",
         f"- Datasets: {datasets_text}",
     ]
+    if weights_dtype:
+        lines.append(f"- Weights: saved in {weights_dtype} (the `dtype` in config.json)")
     if wandb_url:
         lines.append(f"- Training run (metrics, sample completions): [{wandb_url}]({wandb_url})")
     lines += ["", "## Training configuration", ""]

@@ -80,6 +80,12 @@ class GenerationArgs:
     )
     vllm_enforce_eager: bool = arg(True, "Disable CUDA graphs in vLLM.")
     queue_timeout_s: float = arg(1800.0, "Longest wait on the generation thread before failing with a message.")
+    max_vllm_logprob_diff: float = arg(
+        0.5,
+        "Stop the run when the mean |learner - vLLM| logprob of the sampled tokens passes this (nats per token): the "
+        "engine is then not sampling from the learner's weights. Sync mode with an fp32 engine: ~1e-5; a bf16 "
+        "engine or async mode's one-version lag add to it (see docs/ppo_details.md). 0 turns the check off.",
+    )
 
 
 @dataclass
@@ -89,6 +95,12 @@ class RunArgs:
     seed: int = arg(1, "Seed of torch, sampling and data order.")
     output_dir: str = arg("output/ppo", "Where metrics, checkpoints and the final model go.")
     save_freq: int = arg(-1, "Save a checkpoint every N steps (-1: only the final model).")
+    save_dtype: str = arg(
+        "float32",
+        "dtype of the saved model, checkpoints and what is pushed. float32: the trained (fp32 master) weights "
+        "exactly. bfloat16 halves the files but can round small updates away: the run then reports how much.",
+        choices=["float32", "bfloat16", "float16"],
+    )
     num_evals: int = arg(4, "Evals on the eval split over the run (plus one at the start).")
     eval_samples_per_prompt: int = arg(
         4, "Besides greedy, sample this many responses per eval prompt at --temperature (0: greedy only)."

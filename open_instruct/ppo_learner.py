@@ -29,6 +29,17 @@ class PromptBatch:
 
 
 @dataclass
+class SavedModel:
+    """What `PPOLearner.save` wrote: where, in which dtype, a digest of the weights as stored, and for a save
+    in lower precision than training, how much of the update the rounding removed (`rounding_report`)."""
+
+    path: str
+    dtype: str
+    weights_sha256: str
+    rounding: dict[str, float] | None = None
+
+
+@dataclass
 class Experience:
     """Everything the PPO epochs need about one rollout batch (on the learner device)."""
 
@@ -148,6 +159,11 @@ class PPOLearner:
             rm_score,
         )
         score = score.to(device)
+        engine_logprob = torch.full(logprob.shape, torch.nan)
+        for row, completion in enumerate(completions):
+            if completion.logprobs is not None:
+                engine_logprob[row, : len(completion.logprobs)] = torch.tensor(completion.logprobs)
+        agreement = rl.logprob_agreement(logprob, engine_logprob.to(device), response_mask)
 
         kl = rl.compute_kl(logprob, ref_logprob, ppo.kl_estimator)
         reward_beta = 0.0 if ppo.kl_in_loss else ppo.beta  # with --kl_in_loss the KL is a loss term instead
@@ -169,6 +185,11 @@ class PPOLearner:
             "val/num_stop_token_ids": float(sum(stopped)),
             "val/advantage_mean": rl.masked_mean(advantage, response_mask).item(),
             "val/value_mean": rl.masked_mean(value, response_mask).item(),
+            "debug/vllm_vs_learner_logprob_diff_mean": agreement["diff_mean"].item(),
+            "debug/vllm_vs_learner_logprob_diff_max": agreement["diff_max"].item(),
+            "debug/vllm_vs_learner_ratio_mean": agreement["ratio_mean"].item(),
+            "debug/vllm_vs_learner_ratio_min": agreement["ratio_min"].item(),
+            "debug/vllm_vs_learner_ratio_max": agreement["ratio_max"].item(),
             **reward_metrics,
         }
         samples = {"score": score.tolist(), "response_length": response_length.tolist()}
@@ -201,9 +222,9 @@ class PPOLearner:
                         new_logprob, exp.logprob[micro], exp.advantage[micro], mask, ppo.cliprange
                     )
                     vf_loss, vf_clipfrac = rl.value_loss(
-                        new_value, exp.value[micro], exp.return_[micro], mask, ppo.cliprange_value, ppo.vf_coef
+                        new_value, exp.value[micro], exp.return_[micro], mask, ppo.cliprange_value
                     )
-                    loss = pg_loss + vf_loss
+                    loss = pg_loss + ppo.vf_coef * vf_loss  # vf_loss is logged unweighted, as open-instruct does
                     if ppo.kl_in_loss:
                         loss = loss + ppo.beta * rl.kl_penalty_loss(new_logprob, exp.ref_logprob[micro], mask, "k3")
                     (loss / accumulation).backward()
@@ -235,5 +256,13 @@ class PPOLearner:
             "val/ratio": mean("ratio"),
         }
 
-    def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> str:
-        return mu.save_hf_folder(self.policy, self.tokenizer, output_dir, extra_files)
+    def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel:
+        """Save the policy as an HF folder in `--save_dtype` (default fp32: exactly the trained weights)."""
+        dtype = getattr(torch, self.args.run.save_dtype)
+        state_dict = mu.state_dict_for_saving(self.policy, dtype)
+        path = mu.save_hf_folder(self.policy, self.tokenizer, output_dir, state_dict, extra_files)
+        rounding = None
+        if dtype.itemsize < 4:  # the fp32 master weights lose precision: measure against the initial policy
+            initial = dict(self.ref_policy.named_parameters())
+            rounding = mu.rounding_report(dict(self.policy.named_parameters()), initial, dtype)
+        return SavedModel(path, self.args.run.save_dtype, mu.weights_sha256(state_dict), rounding)

@@ -29,7 +29,7 @@ from open_instruct.generation_thread import GenerationRequest, GenerationSetting
 from open_instruct.ground_truth_utils import RewardManager
 from open_instruct.model_utils import load_tokenizer
 from open_instruct.ppo_args import Args, BatchSizes, compute_batch_sizes, parse_args
-from open_instruct.ppo_learner import PPOLearner, PromptBatch
+from open_instruct.ppo_learner import PPOLearner, PromptBatch, SavedModel
 from open_instruct.tracking import MetricsLogger, format_progress, plot_training_curves, read_metrics
 from open_instruct.vllm_utils import EngineConfig
 
@@ -156,6 +156,19 @@ def expected_rollout_version(step: int, async_mode: bool) -> int:
     return max(0, step - 2) if async_mode else step - 1
 
 
+def check_engine_matches_learner(metrics: dict, max_diff: float, step: int) -> None:
+    """Stop before training on a rollout that the engine did not sample from the learner's weights."""
+    diff = metrics["debug/vllm_vs_learner_logprob_diff_mean"]
+    if max_diff > 0 and not diff <= max_diff:  # `not <=`: a NaN difference stops the run too
+        raise RuntimeError(
+            f"Step {step}: vLLM and the learner disagree on the logprobs of the sampled tokens by {diff:.4g} nats "
+            f"per token on average (limit --max_vllm_logprob_diff {max_diff:g}), so the engine is not sampling "
+            f"from the learner's weights (a failed or partial weight sync) and the rollouts are off-policy. "
+            f"Look at the debug/vllm_vs_learner_* metrics; if the gap is expected (a bf16 engine, async mode at a "
+            f"high learning rate), raise --max_vllm_logprob_diff."
+        )
+
+
 def train(args: Args, sizes: BatchSizes) -> dict:
     torch.manual_seed(args.run.seed)
     start_time = time.time()
@@ -218,6 +231,7 @@ def train(args: Args, sizes: BatchSizes) -> dict:
 
             scoring_start = time.time()
             experience, metrics, samples = learner.make_experience(request.prompts, rollout.completions, reward_manager)
+            check_engine_matches_learner(metrics, args.gen.max_vllm_logprob_diff, step)
             training_start = time.time()
             metrics.update(learner.train(experience))
             training_time = time.time() - training_start
@@ -279,13 +293,35 @@ def summarize(metrics_path: str) -> dict:
     return summary
 
 
+def report_save_rounding(saved: SavedModel) -> dict:
+    """Summary entries for a save in lower precision than training, with a warning when it lost most updates."""
+    if saved.rounding is None:
+        return {}
+    fraction = saved.rounding["fraction_rounded_away"]
+    if fraction > 0.5:
+        print(
+            f"[ppo] WARNING: saving in {saved.dtype} rounded {fraction:.0%} of the changed weights back to their "
+            f"initial value: {saved.path} holds little of the training. Save with --save_dtype float32.",
+            file=sys.stderr,
+        )
+    return {"save/fraction_of_changed_weights_rounded_away": fraction}
+
+
 def finish(args: Args, learner: PPOLearner, logger: MetricsLogger, final_eval: dict) -> dict:
-    model_dir = learner.save(
+    saved = learner.save(
         os.path.join(args.run.output_dir, "model"), extra_files={"open_instruct_args.json": args.as_flat_dict()}
     )
+    model_dir = saved.path
     metrics_path = os.path.join(args.run.output_dir, "metrics.jsonl")
     plot_path = plot_training_curves(metrics_path, os.path.join(args.run.output_dir, "training_curves.png"))
-    summary = {**summarize(metrics_path), "model_dir": model_dir, "plot": plot_path}
+    summary = {
+        **summarize(metrics_path),
+        "model_dir": model_dir,
+        "save_dtype": saved.dtype,
+        "weights_sha256": saved.weights_sha256,
+        **report_save_rounding(saved),
+        "plot": plot_path,
+    }
     if args.run.push_to_hub:
         repo_id, revision = hub_utils.resolve_hub_repo(
             args.run.hf_entity, args.run.hf_repo_id, args.run.exp_name, args.run.hf_repo_revision, args.run.run_name,
@@ -299,6 +335,7 @@ def finish(args: Args, learner: PPOLearner, logger: MetricsLogger, final_eval: d
             wandb_url=logger.wandb_url,
             training_args=args.as_flat_dict(),
             metrics={**final_eval, **summary},
+            weights_dtype=saved.dtype,
             command=" ".join(["python -m open_instruct.ppo_vllm_thread_ray_gtrl", *sys.argv[1:]]),
         )
         summary["hub_url"] = hub_utils.push_folder_to_hub(

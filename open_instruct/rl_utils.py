@@ -252,3 +252,32 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
         label_logit = scaled.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)  # [seq]
         logprob_rows.append(label_logit - torch.logsumexp(scaled, dim=-1))
     return torch.stack(logprob_rows)
+
+
+def logprob_agreement(
+    learner_logprob: torch.Tensor, engine_logprob: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How far the engine's logprobs of the sampled tokens are from the learner's. Inputs [batch, response_len].
+
+    Compared where the response mask is true and the engine gave a logprob (NaN marks one it did not give,
+    e.g. a stop token added back after generation). In sync mode the learner's logprob is of the very weights
+    the engine sampled with, so the difference is numerical only (fp32: ~1e-5); a failed or partial weight
+    sync makes it grow. In async mode it also holds one policy update (the engine is one version behind).
+    Returns scalars: the mean and max absolute difference, and the mean, min and max of the importance ratio
+    exp(learner - engine), the weight an off-policy correction would give each token. With no comparable
+    token every value is 0 (ratios 1).
+    """
+    valid = response_mask.bool() & torch.isfinite(engine_logprob)
+    log_ratio = _select(learner_logprob - engine_logprob, valid)  # 0 where not valid: ratio 1
+    ratio = torch.exp(log_ratio)
+    difference = log_ratio.abs()
+    if not valid.any():
+        zero, one = torch.zeros(()), torch.ones(())
+        return {"diff_mean": zero, "diff_max": zero, "ratio_mean": one, "ratio_min": one, "ratio_max": one}
+    return {
+        "diff_mean": masked_mean(difference, valid),
+        "diff_max": difference[valid].max(),
+        "ratio_mean": masked_mean(ratio, valid),
+        "ratio_min": ratio[valid].min(),
+        "ratio_max": ratio[valid].max(),
+    }

@@ -32,6 +32,9 @@ DEFAULT_PLOT_KEYS = (
     "loss/policy_avg",
     "loss/value_avg",
     "val/sequence_lengths",
+    "debug/vllm_vs_learner_logprob_diff_mean",
+    "debug/vllm_vs_learner_logprob_diff_max",
+    "debug/vllm_vs_learner_ratio_mean",
 )
 
 # Short labels for the one-line progress summary; a key not listed here shows its last path component.

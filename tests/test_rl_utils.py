@@ -378,3 +378,29 @@ def test_entropy_from_logits():
     torch.testing.assert_close(rl_utils.entropy_from_logits(logits), -(log_probs.exp() * log_probs).sum(-1))
     # large logits must not overflow
     assert torch.isfinite(rl_utils.entropy_from_logits(1e4 * torch.randn(2, 11, generator=generator))).all()
+
+
+# ---- engine vs learner logprobs ---------------------------------------------------------------------------------
+
+
+def test_logprob_agreement_compares_real_tokens_the_engine_scored():
+    nan = float("nan")
+    learner = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, 9.0]])
+    # Row 0: the stop token added back after generation has no engine logprob. Row 1: the last column is padding.
+    engine = torch.tensor([[-1.5, -2.0, nan], [-0.1, -2.0, nan]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    result = rl_utils.logprob_agreement(learner, engine, mask)
+    # Compared tokens: differences 0.5, 0.0, 0.0, -1.0 (learner - engine).
+    assert result["diff_mean"].item() == pytest.approx(1.5 / 4)
+    assert result["diff_max"].item() == pytest.approx(1.0)
+    ratios = torch.exp(torch.tensor([0.5, 0.0, 0.0, -1.0]))
+    assert result["ratio_mean"].item() == pytest.approx(ratios.mean().item())
+    assert result["ratio_min"].item() == pytest.approx(ratios.min().item())
+    assert result["ratio_max"].item() == pytest.approx(ratios.max().item())
+
+
+def test_logprob_agreement_with_nothing_to_compare_is_neutral():
+    result = rl_utils.logprob_agreement(torch.zeros(2, 2), torch.full((2, 2), float("nan")), torch.ones(2, 2, dtype=torch.bool))
+    assert {key: value.item() for key, value in result.items()} == {
+        "diff_mean": 0.0, "diff_max": 0.0, "ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0,
+    }  # fmt: skip

@@ -1,10 +1,10 @@
 """Greedy completions of a saved model folder by a fresh vLLM engine, printed as JSON on the last stdout line.
 
-    python tests/vllm_greedy.py MODEL_DIR PROMPTS_JSON MAX_TOKENS
+    python tests/vllm_greedy.py MODEL_DIR PROMPTS_JSON MAX_TOKENS DTYPE
 
 PROMPTS_JSON is a file holding a list of prompt token-id lists; the output is one list of completion token ids
 per prompt, in order. tests/test_ppo_trainer.py runs it as a subprocess, because one process cannot reliably
-create a second in-process vLLM engine. The engine settings are the sync test run's (bf16, the model's tokenizer, the
+create a second in-process vLLM engine. The engine settings are the trainer's (DTYPE, the model's tokenizer, the
 EOS token as the stop token), so the same weights must give the same greedy tokens as the trainer's eval.
 """
 
@@ -15,15 +15,15 @@ from open_instruct.model_utils import load_tokenizer
 from open_instruct.vllm_utils import EngineConfig, create_engine, generate, sampling_params
 
 
-def greedy_completions(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy_completions(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str) -> list[list[int]]:
     tokenizer = load_tokenizer(model_dir)
-    llm = create_engine(EngineConfig(model_dir, max_model_len=512, dtype="bfloat16"))
+    llm = create_engine(EngineConfig(model_dir, max_model_len=512, dtype=dtype))
     params = sampling_params(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=[tokenizer.eos_token_id])
     return [completion.token_ids for completion in generate(llm, prompts, params)]
 
 
 if __name__ == "__main__":
-    model_dir, prompts_path, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model_dir, prompts_path, max_tokens, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     with open(prompts_path) as f:
         prompts = json.load(f)
-    print(json.dumps(greedy_completions(model_dir, prompts, max_tokens)))
+    print(json.dumps(greedy_completions(model_dir, prompts, max_tokens, dtype)))

@@ -1,0 +1,112 @@
+"""Evaluate saved models the way a user would use them: a fresh vLLM engine on each folder, verifiable prompts.
+
+    python -m open_instruct.evaluate output/ppo_arithmetic_debug/model embedded      # trained vs base model
+    python -m open_instruct.evaluate MODEL --dataset_mixer_list data/test.jsonl 1.0 --temperature 1.0 --samples 16
+
+For each model: the greedy correct rate (one response per prompt at temperature 0) and the sampled correct rate
+(`--samples` responses per prompt at `--temperature`), graded by each row's verifier. By default the prompts are
+every question of the embedded arithmetic task (train and test splits together: all 81 one-digit additions), so
+the trained policy is measured on the questions it trained on and on the held-out ones. Prints a table and,
+with `--output_json`, writes the results.
+
+The engine is built from the saved folder alone, in `--dtype` (auto: the learner's dtype, fp32 on CPUs), so the
+numbers are those of what was saved or pushed, not of the weights a training run still holds in memory.
+"""
+
+import gc
+import json
+import time
+from dataclasses import dataclass, field
+
+from transformers import HfArgumentParser
+
+from open_instruct.dataset_transformation import DatasetArgs, build_prompt_datasets
+from open_instruct.embedded_model import resolve_model_path
+from open_instruct.ground_truth_utils import RewardConfig, RewardManager
+from open_instruct.model_utils import load_tokenizer
+from open_instruct.ppo_learner import PromptBatch
+from open_instruct.ppo_vllm_thread_ray_gtrl import prompt_batch, stop_token_ids_for, verifiable_correct_rate
+from open_instruct.vllm_utils import EngineConfig, create_engine, generate, sampling_params
+
+
+@dataclass
+class EvalArgs:
+    models: list[str] = field(
+        metadata={"help": "Model folders (or 'embedded', or hub ids) to evaluate, one engine each.", "nargs": "+"}
+    )
+    samples: int = field(default=16, metadata={"help": "Sampled responses per prompt (0: greedy only)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the sampled rate."})
+    response_length: int = field(default=32, metadata={"help": "Maximum new tokens per response."})
+    max_model_len: int = field(default=512, metadata={"help": "vLLM max_model_len (prompt + response tokens)."})
+    dtype: str = field(default="auto", metadata={"help": "Engine dtype: auto (the learner's), float32, bfloat16."})
+    seed: int = field(default=0, metadata={"help": "Engine seed (the sampled responses)."})
+    output_json: str | None = field(default=None, metadata={"help": "Write the results here as JSON."})
+
+
+def eval_prompts(data_args: DatasetArgs, tokenizer) -> dict[str, PromptBatch]:
+    """Named prompt sets: the train and eval mixes of `data_args`, and both together as 'all'."""
+    train, evaluation = build_prompt_datasets(data_args, tokenizer)
+    sets = {"train": prompt_batch(train, list(range(len(train))), tokenizer)}
+    if evaluation is not None:
+        sets["test"] = prompt_batch(evaluation, list(range(len(evaluation))), tokenizer)
+        sets["all"] = PromptBatch(*(getattr(sets["train"], f) + getattr(sets["test"], f) for f in vars(sets["train"])))
+    return sets
+
+
+def evaluate_model(model: str, args: EvalArgs, data_args: DatasetArgs) -> dict:
+    path = resolve_model_path(model)
+    tokenizer = load_tokenizer(path)
+    prompt_sets = eval_prompts(data_args, tokenizer)
+    reward_manager = RewardManager(RewardConfig())
+    reward_manager.validate(prompt_sets["train"].verifier_names)
+    llm = create_engine(EngineConfig(path, max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype))
+    stop_token_ids = stop_token_ids_for(tokenizer, "eos")
+    modes = {"greedy": (1, 0.0)} | ({"sampled": (args.samples, args.temperature)} if args.samples > 0 else {})
+    result = {"model": model, "path": path}
+    for mode, (n, temperature) in modes.items():
+        params = sampling_params(
+            n=n, temperature=temperature, max_tokens=args.response_length, stop_token_ids=stop_token_ids
+        )
+        for name, prompts in prompt_sets.items():
+            if name == "all":  # computed from the two splits' responses below: no second generation
+                continue
+            start = time.time()
+            completions = generate(llm, prompts.token_ids, params)
+            result[f"{mode}_{name}"] = verifiable_correct_rate(completions, prompts, reward_manager)
+            result[f"{mode}_{name}_responses"] = len(completions)
+            print(f"[eval] {model}: {mode} on {name} ({len(completions)} responses) in {time.time() - start:.1f}s")
+        if "test" in prompt_sets:
+            counts = [result[f"{mode}_{name}_responses"] for name in ("train", "test")]
+            rates = [result[f"{mode}_{name}"] for name in ("train", "test")]
+            result[f"{mode}_all"] = sum(c * r for c, r in zip(counts, rates)) / sum(counts)
+            result[f"{mode}_all_responses"] = sum(counts)
+    del llm
+    gc.collect()  # one engine at a time: free this one before the next model's
+    return result
+
+
+def format_table(results: list[dict]) -> str:
+    columns = [key for key in results[0] if key not in ("model", "path") and not key.endswith("_responses")]
+    lines = ["| model | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
+    for result in results:
+        lines.append(f"| {result['model']} | " + " | ".join(f"{result[c]:.3f}" for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args, data_args = HfArgumentParser((EvalArgs, DatasetArgs)).parse_args_into_dataclasses(args=argv)
+    if not data_args.dataset_mixer_list:  # the embedded task: both splits, i.e. every question
+        from open_instruct.embedded_model import arithmetic_data_path
+
+        data_args.dataset_mixer_list = [arithmetic_data_path(), "1.0"]
+        data_args.dataset_mixer_eval_list = data_args.dataset_mixer_eval_list or [arithmetic_data_path(), "1.0"]
+    results = [evaluate_model(model, args, data_args) for model in args.models]
+    print(format_table(results))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""model_utils: what is saved (dtype, digest, rounding report) and dropout off in every forward."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file as load_safetensors
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from open_instruct import model_utils as mu
+
+
+def test_rounding_report_counts_updates_that_bf16_rounds_back_to_the_initial_value():
+    initial = {"w": torch.tensor([1.0, 1.0, 1.0, 0.5])}
+    # bf16 has 8 significant bits: near 1.0 its step is 2**-7 = 0.0078125.
+    trained = {"w": torch.tensor([1.0 + 1e-4, 1.0 + 0.02, 1.0, 0.5 - 1e-5]), "not_in_initial": torch.ones(3)}
+    report = mu.rounding_report(trained, initial, torch.bfloat16)
+    assert report == {"changed": 3.0, "rounded_away": 2.0, "fraction_rounded_away": pytest.approx(2 / 3)}
+    assert mu.rounding_report(trained, initial, torch.float32)["rounded_away"] == 0.0
+    assert mu.rounding_report(initial, initial, torch.bfloat16)["fraction_rounded_away"] == 0.0
+
+
+def test_weights_sha256_sees_names_dtypes_and_every_bit():
+    weights = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])}
+    digest = mu.weights_sha256(weights)
+    assert mu.weights_sha256(dict(reversed(weights.items()))) == digest  # order of the dict does not matter
+    assert mu.weights_sha256({**weights, "a": torch.tensor([1.0, 2.0 + 2e-7])}) != digest
+    assert mu.weights_sha256({**weights, "a": weights["a"].double()}) != digest
+    assert mu.weights_sha256({"c": weights["a"], "b": weights["b"]}) != digest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_folder_holds_the_weights_in_the_asked_dtype_with_a_matching_config(tiny_model_dir, tmp_path, dtype):
+    model = mu.load_policy(tiny_model_dir, torch.device("cpu"))
+    with torch.no_grad():
+        model.model.norm.weight.add_(1e-5)  # an fp32 update below bf16's resolution
+    state_dict = mu.state_dict_for_saving(model, dtype)
+    folder = mu.save_hf_folder(model, AutoTokenizer.from_pretrained(tiny_model_dir), str(tmp_path / "model"), state_dict)
+    saved = load_safetensors(f"{folder}/model.safetensors")
+    assert "lm_head.weight" not in saved  # tied: stored once
+    assert mu.weights_sha256(saved) == mu.weights_sha256(state_dict)
+    assert AutoConfig.from_pretrained(folder).dtype == dtype
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    kept_update = torch.equal(reloaded.model.norm.weight, model.model.norm.weight)
+    assert kept_update == (dtype == torch.float32), "fp32 keeps the exact update; bf16 rounds it away"
+
+
+def test_attention_dropout_in_the_checkpoint_is_off_in_train_mode(tiny_model_dir, tmp_path):
+    """Attention modules copy config.attention_dropout when built; zeroing it afterwards left it on."""
+    with open(f"{tiny_model_dir}/config.json") as f:
+        config = json.load(f)
+    folder = tmp_path / "dropout_model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    for name in ("model.safetensors", "generation_config.json"):
+        shutil.copy(f"{tiny_model_dir}/{name}", folder / name)
+    input_ids = torch.tensor([[1, 5, 9, 14, 3, 8]])
+    for load in (
+        lambda: mu.load_policy(str(folder), torch.device("cpu")),
+        lambda: mu.load_scalar_model(str(folder), torch.device("cpu"), trainable=True, pad_token_id=0),
+    ):
+        model = load().train()
+        with torch.no_grad():
+            first, second = (model(input_ids=input_ids).logits for _ in range(2))
+        assert torch.equal(first, second), "two train-mode forwards differ: dropout is still on"
