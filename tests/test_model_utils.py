@@ -64,3 +64,14 @@ def test_attention_dropout_in_the_checkpoint_is_off_in_train_mode(tiny_model_dir
         with torch.no_grad():
             first, second = (model(input_ids=input_ids).logits for _ in range(2))
         assert torch.equal(first, second), "two train-mode forwards differ: dropout is still on"
+
+
+def test_a_save_that_rounds_most_of_the_update_away_warns_and_is_summarised(capsys):
+    from open_instruct.ppo_learner import SavedModel
+    from open_instruct.ppo_vllm_thread_ray_gtrl import report_save_rounding
+
+    lossy = SavedModel("out/model", "bfloat16", "digest", {"changed": 10.0, "rounded_away": 9.0, "fraction_rounded_away": 0.9})
+    assert report_save_rounding(lossy) == {"save/fraction_of_changed_weights_rounded_away": 0.9}
+    assert "rounded 90% of the changed weights back to their initial value" in capsys.readouterr().err
+    assert report_save_rounding(SavedModel("out/model", "float32", "digest")) == {}
+    assert capsys.readouterr().err == ""
