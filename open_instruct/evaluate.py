@@ -14,7 +14,9 @@ numbers are those of what was saved or pushed, not of the weights a training run
 """
 
 import gc
+import itertools
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -94,6 +96,10 @@ def format_table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    models = list(itertools.takewhile(lambda word: not word.startswith("--"), argv))
+    if models:  # `evaluate A B --flag ...`: the leading words are the models
+        argv = ["--models", *models, *argv[len(models) :]]
     args, data_args = HfArgumentParser((EvalArgs, DatasetArgs)).parse_args_into_dataclasses(args=argv)
     if not data_args.dataset_mixer_list:  # the embedded task: both splits, i.e. every question
         from open_instruct.embedded_model import arithmetic_data_path
