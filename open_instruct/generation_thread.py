@@ -93,8 +93,8 @@ class GenerationThread(threading.Thread):
         try:
             self.serve()
         except BaseException as error:  # noqa: BLE001 - everything must reach the learner
-            self.error = error
             self.error_traceback = traceback.format_exc()
+            self.error = error  # last: the learner reads the traceback as soon as it sees the error
 
     def serve(self) -> None:
         settings = self.settings

@@ -478,7 +478,10 @@ def cli(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except ckpt.Preempted as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(128 + error.signum)
+        sys.stdout.flush()
+        # Everything is on disk (fsynced) and the logs are closed; skip the interpreter's teardown of the in-process
+        # vLLM engine (measured: ~9 s on 2 cores), because the scheduler's grace period is running.
+        os._exit(128 + error.signum)
     except ckpt.NonFiniteError as error:
         if debug:
             traceback.print_exc()
