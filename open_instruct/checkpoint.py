@@ -91,11 +91,11 @@ def complete_checkpoints(output_dir: str) -> list[str]:
     return [os.path.join(root, name) for _, name in steps]
 
 
-def assert_finite_weights(model: torch.nn.Module, what: str) -> None:
+def assert_finite(state_dict: dict[str, torch.Tensor], what: str) -> None:
     """Non-finite weights are never written to disk."""
-    for name, param in model.named_parameters():
-        if not torch.isfinite(param).all():
-            raise NonFiniteError(f"the {what}'s weight {name} holds NaN or inf; refusing to save it")
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise NonFiniteError(f"{what}'s weight {name} holds NaN or inf; refusing to save it")
 
 
 class NonFiniteError(RuntimeError):
@@ -106,6 +106,8 @@ def save_checkpoint(
     output_dir: str, step: int, learner_state: dict, trainer_state: dict, args: Args, keep_last_n: int
 ) -> str:
     """Write checkpoints/step_{step} atomically (fsynced files, COMPLETE last, then a rename); prune old ones."""
+    assert_finite(learner_state["policy"], "the policy")
+    assert_finite(learner_state["value_model"], "the value model")
     root = os.path.join(output_dir, CHECKPOINTS)
     os.makedirs(root, exist_ok=True)
     final_dir = os.path.join(root, f"step_{step}")

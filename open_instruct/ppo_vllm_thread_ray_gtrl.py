@@ -93,6 +93,63 @@ class InFlight:
         )
 
 
+class RolloutRequests:
+    """The learner's side of the generation thread: which prompts go out with which policy, what is in flight.
+
+    Its state (the prompt order, the evals done, the request count that seeds vLLM's sampling, and the rollouts in
+    flight, received first) is part of a checkpoint.
+    """
+
+    def __init__(self, generator: GenerationThread, dataset, tokenizer, prompt_order: ShufflingIterator,
+                 eval_prompts: PromptBatch | None, eval_freq: int, seed: int):  # fmt: skip
+        self.generator, self.dataset, self.tokenizer = generator, dataset, tokenizer
+        self.prompt_order, self.eval_prompts, self.eval_freq, self.seed = prompt_order, eval_prompts, eval_freq, seed
+        self.in_flight: deque[InFlight] = deque()
+        self.evaluated_versions: set[int] = set()
+        self.requests_sent = 0
+
+    def next_sampling_seed(self) -> int:
+        self.requests_sent += 1
+        return ckpt.sampling_seed(self.seed, self.requests_sent - 1)
+
+    def send(self, version: int, weights: list | None) -> None:
+        indices = next(self.prompt_order)
+        prompts = prompt_batch(self.dataset, indices, self.tokenizer)
+        run_eval = (
+            self.eval_prompts is not None
+            and self.eval_freq > 0
+            and version % self.eval_freq == 0
+            and version not in self.evaluated_versions  # async sends version 0 twice
+        )
+        if run_eval:
+            self.evaluated_versions.add(version)
+        seed = self.next_sampling_seed()
+        self.generator.send(GenerationRequest(version, weights, prompts.token_ids, run_eval, sampling_seed=seed))
+        self.in_flight.append(InFlight(prompts, indices, version, run_eval))
+
+    def receive(self) -> tuple[InFlight, Rollout]:
+        """The oldest request and its rollout."""
+        request = self.in_flight.popleft()
+        return request, request.receive(self.generator)
+
+    def state_dict(self) -> dict:
+        for request in self.in_flight:  # the rollouts in flight are part of the state: wait for them, keep them
+            request.receive(self.generator)
+            if request.run_eval:
+                request.receive_eval(self.generator)
+        return {
+            "prompt_order": self.prompt_order.state_dict(),
+            "evaluated_versions": sorted(self.evaluated_versions),
+            "requests_sent": self.requests_sent,
+            "in_flight": [request.to_dict() for request in self.in_flight],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prompt_order.load_state_dict(state["prompt_order"])
+        self.evaluated_versions, self.requests_sent = set(state["evaluated_versions"]), state["requests_sent"]
+        self.in_flight.extend(InFlight.from_dict(item, self.dataset, self.tokenizer) for item in state["in_flight"])
+
+
 def stop_token_ids_for(tokenizer, stop_token: str | None) -> list[int]:
     if stop_token is None:
         return []
@@ -221,7 +278,6 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
     if eval_dataset is not None:
         eval_prompts = prompt_batch(eval_dataset, list(range(len(eval_dataset))), tokenizer)
     reward_manager = RewardManager(args.reward)
-    prompt_order = ShufflingIterator(len(train_dataset), sizes.prompts_per_step, args.run.seed)
     stop_token_ids = stop_token_ids_for(tokenizer, args.gen.stop_token)
     if resume is not None:  # steps after the checkpoint are logged again
         for name in ("metrics.jsonl", "samples.jsonl"):
@@ -246,58 +302,33 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
             if torch.cuda.is_available():
                 generator.wait_until_ready()  # vLLM sizes its KV cache from free GPU memory: let it measure first
             learner = PPOLearner(args, sizes, tokenizer, policy_path, stop_token_ids)
-            in_flight: deque[InFlight] = deque()
-            evaluated_versions: set[int] = set()
-            requests_sent = 0
+            prompt_order = ShufflingIterator(len(train_dataset), sizes.prompts_per_step, args.run.seed)
+            rollouts = RolloutRequests(
+                generator, train_dataset, tokenizer, prompt_order, eval_prompts, sizes.eval_freq, args.run.seed
+            )
             if resume is not None:
                 learner.load_state_dict(resume.learner_state)
-                state = resume.trainer_state
-                prompt_order.load_state_dict(state["prompt_order"])
-                evaluated_versions, requests_sent = set(state["evaluated_versions"]), state["requests_sent"]
-                in_flight.extend(InFlight.from_dict(item, train_dataset, tokenizer) for item in state["in_flight"])
+                rollouts.load_state_dict(resume.trainer_state)
 
             def request_rollout(version: int) -> None:
-                nonlocal requests_sent
-                indices = next(prompt_order)
-                prompts = prompt_batch(train_dataset, indices, tokenizer)
-                run_eval = (
-                    eval_prompts is not None
-                    and sizes.eval_freq > 0
-                    and version % sizes.eval_freq == 0
-                    and version not in evaluated_versions  # async sends version 0 twice
-                )
-                if run_eval:
-                    evaluated_versions.add(version)
-                weights = None if version == 0 else learner.weights_for_engine()  # the engine starts at version 0
-                seed = ckpt.sampling_seed(args.run.seed, requests_sent)
-                generator.send(GenerationRequest(version, weights, prompts.token_ids, run_eval, sampling_seed=seed))
-                in_flight.append(InFlight(prompts, indices, version, run_eval))
-                requests_sent += 1
+                rollouts.send(version, None if version == 0 else learner.weights_for_engine())  # engine starts at 0
 
             def save_checkpoint(step: int) -> str:
-                for request in in_flight:  # the rollout in flight is part of the state: wait for it, keep it
-                    request.receive(generator)
-                    if request.run_eval:
-                        request.receive_eval(generator)
-                ckpt.assert_finite_weights(learner.policy, "policy")
                 trainer_state = {
                     "step": step,
                     "episode": step * sizes.rollout_batch_size,
                     "policy_version": step,
                     "run_id": args.run.run_name,
                     "wandb_run_id": logger.wandb_run_id,
-                    "prompt_order": prompt_order.state_dict(),
-                    "evaluated_versions": sorted(evaluated_versions),
-                    "requests_sent": requests_sent,
-                    "in_flight": [request.to_dict() for request in in_flight],
                     "time_from_scratch": time.time() - start_time,
+                    **rollouts.state_dict(),
                 }
                 return ckpt.save_checkpoint(
                     args.run.output_dir, step, learner.state_dict(), trainer_state, args, args.run.keep_last_n
                 )
 
             # ---- the loop ----
-            if not in_flight:
+            if not rollouts.in_flight:
                 request_rollout(version=0)
             first_step = last_step + 1
             progress = tqdm(range(first_step, sizes.num_training_steps + 1), desc="ppo", dynamic_ncols=True,
@@ -308,8 +339,7 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
                 step_start = time.time()
                 if args.gen.async_mode and step < sizes.num_training_steps:
                     request_rollout(version=step - 1)  # policy k generates the next batch while we train on k-1's
-                request = in_flight.popleft()
-                rollout = request.receive(generator)
+                request, rollout = rollouts.receive()
                 learner_wait = time.time() - step_start
                 if rollout.policy_version != expected_rollout_version(step, args.gen.async_mode):
                     raise RuntimeError(f"step {step} got a rollout of policy version {rollout.policy_version}")
@@ -354,11 +384,9 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
             final_step = sizes.num_training_steps
             final_eval = {}
             if eval_prompts is not None:
-                final_request = GenerationRequest(
-                    final_step, learner.weights_for_engine(), [], run_eval=True,
-                    sampling_seed=ckpt.sampling_seed(args.run.seed, requests_sent),
-                )  # fmt: skip
-                generator.send(final_request)
+                seed = rollouts.next_sampling_seed()
+                weights = learner.weights_for_engine()
+                generator.send(GenerationRequest(final_step, weights, [], run_eval=True, sampling_seed=seed))
                 final_eval = log_eval(generator.receive_eval(), eval_prompts, reward_manager, logger, final_step)
                 logger.log({**final_eval, "episode": final_step * sizes.rollout_batch_size}, final_step)
         finally:
@@ -406,7 +434,7 @@ def summarize(metrics_path: str) -> dict:
 
 
 def finish(args: Args, learner: PPOLearner, logger: MetricsLogger, final_eval: dict) -> dict:
-    ckpt.assert_finite_weights(learner.policy, "policy")
+    ckpt.assert_finite(learner.policy.state_dict(), "the policy")
     model_dir = learner.save(
         os.path.join(args.run.output_dir, "model"), extra_files={"open_instruct_args.json": args.as_flat_dict()}
     )

@@ -325,7 +325,8 @@ def test_saved_model_folder_reloads_in_transformers_and_vllm(sync_run, eval_file
 
 def test_generation_thread_crash_ends_the_run_with_its_cause(tiny_model_dir, tmp_path):
     """The generation thread fails at its second vLLM call; the run must exit non-zero, name the cause, not hang
-    (the learner's queue timeout stays at its 30-minute default), and leave no final model or summary."""
+    (the learner's queue timeout stays at its 30-minute default), leave no final model, and say in summary.json
+    that the run failed and why."""
     command = [
         sys.executable, str(TESTS_DIR / "crash_generation.py"),
         "--model_name_or_path", tiny_model_dir,
@@ -340,7 +341,8 @@ def test_generation_thread_crash_ends_the_run_with_its_cause(tiny_model_dir, tmp
     assert "GenerationThreadError: The vLLM generation thread failed" in process.stderr
     assert seconds < RUN_TIMEOUT_S / 2, f"the crashed run took {seconds:.0f}s to end"
     assert not (tmp_path / "output" / "model").exists()
-    assert not (tmp_path / "output" / "summary.json").exists()
+    summary = json.loads((tmp_path / "output" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "injected generation failure" in summary["error"]
 
 
 # ---- 5. push to the Hub, wandb tracking ------------------------------------------------------------------------------
