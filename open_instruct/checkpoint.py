@@ -311,6 +311,7 @@ class StopRequest:
     signum: int | None = None
     received_at: float | None = None
     _previous: dict = field(default_factory=dict)
+    _deadline: threading.Timer | None = None
 
     @property
     def requested(self) -> bool:
@@ -327,13 +328,15 @@ class StopRequest:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def uninstall(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
-            self._exit_now(f"a second {signal.Signals(signum).name}")
+            self._exit_now(f"a second {signal.Signals(signum).name} came")
         self.signum, self.received_at = signum, time.time()
         print(
             f"[ppo] {self.name} received: finishing this step, writing a checkpoint, then stopping "
@@ -341,14 +344,15 @@ class StopRequest:
             file=sys.stderr,
             flush=True,
         )
-        timer = threading.Timer(self.timeout_s, self._exit_now, args=(f"no checkpoint within {self.timeout_s:.0f}s",))
-        timer.daemon = True
-        timer.start()
+        too_late = f"no checkpoint within {self.timeout_s:.0f}s of {self.name} (--preemption_timeout_s)"
+        self._deadline = threading.Timer(self.timeout_s, self._exit_now, args=(too_late,))
+        self._deadline.daemon = True
+        self._deadline.start()
 
     def _exit_now(self, why: str) -> None:
         found = complete_checkpoints(self.output_dir)
         where = f"the newest complete checkpoint is {found[-1]}" if found else "there is no complete checkpoint"
-        print(f"error: stopped by {why} without a new checkpoint; {where} (resume with --resume)", file=sys.stderr,
+        print(f"error: {why}: stopped without a new checkpoint; {where} (resume with --resume)", file=sys.stderr,
               flush=True)  # fmt: skip
         os._exit(128 + (self.signum or signal.SIGTERM))
 

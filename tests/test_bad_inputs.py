@@ -120,6 +120,9 @@ CASES = [
     Case("resume without a checkpoint", ["--resume"], "--resume found no complete checkpoint"),
     Case("resume from an incomplete checkpoint", ["--resume", "{tmp}/half"], "is not a complete checkpoint", setup="half"),
     Case("resume and overwrite", ["--resume", "--overwrite_output_dir", "true"], "pick one"),
+    Case("resume with other settings", ["--resume", "--learning_rate", "1e-4"],
+         "with other settings: --learning_rate 0.0001 (checkpoint: 3e-06); resume with the run's own flags",
+         setup="checkpoint_at_lr_3e_6"),  # fmt: skip
     # ---- data ----
     Case("data file missing", ["--dataset_mixer_list", "{tmp}/none.jsonl", "1.0"], "Dataset path {tmp}/none.jsonl does not exist"),
     Case("mixer amount missing", ["--dataset_mixer_list", "{data}"], "has an odd number of values"),
@@ -166,6 +169,15 @@ def setup_earlier_run(tmp: Path, out: Path) -> None:
 def setup_half(tmp: Path, out: Path) -> None:
     (tmp / "half").mkdir()
     (tmp / "half" / "learner.pt").write_bytes(b"cut off")
+
+
+def setup_checkpoint_at_lr_3e_6(tmp: Path, out: Path) -> None:
+    from open_instruct.checkpoint import save_checkpoint
+    from open_instruct.ppo_args import parse_args
+
+    args = parse_args(BASE + ["--dataset_mixer_list", str(tmp / "train.jsonl"), "1.0", "--output_dir", str(out)])
+    state = {"policy": {}, "value_model": {}}
+    save_checkpoint(str(out), 2, state, {"step": 2}, args, keep_last_n=1)
 
 
 def setup_locked(tmp: Path, out: Path):
