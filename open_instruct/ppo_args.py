@@ -89,7 +89,7 @@ class RunArgs:
     seed: int = arg(1, "Seed of torch, sampling and data order.")
     output_dir: str = arg("output/ppo", "Where metrics, checkpoints and the final model go.")
     save_freq: int = arg(-1, "Save a full checkpoint (resumable) every N steps (-1: only the final model).")
-    keep_last_n: int = arg(2, "Keep the newest N complete checkpoints in output_dir/checkpoints; older ones are deleted.")
+    keep_last_n: int = arg(2, "Keep the newest N complete checkpoints in output_dir/checkpoints; delete older ones.")
     resume: str | None = arg(
         None,
         "Continue a run: `--resume` alone takes the newest complete checkpoint in --output_dir, `--resume PATH` a "
@@ -101,7 +101,7 @@ class RunArgs:
         False, "Start a fresh run in an --output_dir that holds an earlier run, deleting that run's files first."
     )
     skip_nonfinite_updates: bool = arg(
-        False, "Skip an update whose loss or gradient is NaN/inf (counted in train/skipped_updates) instead of stopping."
+        False, "Skip an update whose loss or gradient is NaN/inf (counted in train/skipped_updates), not stop."
     )
     preemption_timeout_s: float = arg(
         300.0, "After SIGTERM/SIGINT, the longest wait for the step in progress and the checkpoint before exiting "

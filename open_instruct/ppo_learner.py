@@ -150,7 +150,7 @@ class PPOLearner:
         )
         score = score.to(device)
         if not torch.isfinite(score).all():
-            raise NonFiniteError(f"a reward score is NaN or inf ({score.tolist()}); check the reward model and verifiers")
+            raise NonFiniteError(f"a reward score is NaN or inf ({score.tolist()}); check the reward model")
 
         kl = rl.compute_kl(logprob, ref_logprob, ppo.kl_estimator)
         reward_beta = 0.0 if ppo.kl_in_loss else ppo.beta  # with --kl_in_loss the KL is a loss term instead

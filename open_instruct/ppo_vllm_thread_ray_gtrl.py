@@ -237,7 +237,7 @@ def eval_metrics(rollout: Rollout, eval_prompts: PromptBatch, reward_manager: Re
     return result, samples
 
 
-def log_eval(eval_rollout: Rollout, eval_prompts: PromptBatch, reward_manager, logger: MetricsLogger, step: int) -> dict:
+def log_eval(eval_rollout: Rollout, eval_prompts: PromptBatch, reward_manager, logger: MetricsLogger, step: int):
     metrics, samples = eval_metrics(eval_rollout, eval_prompts, reward_manager)
     logger.log_samples(samples, step, name="eval_completions")
     return metrics
@@ -354,7 +354,8 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
                 if not args.gen.async_mode and step < sizes.num_training_steps:
                     request_rollout(version=step)  # sync: the next batch comes from the policy just trained
                 if request.run_eval:
-                    metrics.update(log_eval(request.receive_eval(generator), eval_prompts, reward_manager, logger, step))
+                    eval_rollout = request.receive_eval(generator)
+                    metrics.update(log_eval(eval_rollout, eval_prompts, reward_manager, logger, step))
 
                 episode = step * sizes.rollout_batch_size
                 metrics.update({

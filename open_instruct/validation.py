@@ -43,71 +43,65 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _flag_rules(args: Args) -> list[tuple[str, object, bool, str]]:
-    """(flag, value, is_valid, what is expected) for every flag with a constrained value."""
+# (is the value valid, what is expected): the kinds of value a flag can hold.
+AT_LEAST_1 = (lambda v: v >= 1, "an integer >= 1")
+NON_NEGATIVE_INT = (lambda v: v >= 0, "an integer >= 0")
+NON_NEGATIVE = (lambda v: _finite(v) and v >= 0, "a number >= 0")
+POSITIVE = (lambda v: _finite(v) and v > 0, "a number > 0")
+PROBABILITY = (lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1]")
+FRACTION = (lambda v: _finite(v) and 0 < v <= 1, "a fraction in (0, 1]")
+FINITE = (lambda v: _finite(v), "a finite number")
+NAME = (lambda v: bool(v) and "/" not in v, "a name without '/'")
+
+
+def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
+    """(flag, value, (is_valid, what is expected)) for every flag with a constrained value."""
     ppo, gen, run, data, reward = args.ppo, args.gen, args.run, args.data, args.reward
-    at_least_1 = "an integer >= 1"
-    probability = "a number in [0, 1]"
     return [
-        ("learning_rate", ppo.learning_rate, _finite(ppo.learning_rate) and ppo.learning_rate >= 0, "a number >= 0"),
+        ("learning_rate", ppo.learning_rate, NON_NEGATIVE),
         (
             "value_learning_rate",
             ppo.value_learning_rate,
-            ppo.value_learning_rate is None or (_finite(ppo.value_learning_rate) and ppo.value_learning_rate >= 0),
-            "a number >= 0 (or leave it unset to use --learning_rate)",
+            (lambda v: v is None or NON_NEGATIVE[0](v), "a number >= 0 (or unset: --learning_rate)"),
         ),
-        ("lr_scheduler_type", ppo.lr_scheduler_type, ppo.lr_scheduler_type in _scheduler_names(), _scheduler_list()),
-        ("warmup_ratio", ppo.warmup_ratio, _finite(ppo.warmup_ratio) and 0 <= ppo.warmup_ratio < 1, "a number in [0, 1)"),
-        ("weight_decay", ppo.weight_decay, _finite(ppo.weight_decay) and ppo.weight_decay >= 0, "a number >= 0"),
-        ("max_grad_norm", ppo.max_grad_norm, _finite(ppo.max_grad_norm) and ppo.max_grad_norm > 0, "a number > 0"),
-        ("total_episodes", ppo.total_episodes, ppo.total_episodes >= 1, at_least_1),
-        ("num_epochs", ppo.num_epochs, ppo.num_epochs >= 1, at_least_1),
-        ("num_mini_batches", ppo.num_mini_batches, ppo.num_mini_batches >= 1, at_least_1),
-        ("per_device_train_batch_size", ppo.per_device_train_batch_size, ppo.per_device_train_batch_size >= 1, at_least_1),
-        ("local_rollout_batch_size", ppo.local_rollout_batch_size, ppo.local_rollout_batch_size >= 1, at_least_1),
-        ("number_samples_per_prompt", ppo.number_samples_per_prompt, ppo.number_samples_per_prompt >= 1, at_least_1),
-        ("beta", ppo.beta, _finite(ppo.beta) and ppo.beta >= 0, "a number >= 0"),
-        ("cliprange", ppo.cliprange, _finite(ppo.cliprange) and ppo.cliprange > 0, "a number > 0"),
-        ("cliprange_value", ppo.cliprange_value, _finite(ppo.cliprange_value) and ppo.cliprange_value > 0, "a number > 0"),
-        ("vf_coef", ppo.vf_coef, _finite(ppo.vf_coef) and ppo.vf_coef >= 0, "a number >= 0"),
-        ("gamma", ppo.gamma, _finite(ppo.gamma) and 0 <= ppo.gamma <= 1, probability),
-        ("lam", ppo.lam, _finite(ppo.lam) and 0 <= ppo.lam <= 1, probability),
-        ("response_length", gen.response_length, gen.response_length >= 1, at_least_1),
-        ("max_token_length", gen.max_token_length, gen.max_token_length >= 2, "an integer >= 2"),
-        (
-            "temperature",
-            gen.temperature,
-            _finite(gen.temperature) and gen.temperature > 0,
-            "a number > 0: PPO samples its training responses and divides logits by it (the evals are greedy anyway)",
-        ),
-        (
-            "vllm_gpu_memory_utilization",
-            gen.vllm_gpu_memory_utilization,
-            _finite(gen.vllm_gpu_memory_utilization) and 0 < gen.vllm_gpu_memory_utilization <= 1,
-            "a fraction in (0, 1]",
-        ),
-        ("queue_timeout_s", gen.queue_timeout_s, _finite(gen.queue_timeout_s) and gen.queue_timeout_s > 0, "seconds > 0"),
-        ("max_prompt_token_length", data.max_prompt_token_length, data.max_prompt_token_length >= 1, at_least_1),
-        ("seed", run.seed, run.seed >= 0, "an integer >= 0"),
-        ("dataset_seed", data.dataset_seed, data.dataset_seed >= 0, "an integer >= 0"),
-        ("save_freq", run.save_freq, run.save_freq == -1 or run.save_freq >= 1, "-1 (no checkpoints) or steps >= 1"),
-        ("keep_last_n", run.keep_last_n, run.keep_last_n >= 1, at_least_1),
-        ("num_evals", run.num_evals, run.num_evals >= 0, "an integer >= 0 (0: no evals)"),
-        ("eval_samples_per_prompt", run.eval_samples_per_prompt, run.eval_samples_per_prompt >= 0, "an integer >= 0"),
-        ("num_samples_to_log", run.num_samples_to_log, run.num_samples_to_log >= 0, "an integer >= 0"),
-        ("exp_name", run.exp_name, bool(run.exp_name) and "/" not in run.exp_name, "a name without '/'"),
-        ("run_name", run.run_name, bool(run.run_name) and "/" not in run.run_name, "a name without '/'"),
-        ("output_dir", run.output_dir, bool(run.output_dir) and not os.path.isfile(run.output_dir), "a folder, not a file"),
-        (
-            "verification_reward",
-            reward.verification_reward,
-            _finite(reward.verification_reward),
-            "a finite number",
-        ),
-        ("reward_model_multiplier", reward.reward_model_multiplier, _finite(reward.reward_model_multiplier), "a finite number"),
-        ("penalty_reward_value", reward.penalty_reward_value, _finite(reward.penalty_reward_value), "a finite number"),
-        ("r1_style_format_reward", reward.r1_style_format_reward, _finite(reward.r1_style_format_reward), "a finite number"),
-    ]
+        ("lr_scheduler_type", ppo.lr_scheduler_type, (lambda v: v in _scheduler_names(), _scheduler_list())),
+        ("warmup_ratio", ppo.warmup_ratio, (lambda v: _finite(v) and 0 <= v < 1, "a number in [0, 1)")),
+        ("weight_decay", ppo.weight_decay, NON_NEGATIVE),
+        ("max_grad_norm", ppo.max_grad_norm, POSITIVE),
+        ("total_episodes", ppo.total_episodes, AT_LEAST_1),
+        ("num_epochs", ppo.num_epochs, AT_LEAST_1),
+        ("num_mini_batches", ppo.num_mini_batches, AT_LEAST_1),
+        ("per_device_train_batch_size", ppo.per_device_train_batch_size, AT_LEAST_1),
+        ("local_rollout_batch_size", ppo.local_rollout_batch_size, AT_LEAST_1),
+        ("number_samples_per_prompt", ppo.number_samples_per_prompt, AT_LEAST_1),
+        ("beta", ppo.beta, NON_NEGATIVE),
+        ("cliprange", ppo.cliprange, POSITIVE),
+        ("cliprange_value", ppo.cliprange_value, POSITIVE),
+        ("vf_coef", ppo.vf_coef, NON_NEGATIVE),
+        ("gamma", ppo.gamma, PROBABILITY),
+        ("lam", ppo.lam, PROBABILITY),
+        ("response_length", gen.response_length, AT_LEAST_1),
+        ("max_token_length", gen.max_token_length, (lambda v: v >= 2, "an integer >= 2")),
+        ("temperature", gen.temperature, (POSITIVE[0], "a number > 0: PPO samples at it and divides logits by it")),
+        ("vllm_gpu_memory_utilization", gen.vllm_gpu_memory_utilization, FRACTION),
+        ("queue_timeout_s", gen.queue_timeout_s, POSITIVE),
+        ("max_prompt_token_length", data.max_prompt_token_length, AT_LEAST_1),
+        ("dataset_seed", data.dataset_seed, NON_NEGATIVE_INT),
+        ("seed", run.seed, NON_NEGATIVE_INT),
+        ("save_freq", run.save_freq, (lambda v: v == -1 or v >= 1, "-1 (no checkpoints) or steps >= 1")),
+        ("keep_last_n", run.keep_last_n, AT_LEAST_1),
+        ("num_evals", run.num_evals, (lambda v: v >= 0, "an integer >= 0 (0: no evals)")),
+        ("eval_samples_per_prompt", run.eval_samples_per_prompt, NON_NEGATIVE_INT),
+        ("num_samples_to_log", run.num_samples_to_log, NON_NEGATIVE_INT),
+        ("preemption_timeout_s", run.preemption_timeout_s, POSITIVE),
+        ("exp_name", run.exp_name, NAME),
+        ("run_name", run.run_name, NAME),
+        ("output_dir", run.output_dir, (lambda v: bool(v) and not os.path.isfile(v), "a folder, not a file")),
+        ("verification_reward", reward.verification_reward, FINITE),
+        ("reward_model_multiplier", reward.reward_model_multiplier, FINITE),
+        ("penalty_reward_value", reward.penalty_reward_value, FINITE),
+        ("r1_style_format_reward", reward.r1_style_format_reward, FINITE),
+    ]  # fmt: skip
 
 
 def _scheduler_names() -> set[str]:
@@ -122,8 +116,8 @@ def _scheduler_list() -> str:
 
 def validate_flags(args: Args) -> None:
     """Every flag value in range, and the combinations a run needs; raises ConfigError for the first problem."""
-    for flag, value, is_valid, expected in _flag_rules(args):
-        if not is_valid:
+    for flag, value, (is_valid, expected) in _flag_rules(args):
+        if not is_valid(value):
             raise ConfigError(f"--{flag} {value!r} is not valid; expected {expected}.")
     if args.reward.reward_model_multiplier != 0 and args.model.reward_model_path is None:
         raise ConfigError(
@@ -161,8 +155,8 @@ def validate_hub(args: Args) -> None:
     except Exception as error:  # whoami failed: no network, bad token, unknown endpoint
         cause = " ".join(str(error).split())[:200]
         raise ConfigError(
-            f"--push_to_hub without --hf_entity asks the Hub who is logged in, and that failed ({type(error).__name__}: "
-            f"{cause}); pass --hf_entity, or check the token and --hf_endpoint."
+            "--push_to_hub without --hf_entity asks the Hub who is logged in, and that failed "
+            f"({type(error).__name__}: {cause}); pass --hf_entity, or check the token and --hf_endpoint."
         ) from error
 
 
@@ -277,7 +271,8 @@ def row_checker(args: Args, split: str):
         if split == "train" and not has_reward_model and (ground_truth is None or not reward.apply_verifiable_reward):
             raise ConfigError(
                 f"{where}: has no reward source (no ground truth, or --apply_verifiable_reward false, and no reward "
-                "model); give it a ground truth and verifier, or pass --reward_model_path with --reward_model_multiplier."
+                "model); give it a ground truth and verifier, or pass --reward_model_path and "
+                "--reward_model_multiplier."
             )
 
     return check

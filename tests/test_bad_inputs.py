@@ -54,7 +54,7 @@ HUB_ONLINE = {"HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_fake", "HF_ENDPOINT": "http
 
 CASES = [
     # ---- flag values ----
-    Case("temperature 0", ["--temperature", "0"], "--temperature 0.0 is not valid; expected a number > 0"),
+    Case("temperature 0", ["--temperature", "0"], "--temperature 0.0 is not valid; expected a number > 0: PPO samples at it"),
     Case("negative temperature", ["--temperature", "-1"], "--temperature -1.0 is not valid"),
     Case("negative learning rate", ["--learning_rate", "-0.001"], "--learning_rate -0.001 is not valid"),
     Case("NaN learning rate", ["--learning_rate", "nan"], "--learning_rate nan is not valid"),
