@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -159,7 +160,15 @@ def resolve_data_files(path: str | os.PathLike, split: str) -> list[Path]:
 
 def _read_json_rows(path: Path) -> list[dict]:
     """Rows of a JSON Lines file, or of a .json file holding one array of objects."""
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line_number = data[: error.start].count(b"\n") + 1
+        raise ValueError(
+            f"Dataset file {path} line {line_number} is not valid UTF-8 ({error.reason} at byte {error.start}); "
+            f"re-save the file as UTF-8."
+        ) from None
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -372,8 +381,13 @@ def rows_to_take(amount: str, num_rows: int, source: str) -> int:
     return count
 
 
-def load_prompt_dataset(mixer_list: list[str], splits: list[str], seed: int) -> datasets.Dataset:
-    """Read, draw, normalise and shuffle the mixed sources into one dataset with `PROMPT_COLUMNS`."""
+def load_prompt_dataset(
+    mixer_list: list[str], splits: list[str], seed: int, check_row: Callable[[dict, str], None] | None = None
+) -> datasets.Dataset:
+    """Read, draw, normalise and shuffle the mixed sources into one dataset with `PROMPT_COLUMNS`.
+
+    `check_row(row, where)` sees every normalised row that was drawn, with its file and row number, and may raise.
+    """
     entries = parse_mixer_list(mixer_list)
     rng = np.random.default_rng(seed)
     rows = []
@@ -388,10 +402,11 @@ def load_prompt_dataset(mixer_list: list[str], splits: list[str], seed: int) -> 
         part_starts = np.cumsum([0, *part_sizes])
         for part, start, end in zip(parts, part_starts[:-1], part_starts[1:]):
             local_indices = (chosen[(chosen >= start) & (chosen < end)] - start).tolist()
-            raw_rows = _take_rows(part, local_indices)
-            rows.extend(
-                normalise_row(raw, f"{part.where} row {index}", source) for raw, index in zip(raw_rows, local_indices)
-            )
+            for raw, index in zip(_take_rows(part, local_indices), local_indices):
+                where = f"{part.where} row {index}"
+                rows.append(normalise_row(raw, where, source))
+                if check_row is not None:
+                    check_row(rows[-1], where)
     if not rows:
         raise ValueError(f"The mixer {mixer_list} selected no rows; raise the amounts.")
     shuffled_rows = [rows[index] for index in rng.permutation(len(rows))]
@@ -495,23 +510,34 @@ def _save_to_cache(tokenized: datasets.Dataset, report: dict, cache_path: Path) 
 
 
 def build_prompt_datasets(
-    args: DatasetArgs, tokenizer: "PreTrainedTokenizerBase"
+    args: DatasetArgs,
+    tokenizer: "PreTrainedTokenizerBase",
+    check_train_row: Callable[[dict, str], None] | None = None,
+    check_eval_row: Callable[[dict, str], None] | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """The tokenised train prompts and, when an eval mix is given, the tokenised eval prompts."""
+    """The tokenised train prompts and, when an eval mix is given, the tokenised eval prompts.
 
-    def load_and_tokenize(mixer_list: list[str], splits: list[str], split_argument: str) -> datasets.Dataset:
+    The `check_*_row` functions see every row drawn (see `load_prompt_dataset`).
+    """
+
+    def load_and_tokenize(
+        mixer_list: list[str], splits: list[str], split_argument: str, check_row=None
+    ) -> datasets.Dataset:
         splits_per_source(splits, len(parse_mixer_list(mixer_list)), split_argument)  # fail early with the name
-        dataset = load_prompt_dataset(mixer_list, splits, args.dataset_seed)
+        dataset = load_prompt_dataset(mixer_list, splits, args.dataset_seed, check_row)
         tokenized, _ = tokenize_prompt_dataset(
             dataset, tokenizer, args.max_prompt_token_length, args.chat_template_name, args.dataset_cache_dir
         )
         return tokenized
 
-    train = load_and_tokenize(args.dataset_mixer_list, args.dataset_mixer_list_splits, "dataset_mixer_list_splits")
+    train = load_and_tokenize(
+        args.dataset_mixer_list, args.dataset_mixer_list_splits, "dataset_mixer_list_splits", check_train_row
+    )
     if not args.dataset_mixer_eval_list:
         return train, None
     evaluation = load_and_tokenize(
-        args.dataset_mixer_eval_list, args.dataset_mixer_eval_list_splits, "dataset_mixer_eval_list_splits"
+        args.dataset_mixer_eval_list, args.dataset_mixer_eval_list_splits, "dataset_mixer_eval_list_splits",
+        check_eval_row,
     )
     return train, evaluation
 

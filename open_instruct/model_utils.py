@@ -110,7 +110,10 @@ def load_policy(path: str, device: torch.device, revision: str | None = None, tr
 def init_score_head(model: nn.Module) -> None:
     """PPO detail: a fresh scalar head with std 1/sqrt(hidden+1), bias 0 (Ziegler et al. 2019)."""
     head = model.score
-    nn.init.normal_(head.weight, std=1.0 / math.sqrt(model.config.hidden_size + 1))
+    # Its own generator, seeded by the run's seed: the vLLM engine starting in another thread may draw from or reseed
+    # torch's global one meanwhile, and a resumed run must be comparable with an uninterrupted one.
+    generator = torch.Generator().manual_seed(torch.initial_seed())
+    nn.init.normal_(head.weight, std=1.0 / math.sqrt(model.config.hidden_size + 1), generator=generator)
     if head.bias is not None:
         nn.init.zeros_(head.bias)
 

@@ -94,13 +94,32 @@ class RunArgs:
     run_name: str | None = arg(None, "Run name; default {exp_name}__{seed}__{unix time}.")
     seed: int = arg(1, "Seed of torch, sampling and data order.")
     output_dir: str = arg("output/ppo", "Where metrics, checkpoints and the final model go.")
-    save_freq: int = arg(-1, "Save a checkpoint every N steps (-1: only the final model).")
+    save_freq: int = arg(-1, "Save a full checkpoint (resumable) every N steps (-1: only the final model).")
     save_dtype: str = arg(
         "float32",
         "dtype of the saved model, checkpoints and what is pushed. float32: the trained (fp32 master) weights "
         "exactly. bfloat16 halves the files but can round small updates away: the run then reports how much.",
         choices=["float32", "bfloat16", "float16"],
     )
+    keep_last_n: int = arg(2, "Keep the newest N complete checkpoints in output_dir/checkpoints; delete older ones.")
+    resume: str | None = arg(
+        None,
+        "Continue a run: `--resume` alone takes the newest complete checkpoint in --output_dir, `--resume PATH` a "
+        "given one. Restores models, optimizers, schedulers, RNG, prompt order and step; metrics continue.",
+        nargs="?",
+        const="auto",
+    )
+    overwrite_output_dir: bool = arg(
+        False, "Start a fresh run in an --output_dir that holds an earlier run, deleting that run's files first."
+    )
+    skip_nonfinite_updates: bool = arg(
+        False, "Skip an update whose loss or gradient is NaN/inf (counted in train/skipped_updates), not stop."
+    )
+    preemption_timeout_s: float = arg(
+        300.0, "After SIGTERM/SIGINT, the longest wait for the step in progress and the checkpoint before exiting "
+        "anyway; keep it under your scheduler's grace period."
+    )
+    debug: bool = arg(False, "Print the full traceback of a configuration error (also: OPEN_INSTRUCT_DEBUG=1).")
     num_evals: int = arg(4, "Evals on the eval split over the run (plus one at the start).")
     eval_samples_per_prompt: int = arg(
         4, "Besides greedy, sample this many responses per eval prompt at --temperature (0: greedy only)."
@@ -144,14 +163,30 @@ def yaml_to_cli(path: str) -> list[str]:
     return argv
 
 
+class ConfigError(ValueError):
+    """A flag, file or setting the run cannot use; the message names it and the fix (printed as one line)."""
+
+
+class _Parser(HfArgumentParser):
+    """Full flag names only (`--learn` is not `--learning_rate`), and errors raised, not printed with the usage."""
+
+    def __init__(self, groups):
+        super().__init__(groups, allow_abbrev=False)
+
+    def error(self, message: str):
+        raise ConfigError(f"{message}; run with --help for the list of flags.")
+
+
 def parse_args(argv: list[str] | None = None) -> Args:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].endswith((".yaml", ".yml")):
+        if not os.path.isfile(argv[0]):
+            raise ConfigError(f"config file {argv[0]} does not exist; check the path (relative to {os.getcwd()}).")
         argv = yaml_to_cli(argv[0]) + argv[1:]
-    parser = HfArgumentParser(ARG_GROUPS)
+    parser = _Parser(ARG_GROUPS)
     *groups, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
-        raise ValueError(f"Unknown arguments {unknown}; run with --help for the list of flags.")
+        raise ConfigError(f"Unknown arguments {unknown}; flags take their full names, run with --help for the list.")
     args = Args(*groups)
     if args.gen.stop_token == "none":
         args.gen.stop_token = None

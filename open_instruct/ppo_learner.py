@@ -12,6 +12,7 @@ from transformers import get_scheduler
 
 from open_instruct import model_utils as mu
 from open_instruct import rl_utils as rl
+from open_instruct.checkpoint import NonFiniteError
 from open_instruct.dataset_transformation import left_pad
 from open_instruct.ground_truth_utils import RewardManager
 from open_instruct.ppo_args import Args, BatchSizes
@@ -159,10 +160,14 @@ class PPOLearner:
             rm_score,
         )
         score = score.to(device)
+        if not torch.isfinite(score).all():
+            raise NonFiniteError(f"a reward score is NaN or inf ({score.tolist()}); check the reward model")
         engine_logprob = torch.full(logprob.shape, torch.nan)
         for row, completion in enumerate(completions):
             if completion.logprobs is not None:
-                engine_logprob[row, : len(completion.logprobs)] = torch.tensor(completion.logprobs)
+                engine_logprob[row, : len(completion.logprobs)] = torch.tensor(
+                    [torch.nan if lp is None else lp for lp in completion.logprobs]
+                )
         agreement = rl.logprob_agreement(logprob, engine_logprob.to(device), response_mask)
 
         kl = rl.compute_kl(logprob, ref_logprob, ppo.kl_estimator)
@@ -173,6 +178,8 @@ class PPOLearner:
         advantage, return_ = rl.compute_gae(reward, value, response_mask, ppo.gamma, ppo.lam)
         if ppo.whiten_advantages:
             advantage = rl.masked_whiten(advantage, response_mask)
+        if not torch.isfinite(torch.where(response_mask, advantage, 0.0)).all():
+            raise NonFiniteError("an advantage is NaN or inf (from the logprobs, values or KL of this batch)")
 
         masked_kl = torch.where(response_mask, kl, torch.zeros_like(kl))
         metrics = {
@@ -204,6 +211,7 @@ class PPOLearner:
         ppo, temperature = self.args.ppo, self.args.gen.temperature
         micro_size, accumulation = ppo.per_device_train_batch_size, self.sizes.gradient_accumulation_steps
         stats: dict[str, list[float]] = {}
+        skipped_updates = 0
 
         def record(**values: torch.Tensor) -> None:
             for key, value in values.items():
@@ -212,6 +220,7 @@ class PPOLearner:
         for _ in range(ppo.num_epochs):
             order = torch.randperm(exp.query_response.shape[0], generator=self.shuffle_generator)
             for minibatch in order.split(self.sizes.mini_batch_size):
+                finite_losses = True
                 for micro in minibatch.split(micro_size):
                     mask = exp.response_mask[micro]
                     qr, am = exp.query_response[micro], exp.attention_mask[micro]
@@ -227,6 +236,7 @@ class PPOLearner:
                     loss = pg_loss + ppo.vf_coef * vf_loss  # vf_loss is logged unweighted, as open-instruct does
                     if ppo.kl_in_loss:
                         loss = loss + ppo.beta * rl.kl_penalty_loss(new_logprob, exp.ref_logprob[micro], mask, "k3")
+                    finite_losses &= bool(torch.isfinite(loss))
                     (loss / accumulation).backward()
                     with torch.no_grad():
                         entropy = rl.masked_mean(rl.entropy_from_logits(logits.float() / temperature), mask)
@@ -234,18 +244,27 @@ class PPOLearner:
                         pg_loss=pg_loss, vf_loss=vf_loss, loss=loss, pg_clipfrac=pg_clipfrac, vf_clipfrac=vf_clipfrac,
                         approxkl=approxkl, ratio=ratio, entropy=entropy,
                     )
-                for model, optimizer, scheduler in zip(
-                    (self.policy, self.value_model), self.optimizers, self.schedulers
-                ):
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), ppo.max_grad_norm)
-                    optimizer.step()
+                models = (self.policy, self.value_model)
+                grad_norms = [torch.nn.utils.clip_grad_norm_(model.parameters(), ppo.max_grad_norm) for model in models]
+                update_is_finite = finite_losses and all(torch.isfinite(norm) for norm in grad_norms)
+                if not update_is_finite and not self.args.run.skip_nonfinite_updates:
+                    raise NonFiniteError(
+                        f"non-finite {'loss' if not finite_losses else 'gradient'} in a PPO minibatch (gradient norms "
+                        f"{[norm.item() for norm in grad_norms]}); the update was not applied. Lower the learning "
+                        "rate, or pass --skip_nonfinite_updates true to skip such updates."
+                    )
+                skipped_updates += not update_is_finite
+                for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+                    if update_is_finite:
+                        optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                    scheduler.step()
+                    scheduler.step()  # a skipped update still uses its place in the LR schedule
 
         def mean(key: str) -> float:
             return sum(stats[key]) / len(stats[key])
 
         return {
+            "train/skipped_updates": float(skipped_updates),
             "loss/policy_avg": mean("pg_loss"),
             "loss/value_avg": mean("vf_loss"),
             "objective/loss": mean("loss"),
@@ -255,6 +274,28 @@ class PPOLearner:
             "val/clipfrac_avg": mean("vf_clipfrac"),
             "val/ratio": mean("ratio"),
         }
+
+    def state_dict(self) -> dict:
+        """Everything of the learner a resumed run needs; the frozen reference (and reward) model are reloaded from
+        their original paths instead, so the KL reference stays the run's initial policy."""
+        return {
+            "policy": self.policy.state_dict(),
+            "value_model": self.value_model.state_dict(),
+            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
+            "shuffle_generator": self.shuffle_generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.value_model.load_state_dict(state["value_model"])
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
+            scheduler.load_state_dict(scheduler_state)
+        self.shuffle_generator.set_state(state["shuffle_generator"])
+        torch.set_rng_state(state["torch_rng"])
 
     def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel:
         """Save the policy as an HF folder in `--save_dtype` (default fp32: exactly the trained weights)."""

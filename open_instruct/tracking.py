@@ -82,6 +82,54 @@ def _append_json_lines(path: str, records: list[dict]) -> None:
         f.flush()
 
 
+def repair_jsonl(path: str, keep_through_step: int | None = None) -> list[str]:
+    """Make a JSONL log safe to append to; return warnings saying what was dropped.
+
+    A cut-off last line (the process died mid-write) is dropped: appending after it would leave an invalid line
+    in the middle of the file. With `keep_through_step`, rows of later steps are dropped too: a run resumed from
+    the checkpoint of that step logs them again. Rewritten atomically; untouched when nothing changes.
+    """
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    lines = text.split("\n")
+    tail = lines.pop()  # "" when the file ends with a newline
+    warnings = []
+    if tail:
+        warnings.append(f"{path}: dropped a cut-off last line ({len(tail)} characters) left by an interrupted write")
+    kept, dropped_steps = [], set()
+    for line in lines:
+        step = _step_of(line)
+        if keep_through_step is not None and step is not None and step > keep_through_step:
+            dropped_steps.add(step)
+        else:
+            kept.append(line)
+    if dropped_steps:
+        warnings.append(
+            f"{path}: dropped the rows of steps {min(dropped_steps)}-{max(dropped_steps)}, logged after the checkpoint "
+            f"of step {keep_through_step}; the resumed run logs them again"
+        )
+    if warnings:
+
+        def write(tmp_path: str) -> None:
+            with open(tmp_path, "w", encoding="utf-8") as f:
+                f.write("".join(line + "\n" for line in kept))
+                f.flush()
+                os.fsync(f.fileno())
+
+        _replace_atomically(path, write)
+    return warnings
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 def _replace_atomically(path: str, write) -> None:
     """Call write(tmp_path), then rename over `path`: a reader sees the old file or the new one, never half."""
     directory, name = os.path.split(os.path.abspath(path))
@@ -98,8 +146,10 @@ def _replace_atomically(path: str, write) -> None:
 class MetricsLogger:
     """Log training metrics to `{output_dir}/metrics.jsonl` and, with `with_tracking`, to a wandb run.
 
-    The JSONL files are appended to, never truncated: a resumed run in the same `output_dir` continues them.
-    wandb is configured through its own environment variables (`WANDB_MODE=offline`, `WANDB_DIR`, ...).
+    The JSONL files are appended to, never truncated: a resumed run in the same `output_dir` continues them (a
+    cut-off last line is dropped first, see `repair_jsonl`), and with `wandb_run_id` the same wandb run. With
+    `run_id`, every metrics row carries it. wandb is configured through its own environment variables
+    (`WANDB_MODE=offline`, `WANDB_DIR`, ...).
     """
 
     def __init__(
@@ -111,12 +161,18 @@ class MetricsLogger:
         wandb_entity: str | None = None,
         run_name: str = "run",
         config: dict | None = None,
+        run_id: str | None = None,
+        wandb_run_id: str | None = None,
     ):
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
         self.samples_path = os.path.join(output_dir, "samples.jsonl")
         self.summary_path = os.path.join(output_dir, "summary.json")
+        self.run_id = run_id
+        for path in (self.metrics_path, self.samples_path):
+            for warning in repair_jsonl(path):
+                print(f"[tracking] warning: {warning}", flush=True)
         self._summary: dict[str, Any] = {}
         self._lock = threading.Lock()  # generation/eval threads may log while the learner logs
         self._run = None
@@ -124,8 +180,16 @@ class MetricsLogger:
         if with_tracking:
             import wandb  # imported here: it takes a second and is not needed without tracking
 
-            self._run = wandb.init(project=wandb_project, entity=wandb_entity, name=run_name, config=config)
+            self._run = wandb.init(
+                project=wandb_project, entity=wandb_entity, name=run_name, config=config, id=wandb_run_id,
+                resume="allow" if wandb_run_id else None,
+            )
             self._wandb_url = self._run.url  # kept so the model card can link the run after finish()
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The wandb run's id (kept in checkpoints, so that a resumed run logs to the same wandb run)."""
+        return self._run.id if self._run is not None else None
 
     @property
     def wandb_url(self) -> str | None:
@@ -141,7 +205,8 @@ class MetricsLogger:
                 f"metrics passed to MetricsLogger.log hold 'step' = {metrics_step!r} but the step argument is {step}; "
                 "drop the 'step' key (the logger writes it from the argument) or rename that metric."
             )
-        record = _json_safe({"step": step, **metrics}, "metrics")
+        run_id = {"run_id": self.run_id} if self.run_id is not None else {}
+        record = _json_safe({"step": step, **run_id, **metrics}, "metrics")
         with self._lock:
             _append_json_lines(self.metrics_path, [record])
             if self._run is not None:

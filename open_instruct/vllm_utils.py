@@ -6,7 +6,6 @@ learner's tensors by reference and load them with `reload_weights`, without seri
 """
 
 import logging
-import math
 import os
 import time
 from collections.abc import Iterable
@@ -59,8 +58,8 @@ class Completion:
     text: str
     finish_reason: str  # "stop": hit a stop token/string; "length": ran out of response_length
     # The engine's logprob of each token in `token_ids` under logits / temperature (what it sampled from);
-    # NaN where the engine gave none. None when logprobs were not asked for (greedy eval).
-    logprobs: list[float] | None = None
+    # None for a token the engine gave none for. The list is None when logprobs were not asked for (greedy eval).
+    logprobs: list[float | None] | None = None
 
 
 class ExplainedReloadWarnings(logging.Filter):
@@ -139,7 +138,7 @@ def generate(llm, prompt_token_ids: list[list[int]], params) -> list[Completion]
 
     A response that stopped on a stop token keeps it as its last token (vLLM leaves stop
     *token ids* out of `token_ids` unless told otherwise, so it is added back here): the learner
-    scores and trains on it like every other action. A token added back has no engine logprob (NaN).
+    scores and trains on it like every other action. A token added back has no engine logprob (None).
     """
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
     completions = []
@@ -153,7 +152,7 @@ def generate(llm, prompt_token_ids: list[list[int]], params) -> list[Completion]
                 if not token_ids or token_ids[-1] != sample.stop_reason:
                     token_ids.append(sample.stop_reason)
             if logprobs is not None:
-                logprobs += [math.nan] * (len(token_ids) - len(logprobs))
+                logprobs += [None] * (len(token_ids) - len(logprobs))
             completions.append(Completion(prompt_index, token_ids, sample.text, sample.finish_reason, logprobs))
     return completions
 

@@ -374,7 +374,8 @@ def run_with_fault(fault: str, tiny_model_dir: str, tmp_path: Path, *flags: str)
 
 def test_generation_thread_crash_ends_the_run_with_its_cause(tiny_model_dir, tmp_path):
     """The generation thread fails at its second vLLM call; the run must exit non-zero, name the cause, not hang
-    (the learner's queue timeout stays at its 30-minute default), and leave no final model or summary."""
+    (the learner's queue timeout stays at its 30-minute default), leave no final model, and say in summary.json
+    that the run failed and why."""
     process, seconds = run_with_fault(
         "generation_crash", tiny_model_dir, tmp_path, "--total_episodes", "32", "--num_evals", "0"
     )
@@ -383,7 +384,8 @@ def test_generation_thread_crash_ends_the_run_with_its_cause(tiny_model_dir, tmp
     assert "GenerationThreadError: The vLLM generation thread failed" in process.stderr
     assert seconds < RUN_TIMEOUT_S / 2, f"the crashed run took {seconds:.0f}s to end"
     assert not (tmp_path / "output" / "model").exists()
-    assert not (tmp_path / "output" / "summary.json").exists()
+    summary = json.loads((tmp_path / "output" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "injected generation failure" in summary["error"]
 
 
 def test_a_skipped_weight_sync_stops_the_run_before_it_trains_on_off_policy_data(tiny_model_dir, tmp_path):

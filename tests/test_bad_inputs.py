@@ -1,0 +1,293 @@
+"""Bad inputs fail fast: exit code 2, one line `error: ...` naming the problem, before any model loads, and the
+output_dir's earlier contents untouched.
+
+The table runs through `cli()` in this process (no model can load in the time bound, and no vLLM engine starts:
+the test checks that nothing printed an engine line). A few cases also run as real subprocesses, for the process's
+own exit code and stderr. Printed at the end (with -s): the table of case, exit code, seconds, message.
+"""
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from open_instruct.ppo_vllm_thread_ray_gtrl import cli
+
+TIME_BOUND_S = 20.0  # loading the tiny model plus starting vLLM takes longer than this on the CI machines
+SUBPROCESS_TIME_BOUND_S = 60.0  # python start and imports (torch, transformers) included
+BASE = [
+    "--model_name_or_path", "tiny",
+    "--local_rollout_batch_size", "4",
+    "--number_samples_per_prompt", "2",
+    "--per_device_train_batch_size", "4",
+    "--response_length", "16",
+    "--total_episodes", "16",
+]  # fmt: skip
+RESULTS: list[tuple[str, int, float, str]] = []
+
+
+@dataclass
+class Case:
+    name: str
+    flags: list[str]  # {data}, {out}, {tmp} are replaced by the case's paths
+    expected: str  # a piece of the one-line message that names the problem
+    rows: list[dict] | None = None  # the training data; None: the embedded arithmetic task
+    raw_data: bytes | None = None  # the training file's bytes, for cases about the file itself
+    env: dict[str, str] = field(default_factory=dict)
+    setup: str | None = None  # name of a function below that prepares the case's files
+
+
+def arithmetic_row(**changes) -> dict:
+    row = {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "ground_truth": "5", "dataset": "arithmetic"}
+    return {**row, **changes}
+
+
+GOOD_ROWS = [arithmetic_row() for _ in range(8)]
+HUB_ONLINE = {"HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_fake", "HF_ENDPOINT": "http://127.0.0.1:9"}
+
+CASES = [
+    # ---- flag values ----
+    Case("temperature 0", ["--temperature", "0"], "--temperature 0.0 is not valid; expected a number > 0: PPO samples at it"),
+    Case("negative temperature", ["--temperature", "-1"], "--temperature -1.0 is not valid"),
+    Case("negative learning rate", ["--learning_rate", "-0.001"], "--learning_rate -0.001 is not valid"),
+    Case("NaN learning rate", ["--learning_rate", "nan"], "--learning_rate nan is not valid"),
+    Case("zero total_episodes", ["--total_episodes", "0"], "--total_episodes 0 is not valid; expected an integer >= 1"),
+    Case("zero num_epochs", ["--num_epochs", "0"], "--num_epochs 0 is not valid"),
+    Case("zero num_mini_batches", ["--num_mini_batches", "0"], "--num_mini_batches 0 is not valid"),
+    Case("zero micro-batch", ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0 is not valid"),
+    Case("zero prompts per step", ["--local_rollout_batch_size", "0"], "--local_rollout_batch_size 0 is not valid"),
+    Case("zero samples per prompt", ["--number_samples_per_prompt", "0"], "--number_samples_per_prompt 0 is not valid"),
+    Case("zero response_length", ["--response_length", "0"], "--response_length 0 is not valid"),
+    Case("gamma above 1", ["--gamma", "1.5"], "--gamma 1.5 is not valid; expected a number in [0, 1]"),
+    Case("negative lam", ["--lam", "-0.1"], "--lam -0.1 is not valid"),
+    Case("zero cliprange", ["--cliprange", "0"], "--cliprange 0.0 is not valid"),
+    Case("warmup_ratio 1", ["--warmup_ratio", "1"], "--warmup_ratio 1.0 is not valid; expected a number in [0, 1)"),
+    Case("unknown scheduler", ["--lr_scheduler_type", "bogus"], "--lr_scheduler_type 'bogus' is not valid; expected one of"),
+    Case("zero GPU memory", ["--vllm_gpu_memory_utilization", "0"], "--vllm_gpu_memory_utilization 0.0 is not valid"),
+    Case("save_freq 0", ["--save_freq", "0"], "--save_freq 0 is not valid; expected -1 (no checkpoints) or steps >= 1"),
+    Case("keep_last_n 0", ["--keep_last_n", "0"], "--keep_last_n 0 is not valid"),
+    Case("negative seed", ["--seed", "-1"], "--seed -1 is not valid"),
+    Case("negative num_evals", ["--num_evals", "-1"], "--num_evals -1 is not valid"),
+    Case("negative eval samples", ["--eval_samples_per_prompt", "-2"], "--eval_samples_per_prompt -2 is not valid"),
+    Case("zero max_grad_norm", ["--max_grad_norm", "0"], "--max_grad_norm 0.0 is not valid"),
+    Case("zero queue timeout", ["--queue_timeout_s", "0"], "--queue_timeout_s 0.0 is not valid"),
+    Case("run_name with a slash", ["--run_name", "a/b"], "--run_name 'a/b' is not valid; expected a name without '/'"),
+    # ---- flag syntax ----
+    Case("choice not allowed", ["--kl_estimator", "k4"], "argument --kl_estimator/--kl-estimator: invalid choice: 'k4'"),
+    Case("not a number", ["--learning_rate", "abc"], "--learning_rate/--learning-rate: invalid float value: 'abc'"),
+    Case("abbreviated flag", ["--learn", "1e-3"], "Unknown arguments ['--learn', '1e-3']"),
+    Case("unknown flag", ["--no_such_flag", "1"], "Unknown arguments ['--no_such_flag', '1']"),
+    Case("missing YAML config", ["{tmp}/missing.yaml"], "config file {tmp}/missing.yaml does not exist"),
+    # ---- sizes ----
+    Case("minibatches do not divide", ["--num_mini_batches", "3"], "--num_mini_batches 3 does not divide the rollout"),
+    Case("micro-batch does not divide", ["--per_device_train_batch_size", "3"], "--per_device_train_batch_size 3 does not divide"),
+    Case("less than one step", ["--total_episodes", "4"], "--total_episodes 4 is less than one step of 8 responses"),
+    Case("response longer than context", ["--response_length", "600"], "--response_length 600 leaves no room"),
+    Case("prompt + response too long", ["--max_prompt_token_length", "500"], "--max_prompt_token_length 500 + --response_length 16"),
+    Case("context beyond the model", ["--max_token_length", "4096"], "--max_token_length 4096 exceeds the policy's 2048 positions"),
+    Case(
+        "logits cannot fit in memory",
+        ["--per_device_train_batch_size", "4096", "--local_rollout_batch_size", "4096", "--number_samples_per_prompt",
+         "1", "--total_episodes", "4096", "--response_length", "1000", "--max_token_length", "2048"],
+        "--per_device_train_batch_size 4096 x --response_length 1000 needs at least",
+    ),  # fmt: skip
+    # ---- rewards, models, hub ----
+    Case("reward model weight without a model", ["--reward_model_multiplier", "1"], "needs a reward model; pass --reward_model_path"),
+    Case("no reward at all", ["--apply_verifiable_reward", "false"], "No reward is enabled"),
+    Case("policy folder missing", ["--model_name_or_path", "{tmp}/no_model"], "is not a folder; give an existing HF model folder"),
+    Case("policy folder without a model", ["--model_name_or_path", "{tmp}/empty_model"], "Could not load the tokenizer", setup="empty_model"),
+    Case(
+        "value model with a smaller vocabulary",
+        ["--value_model_path", "{tmp}/small_vocab_model"],
+        "embeds 1000 token ids but the policy's tokenizer has 49152",
+        setup="small_vocab_model",
+    ),
+    Case("push offline", ["--push_to_hub", "--hf_entity", "me"], "HF_HUB_OFFLINE is on"),
+    Case("push without hf_entity, Hub unreachable", ["--push_to_hub"], "pass --hf_entity", env=HUB_ONLINE),
+    Case("push with a bad repo name", ["--push_to_hub", "--hf_entity", "me", "--hf_repo_id", "bad name"],
+         "Hub repo name (hf_repo_id, default exp_name) 'bad name' is not a valid name", env=HUB_ONLINE),  # fmt: skip
+    # ---- output_dir and resume ----
+    Case("output_dir is a file", ["--output_dir", "{tmp}/a_file"], "--output_dir '{tmp}/a_file' is not valid", setup="a_file"),
+    Case("output_dir holds an earlier run", [], "already holds a run (metrics.jsonl, model); pass --resume", setup="earlier_run"),
+    Case("output_dir locked by a live run", [], "is in use by run other-run (pid", setup="locked"),
+    Case("resume without a checkpoint", ["--resume"], "--resume found no complete checkpoint"),
+    Case("resume from an incomplete checkpoint", ["--resume", "{tmp}/half"], "is not a complete checkpoint", setup="half"),
+    Case("resume and overwrite", ["--resume", "--overwrite_output_dir", "true"], "pick one"),
+    Case("resume with other settings", ["--resume", "--learning_rate", "1e-4"],
+         "with other settings: --learning_rate 0.0001 (checkpoint: 3e-06); resume with the run's own flags",
+         setup="checkpoint_at_lr_3e_6"),  # fmt: skip
+    # ---- data ----
+    Case("data file missing", ["--dataset_mixer_list", "{tmp}/none.jsonl", "1.0"], "Dataset path {tmp}/none.jsonl does not exist"),
+    Case("mixer amount missing", ["--dataset_mixer_list", "{data}"], "has an odd number of values"),
+    Case("empty ground truth", [], "row 3: the ground truth is empty", rows=GOOD_ROWS[:3] + [arithmetic_row(ground_truth="")]),
+    Case("no verifier name", [], "row 1: has a ground truth but no verifier name", rows=[arithmetic_row(), arithmetic_row(dataset=None)]),
+    Case("unknown verifier", [], "row 0: Unknown verifier 'physics'", rows=[arithmetic_row(dataset="physics")]),
+    Case("non-numeric answer", [], "row 2: Ground truth 'five' holds no number", rows=GOOD_ROWS[:2] + [arithmetic_row(ground_truth="five")]),
+    Case("no reward source", [], "row 1: has no reward source", rows=[arithmetic_row(), arithmetic_row(ground_truth=None)]),
+    Case("row without a prompt", [], "row 0 has no prompt field", rows=[{"question": "2+3?", "ground_truth": "5"}]),
+    Case("invalid JSON line", [], "line 2 is not valid JSON", raw_data=b'{"prompt": "a", "ground_truth": "1", "dataset": "arithmetic"}\n{oops\n'),
+    Case("invalid UTF-8", [], "line 2 is not valid UTF-8", raw_data=b'{"prompt": "a", "ground_truth": "1", "dataset": "arithmetic"}\n{"prompt": "\xff"}\n'),
+    Case("unknown chat template", ["--chat_template_name", "bogus"], "bogus"),
+]  # fmt: skip
+
+
+# ---- setups: files a case needs besides the data --------------------------------------------------------------------
+
+
+def setup_empty_model(tmp: Path, out: Path) -> None:
+    (tmp / "empty_model").mkdir()
+
+
+def setup_small_vocab_model(tmp: Path, out: Path) -> None:
+    from open_instruct.embedded_model import tiny_model_path
+
+    folder = tmp / "small_vocab_model"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(tiny_model_path()) / name, folder / name)
+    config = json.loads((Path(tiny_model_path()) / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+
+
+def setup_a_file(tmp: Path, out: Path) -> None:
+    (tmp / "a_file").write_text("not a folder")
+
+
+def setup_earlier_run(tmp: Path, out: Path) -> None:
+    (out / "metrics.jsonl").write_text('{"step": 1, "x": 1.0}\n')
+    (out / "model").mkdir()
+    (out / "model" / "config.json").write_text("{}")
+
+
+def setup_half(tmp: Path, out: Path) -> None:
+    (tmp / "half").mkdir()
+    (tmp / "half" / "learner.pt").write_bytes(b"cut off")
+
+
+def setup_checkpoint_at_lr_3e_6(tmp: Path, out: Path) -> None:
+    from open_instruct.checkpoint import save_checkpoint
+    from open_instruct.ppo_args import parse_args
+
+    args = parse_args(BASE + ["--dataset_mixer_list", str(tmp / "train.jsonl"), "1.0", "--output_dir", str(out)])
+    state = {"policy": {}, "value_model": {}}
+    save_checkpoint(str(out), 2, state, {"step": 2}, args, keep_last_n=1)
+
+
+def setup_locked(tmp: Path, out: Path):
+    lock = open(out / ".run.lock", "a+")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a live run holds it
+    lock.write("run other-run (pid 1 on elsewhere, since 2026-01-01 00:00:00)")
+    lock.flush()
+    return lock
+
+
+# ---- running a case -------------------------------------------------------------------------------------------------
+
+
+def prepare(case: Case, tmp: Path) -> tuple[list[str], Path, dict[str, bytes]]:
+    out = tmp / "output"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own file, which must survive")
+    data = tmp / "train.jsonl"
+    if case.raw_data is not None:
+        data.write_bytes(case.raw_data)
+    else:
+        data.write_text("".join(json.dumps(row) + "\n" for row in (case.rows or GOOD_ROWS)))
+    flags = [f.format(data=data, out=out, tmp=tmp) for f in case.flags]
+    config_first = flags[:1] if flags and flags[0].endswith(".yaml") else []
+    argv = config_first + BASE + ["--dataset_mixer_list", str(data), "1.0", "--output_dir", str(out)] + flags[len(config_first):]
+    if "--dataset_mixer_list" in flags:  # the case's own mixer replaces the default one
+        index = argv.index("--dataset_mixer_list")
+        del argv[index : index + 3]
+    return argv, out, {}
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` with its bytes, except the run lock (an empty file a refused run may add)."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != ".run.lock"
+    }
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_bad_input_fails_fast_with_one_line(case: Case, tmp_path, capsys, monkeypatch):
+    argv, out, _ = prepare(case, tmp_path)
+    held_lock = globals()[f"setup_{case.setup}"](tmp_path, out) if case.setup else None
+    for name, value in case.env.items():
+        monkeypatch.setenv(name, value)
+    if case.env.get("HF_HUB_OFFLINE") == "0":
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read once at import; this case is "online"
+    before = snapshot(out)
+    capsys.readouterr()
+    start = time.time()
+    with pytest.raises(SystemExit) as exit_info:
+        cli(argv)
+    seconds = time.time() - start
+    captured = capsys.readouterr()
+    if held_lock is not None:
+        held_lock.close()
+    error_lines = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    message = error_lines[-1] if error_lines else ""
+    RESULTS.append((case.name, exit_info.value.code, seconds, message))
+
+    assert exit_info.value.code == 2, captured.err[-2000:]
+    assert len(error_lines) == 1 and captured.err.strip().endswith(message), captured.err[-2000:]
+    assert "Traceback" not in captured.err
+    assert case.expected.format(tmp=tmp_path, out=out) in message, message
+    assert seconds < TIME_BOUND_S
+    assert "[vllm] engine" not in captured.out + captured.err, "a model was loaded before the error"
+    assert snapshot(out) == before, "the run changed output_dir's earlier contents"
+
+
+def test_debug_flag_shows_the_traceback(tmp_path, capsys):
+    argv, _, _ = prepare(CASES[0], tmp_path)
+    with pytest.raises(SystemExit):
+        cli(argv + ["--debug", "true"])
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: --temperature 0.0 is not valid")
+
+
+SUBPROCESS_CASES = ["temperature 0", "no verifier name", "output_dir locked by a live run"]
+
+
+@pytest.mark.parametrize("name", SUBPROCESS_CASES)
+def test_bad_input_as_a_real_process(name, tmp_path):
+    """The process itself: exit code 2, stderr's last line the error, quickly, and output_dir intact."""
+    case = next(case for case in CASES if case.name == name)
+    argv, out, _ = prepare(case, tmp_path)
+    held_lock = globals()[f"setup_{case.setup}"](tmp_path, out) if case.setup else None
+    before = snapshot(out)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    start = time.time()
+    process = subprocess.run(
+        [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl", *argv],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    seconds = time.time() - start
+    if held_lock is not None:
+        held_lock.close()
+    last_line = process.stderr.strip().splitlines()[-1]
+    RESULTS.append((f"{name} (process)", process.returncode, seconds, last_line))
+    assert process.returncode == 2, process.stderr[-2000:]
+    assert last_line.startswith("error: ") and case.expected.format(tmp=tmp_path) in last_line, last_line
+    assert "Traceback" not in process.stderr
+    assert seconds < SUBPROCESS_TIME_BOUND_S
+    assert snapshot(out) == before
+
+
+def test_print_the_table():
+    """Not a check: prints the table of every case run above (pytest -s shows it)."""
+    print("\n| case | exit code | seconds | message |\n| --- | --- | --- | --- |")
+    for name, code, seconds, message in RESULTS:
+        print(f"| {name} | {code} | {seconds:.2f} | {message} |")
