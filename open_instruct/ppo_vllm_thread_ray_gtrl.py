@@ -156,6 +156,15 @@ def expected_rollout_version(step: int, async_mode: bool) -> int:
     return max(0, step - 2) if async_mode else step - 1
 
 
+def build_learner(args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int]):
+    """This process's PPOLearner, or learner ranks on Ray + DeepSpeed behind the same methods."""
+    if not args.dist.uses_ray:
+        return PPOLearner(args, sizes, tokenizer, policy_path, stop_token_ids)
+    from open_instruct.learner_group import LearnerGroup  # imports ray; the single-process path never does
+
+    return LearnerGroup(args, sizes, policy_path, stop_token_ids)
+
+
 def train(args: Args, sizes: BatchSizes) -> dict:
     torch.manual_seed(args.run.seed)
     start_time = time.time()
@@ -177,7 +186,7 @@ def train(args: Args, sizes: BatchSizes) -> dict:
     generator = start_generation_thread(args, policy_path, stop_token_ids, eval_prompts)
     if torch.cuda.is_available():
         generator.wait_until_ready()  # vLLM sizes its KV cache from free GPU memory: let it measure first
-    learner = PPOLearner(args, sizes, tokenizer, policy_path, stop_token_ids)
+    learner = build_learner(args, sizes, tokenizer, policy_path, stop_token_ids)
     logger = MetricsLogger(
         args.run.output_dir,
         with_tracking=args.run.with_tracking,
@@ -279,7 +288,7 @@ def summarize(metrics_path: str) -> dict:
     return summary
 
 
-def finish(args: Args, learner: PPOLearner, logger: MetricsLogger, final_eval: dict) -> dict:
+def finish(args: Args, learner, logger: MetricsLogger, final_eval: dict) -> dict:
     model_dir = learner.save(
         os.path.join(args.run.output_dir, "model"), extra_files={"open_instruct_args.json": args.as_flat_dict()}
     )
