@@ -16,12 +16,12 @@ from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
+import deepspeed
 import torch
 import torch._dynamo  # noqa: F401  before any ZeRO-3 partitioning, else torch._dynamo fails with "Signature mismatch"
 import torch.distributed as dist
 from torch import nn
 
-import deepspeed
 from open_instruct import model_utils as mu
 from open_instruct.learner_backend import OptimizerSettings, adamw, lr_scheduler
 

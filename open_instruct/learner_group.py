@@ -159,9 +159,7 @@ class LearnerGroup:
             try:
                 results[ref] = ray.get(ref)
             except RayActorError as error:
-                raise LearnerFailed(
-                    f"{name_of[ref]} died during {method}: {first_line(error)}"
-                ) from None
+                raise LearnerFailed(f"{name_of[ref]} died during {method}: {death_cause(error)}") from None
             except RayTaskError as error:
                 cause = error.cause if error.cause is not None else error
                 raise LearnerFailed(
@@ -196,6 +194,13 @@ class LearnerGroup:
             ray.kill(rank, no_restart=True)
         self.ranks = []
         remove_placement_group(self.placement_group)
+
+
+def death_cause(error: RayActorError) -> str:
+    """Ray's several-line report of a dead actor, cut to the line that says why it died."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    because = [line for line in lines if "because" in line]
+    return (because or lines or [type(error).__name__])[0]
 
 
 def first_line(error: BaseException) -> str:

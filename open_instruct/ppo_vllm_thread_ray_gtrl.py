@@ -9,6 +9,10 @@ next prompts with policy k *before* training on the batch policy k-1 generated, 
 training overlap and the data is one policy version old; without it, the same code waits for
 the batch of the current policy.
 
+The learner is this process's PPOLearner, or, with more than one learner (--num_learners_per_node), a
+--ray_address or a --deepspeed_stage, learner ranks as Ray actors on DeepSpeed behind the same methods
+(learner_group.py; docs/distributed.md). The loop below is the same for both.
+
 The recipe, in order: parse args -> data -> models -> generation thread -> loop {send weights and
 prompts, receive rollout, score + advantages, PPO epochs, log, eval, save} -> final eval, save, push.
 """

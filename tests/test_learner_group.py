@@ -324,6 +324,20 @@ def wait_for(condition, what: str, describe_process, timeout_s: float = RUN_TIME
     pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}; the trainer's output:\n{describe_process()}")
 
 
+def test_minibatches_must_split_evenly_over_the_learners():
+    args = parse_args(
+        ["--dataset_mixer_list", "data/prompts.jsonl", "1.0", "--local_rollout_batch_size", "4",
+         "--number_samples_per_prompt", "2", "--per_device_train_batch_size", "8", "--num_learners_per_node", "1", "1"]
+    )  # fmt: skip
+    assert args.dist.uses_ray and args.dist.num_learners == 2
+    with pytest.raises(ValueError) as error:
+        compute_batch_sizes(args)
+    assert str(error.value) == (
+        "The minibatch of 8 responses does not split into --per_device_train_batch_size 8 micro-batches evenly over "
+        "2 learners; make the minibatch a multiple of 16."
+    )
+
+
 # ---- the single-process path stays free of ray and deepspeed ---------------------------------------------------------
 
 
