@@ -20,7 +20,7 @@ import time
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -165,6 +165,10 @@ class LearnerGroup:
                 raise LearnerFailed(
                     f"{name_of[ref]} failed in {method}: {type(cause).__name__}: {first_line(cause)}"
                 ) from error
+            except RayError as error:  # e.g. OutOfMemoryError: Ray's memory monitor killed the rank's worker
+                raise LearnerFailed(
+                    f"{name_of[ref]} was lost during {method}: {type(error).__name__}: {first_line(error)}"
+                ) from None
         return [results[ref] for ref in refs]
 
     def make_experience(
