@@ -126,8 +126,8 @@ class LearnerGroup:
         self.names = [f"learner rank {rank}" for rank in range(len(bundle_of_rank))]
         self.ranks = []
         for rank, bundle in enumerate(bundle_of_rank):
-            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle)
-            self.ranks.append(actor_class.options(scheduling_strategy=strategy).remote(rank))
+            in_bundle = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle)
+            self.ranks.append(actor_class.options(scheduling_strategy=in_bundle).remote(rank))
             if rank == 0:  # rank 0 first: it hosts the rendezvous the others connect to
                 master = self._call_rank(0, "rendezvous_address")
         for name, where in zip(self.names, self._call_all("where")):
