@@ -135,7 +135,35 @@ class RunArgs:
     hf_endpoint: str | None = arg(None, "Hub endpoint (default: huggingface_hub's, or HF_ENDPOINT).")
 
 
-ARG_GROUPS = (ModelArgs, DatasetArgs, RewardConfig, PPOArgs, GenerationArgs, RunArgs)
+@dataclass
+class DistributedArgs:
+    num_learners_per_node: list[int] = arg(
+        [1],
+        "Learner ranks per node, one entry per node (on GPUs each takes one GPU). More than one learner in all "
+        "runs them as Ray actors on DeepSpeed; one learner and no other flag below: a single process, no Ray.",
+        nargs="+",
+        aliases=["--actor_num_gpus_per_node"],
+    )
+    deepspeed_stage: int = arg(0, "DeepSpeed ZeRO stage of the learner ranks (non-zero implies Ray).", choices=[0, 2, 3])
+    ray_address: str | None = arg(
+        None, "Ray cluster to join (implies Ray); default: start a local Ray instance when Ray is needed."
+    )
+    gather_whole_model: bool = arg(
+        False, "Under ZeRO-3, gather the whole policy at once for a weight sync (faster, more memory) "
+        "instead of one parameter at a time."
+    )
+    learner_timeout_s: float = arg(1800.0, "Longest wait on a call to the learner ranks before failing with a message.")
+
+    @property
+    def num_learners(self) -> int:
+        return sum(self.num_learners_per_node)
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.num_learners > 1 or self.ray_address is not None or self.deepspeed_stage != 0
+
+
+ARG_GROUPS = (ModelArgs, DatasetArgs, RewardConfig, PPOArgs, GenerationArgs, RunArgs, DistributedArgs)
 
 
 @dataclass
@@ -146,6 +174,7 @@ class Args:
     ppo: PPOArgs
     gen: GenerationArgs
     run: RunArgs
+    dist: DistributedArgs
 
     def as_flat_dict(self) -> dict:
         return {f.name: getattr(group, f.name) for group in vars(self).values() for f in fields(group)}
@@ -210,7 +239,8 @@ class BatchSizes:
     prompts_per_step: int
     rollout_batch_size: int  # responses per step
     mini_batch_size: int
-    gradient_accumulation_steps: int
+    gradient_accumulation_steps: int  # micro-batches per optimizer step on each learner rank
+    num_learners: int
     num_training_steps: int
     eval_freq: int
     save_freq: int
@@ -235,6 +265,18 @@ def compute_batch_sizes(args: Args) -> BatchSizes:
             f"--per_device_train_batch_size {ppo.per_device_train_batch_size} does not divide the minibatch of "
             f"{mini} responses; pick a divisor of {mini}."
         )
+    learners = args.dist.num_learners
+    if min(args.dist.num_learners_per_node) < 1:
+        raise ValueError(
+            f"--num_learners_per_node {args.dist.num_learners_per_node} has an entry below 1; give one positive "
+            f"count per node."
+        )
+    if mini % (ppo.per_device_train_batch_size * learners):
+        raise ValueError(
+            f"The minibatch of {mini} responses does not split into --per_device_train_batch_size "
+            f"{ppo.per_device_train_batch_size} micro-batches evenly over {learners} learners; make the minibatch a "
+            f"multiple of {ppo.per_device_train_batch_size * learners}."
+        )
     steps = ppo.total_episodes // rollout
     if steps < 1:
         raise ValueError(
@@ -255,7 +297,8 @@ def compute_batch_sizes(args: Args) -> BatchSizes:
         prompts_per_step=ppo.local_rollout_batch_size,
         rollout_batch_size=rollout,
         mini_batch_size=mini,
-        gradient_accumulation_steps=mini // ppo.per_device_train_batch_size,
+        gradient_accumulation_steps=mini // (ppo.per_device_train_batch_size * learners),
+        num_learners=learners,
         num_training_steps=steps,
         eval_freq=eval_freq,
         save_freq=args.run.save_freq,

@@ -8,13 +8,13 @@ arranges tensors and models around it.
 from dataclasses import dataclass
 
 import torch
-from transformers import get_scheduler
 
 from open_instruct import model_utils as mu
 from open_instruct import rl_utils as rl
-from open_instruct.checkpoint import NonFiniteError
+from open_instruct.checkpoint import NonFiniteError, assert_finite
 from open_instruct.dataset_transformation import left_pad
 from open_instruct.ground_truth_utils import RewardManager
+from open_instruct.learner_backend import OptimizerSettings, SingleProcess
 from open_instruct.ppo_args import Args, BatchSizes
 from open_instruct.vllm_utils import Completion, engine_dtype
 
@@ -56,10 +56,22 @@ class Experience:
 
 
 class PPOLearner:
-    def __init__(self, args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int]):
+    """The learner of one process, or one rank of a DeepSpeed group (`backend`, see learner_backend.py).
+
+    Every rank holds the whole rollout, runs the forward passes of `make_experience` on its share of the
+    rows and gathers them, so advantages, their whitening and every metric are computed over the global
+    batch, identically on each rank. `train` draws the same minibatch order on every rank and gives each
+    rank an equal slice of each minibatch: with gradients averaged over ranks and micro-batches, the update
+    is the single-process one.
+    """
+
+    def __init__(
+        self, args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int], backend=None
+    ):
         self.args, self.sizes, self.tokenizer = args, sizes, tokenizer
         self.stop_token_ids = stop_token_ids
-        self.device = mu.learner_device()
+        self.backend = backend or SingleProcess()
+        self.device = self.backend.device
         model_args = args.model
         self.policy = mu.load_policy(policy_path, self.device, model_args.model_revision, trainable=True)
         self.ref_policy = mu.load_policy(policy_path, self.device, model_args.model_revision, trainable=False)
@@ -86,29 +98,37 @@ class PPOLearner:
             self.value_model.gradient_checkpointing_enable()
         self.policy.train()
         self.value_model.train()
-        optimizer_steps = sizes.num_training_steps * args.ppo.num_epochs * args.ppo.num_mini_batches
-        self.optimizers, self.schedulers = [], []
         value_lr = args.ppo.value_learning_rate or args.ppo.learning_rate
-        for model, lr in ((self.policy, args.ppo.learning_rate), (self.value_model, value_lr)):
-            optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.ppo.weight_decay, eps=1e-5)
-            self.optimizers.append(optimizer)
-            self.schedulers.append(
-                get_scheduler(
-                    args.ppo.lr_scheduler_type,
-                    optimizer,
-                    num_warmup_steps=int(args.ppo.warmup_ratio * optimizer_steps),
-                    num_training_steps=optimizer_steps,
-                )
-            )
+        self.policy_trainer = self.backend.trainable(self.policy, self.optimizer_settings(args.ppo.learning_rate))
+        self.value_trainer = self.backend.trainable(self.value_model, self.optimizer_settings(value_lr))
+        # From here on forward passes go through what the backend built (a DeepSpeed engine, or the model itself).
+        self.policy, self.value_model = self.policy_trainer.model, self.value_trainer.model
+        self.ref_policy = self.backend.frozen(self.ref_policy)
+        if self.reward_model is not None:
+            self.reward_model = self.backend.frozen(self.reward_model)
         self.shuffle_generator = torch.Generator().manual_seed(args.run.seed)
 
-    def weights_for_engine(self) -> list[tuple[str, torch.Tensor]]:
-        """The policy's weights, copied in the engine's dtype."""
-        return mu.named_weights_for_engine(self.policy, getattr(torch, engine_dtype(self.args.gen.vllm_dtype)))
+    def optimizer_settings(self, learning_rate: float) -> OptimizerSettings:
+        ppo = self.args.ppo
+        optimizer_steps = self.sizes.num_training_steps * ppo.num_epochs * ppo.num_mini_batches
+        return OptimizerSettings(
+            learning_rate=learning_rate,
+            weight_decay=ppo.weight_decay,
+            lr_scheduler_type=ppo.lr_scheduler_type,
+            warmup_steps=int(ppo.warmup_ratio * optimizer_steps),
+            optimizer_steps=optimizer_steps,
+            max_grad_norm=ppo.max_grad_norm,
+            gradient_accumulation_steps=self.sizes.gradient_accumulation_steps,
+            micro_batch_size=ppo.per_device_train_batch_size,
+        )
+
+    def weights_for_engine(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The policy's weights, copied in the engine's dtype (on rank 0; None on the other ranks)."""
+        return self.backend.named_weights(self.policy, getattr(torch, engine_dtype(self.args.gen.vllm_dtype)))
 
     @property
     def lr(self) -> float:
-        return self.schedulers[0].get_last_lr()[0]
+        return self.policy_trainer.lr
 
     def make_experience(
         self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager
@@ -134,23 +154,26 @@ class PPOLearner:
         attention_mask = torch.cat([query_mask, response_mask.long()], dim=1).to(device)
         response_mask, response_length = response_mask.to(device), response_length.to(device)
         chunk = ppo.per_device_train_batch_size
+        rows = self.backend.local_rows(len(completions))
+
+        def forward_on_all_rows(fn, *tensors: torch.Tensor) -> torch.Tensor:
+            """`fn` on this rank's rows, gathered: every rank ends up with the whole batch's outputs."""
+            local = mu.no_grad_in_chunks(fn, chunk, *(t[rows] for t in tensors), device=device)
+            return self.backend.gather_rows(local)
 
         def logprob_of(model):
             return lambda qr, am: mu.response_logprobs(model, qr, am, context_length, gen.temperature)[0]
 
-        logprob = mu.no_grad_in_chunks(logprob_of(self.policy), chunk, query_response, attention_mask, device=device)
-        ref_logprob = mu.no_grad_in_chunks(
-            logprob_of(self.ref_policy), chunk, query_response, attention_mask, device=device
-        )
-        value = mu.no_grad_in_chunks(
-            lambda qr, am: mu.response_values(self.value_model, qr, am, context_length),
-            chunk, query_response, attention_mask, device=device,
+        logprob = forward_on_all_rows(logprob_of(self.policy), query_response, attention_mask)
+        ref_logprob = forward_on_all_rows(logprob_of(self.ref_policy), query_response, attention_mask)
+        value = forward_on_all_rows(
+            lambda qr, am: mu.response_values(self.value_model, qr, am, context_length), query_response, attention_mask
         )
         rm_score = None
         if self.reward_model is not None:
-            rm_score = mu.no_grad_in_chunks(
+            rm_score = forward_on_all_rows(
                 lambda qr, am, length: mu.reward_model_scores(self.reward_model, qr, am, context_length, length),
-                chunk, query_response, attention_mask, response_length, device=device,
+                query_response, attention_mask, response_length,
             ).cpu()
         score, reward_metrics = reward_manager.score(
             [c.text for c in completions],
@@ -209,7 +232,7 @@ class PPOLearner:
     def train(self, exp: Experience) -> dict[str, float]:
         """`num_epochs` PPO epochs over shuffled minibatches; one optimizer step per minibatch."""
         ppo, temperature = self.args.ppo, self.args.gen.temperature
-        micro_size, accumulation = ppo.per_device_train_batch_size, self.sizes.gradient_accumulation_steps
+        micro_size = ppo.per_device_train_batch_size
         stats: dict[str, list[float]] = {}
         skipped_updates = 0
 
@@ -218,10 +241,12 @@ class PPOLearner:
                 stats.setdefault(key, []).append(value.item())
 
         for _ in range(ppo.num_epochs):
+            # The same order on every rank (same seed); each rank trains on its equal slice of each minibatch.
             order = torch.randperm(exp.query_response.shape[0], generator=self.shuffle_generator)
             for minibatch in order.split(self.sizes.mini_batch_size):
                 finite_losses = True
-                for micro in minibatch.split(micro_size):
+                local_minibatch = minibatch.tensor_split(self.backend.world_size)[self.backend.rank]
+                for micro in local_minibatch.split(micro_size):
                     mask = exp.response_mask[micro]
                     qr, am = exp.query_response[micro], exp.attention_mask[micro]
                     with mu.autocast(self.device):
@@ -233,35 +258,39 @@ class PPOLearner:
                     vf_loss, vf_clipfrac = rl.value_loss(
                         new_value, exp.value[micro], exp.return_[micro], mask, ppo.cliprange_value
                     )
-                    loss = pg_loss + ppo.vf_coef * vf_loss  # vf_loss is logged unweighted, as open-instruct does
+                    policy_objective = pg_loss
                     if ppo.kl_in_loss:
-                        loss = loss + ppo.beta * rl.kl_penalty_loss(new_logprob, exp.ref_logprob[micro], mask, "k3")
+                        policy_objective = policy_objective + ppo.beta * rl.kl_penalty_loss(
+                            new_logprob, exp.ref_logprob[micro], mask, "k3"
+                        )
+                    loss = policy_objective + ppo.vf_coef * vf_loss  # vf_loss is logged unweighted
                     finite_losses &= bool(torch.isfinite(loss))
-                    (loss / accumulation).backward()
+                    # The two models share no parameter: separate backward passes give the gradients of the sum.
+                    self.policy_trainer.backward(policy_objective)
+                    self.value_trainer.backward(ppo.vf_coef * vf_loss)
                     with torch.no_grad():
                         entropy = rl.masked_mean(rl.entropy_from_logits(logits.float() / temperature), mask)
                     record(
                         pg_loss=pg_loss, vf_loss=vf_loss, loss=loss, pg_clipfrac=pg_clipfrac, vf_clipfrac=vf_clipfrac,
                         approxkl=approxkl, ratio=ratio, entropy=entropy,
                     )
-                models = (self.policy, self.value_model)
-                grad_norms = [torch.nn.utils.clip_grad_norm_(model.parameters(), ppo.max_grad_norm) for model in models]
-                update_is_finite = finite_losses and all(torch.isfinite(norm) for norm in grad_norms)
-                if not update_is_finite and not self.args.run.skip_nonfinite_updates:
+                # A non-finite loss or gradient norm is never applied to the weights (see AdamWTrainer.step).
+                applied = [trainer.step(apply=finite_losses) for trainer in self.trainers]
+                if not all(applied) and not self.args.run.skip_nonfinite_updates:
                     raise NonFiniteError(
-                        f"non-finite {'loss' if not finite_losses else 'gradient'} in a PPO minibatch (gradient norms "
-                        f"{[norm.item() for norm in grad_norms]}); the update was not applied. Lower the learning "
-                        "rate, or pass --skip_nonfinite_updates true to skip such updates."
+                        f"non-finite {'loss' if not finite_losses else 'gradient'} in a PPO minibatch; the update was "
+                        "not applied. Lower the learning rate, or pass --skip_nonfinite_updates true to skip such updates."
                     )
-                skipped_updates += not update_is_finite
-                for optimizer, scheduler in zip(self.optimizers, self.schedulers):
-                    if update_is_finite:
-                        optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    scheduler.step()  # a skipped update still uses its place in the LR schedule
+                skipped_updates += not all(applied)
+
+        # Means over every micro-batch of every rank: [key, (sum, count)] summed over ranks.
+        totals = self.backend.all_sum(
+            torch.tensor([[sum(values), len(values)] for values in stats.values()], dtype=torch.float64)
+        )
+        global_mean = {key: (total / count).item() for key, (total, count) in zip(stats, totals)}
 
         def mean(key: str) -> float:
-            return sum(stats[key]) / len(stats[key])
+            return global_mean[key]
 
         return {
             "train/skipped_updates": float(skipped_updates),
@@ -281,8 +310,8 @@ class PPOLearner:
         return {
             "policy": self.policy.state_dict(),
             "value_model": self.value_model.state_dict(),
-            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
-            "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
+            "optimizers": [trainer.optimizer.state_dict() for trainer in self.trainers],
+            "schedulers": [trainer.scheduler.state_dict() for trainer in self.trainers],
             "shuffle_generator": self.shuffle_generator.get_state(),
             "torch_rng": torch.get_rng_state(),
         }
@@ -290,20 +319,32 @@ class PPOLearner:
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state["policy"])
         self.value_model.load_state_dict(state["value_model"])
-        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(optimizer_state)
-        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
-            scheduler.load_state_dict(scheduler_state)
+        for trainer, optimizer_state, scheduler_state in zip(self.trainers, state["optimizers"], state["schedulers"]):
+            trainer.optimizer.load_state_dict(optimizer_state)
+            trainer.scheduler.load_state_dict(scheduler_state)
         self.shuffle_generator.set_state(state["shuffle_generator"])
         torch.set_rng_state(state["torch_rng"])
 
-    def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel:
-        """Save the policy as an HF folder in `--save_dtype` (default fp32: exactly the trained weights)."""
+    @property
+    def trainers(self) -> tuple:
+        return self.policy_trainer, self.value_trainer
+
+    def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel | None:
+        """Save the policy as an HF folder in `--save_dtype` (default fp32: exactly the trained weights).
+
+        Rank 0 writes the full policy (gathered under ZeRO-3); other ranks only help gather and return None.
+        Non-finite weights are never written.
+        """
         dtype = getattr(torch, self.args.run.save_dtype)
-        state_dict = mu.state_dict_for_saving(self.policy, dtype)
-        path = mu.save_hf_folder(self.policy, self.tokenizer, output_dir, state_dict, extra_files)
-        rounding = None
-        if dtype.itemsize < 4:  # the fp32 master weights lose precision: measure against the initial policy
-            initial = dict(self.ref_policy.named_parameters())
-            rounding = mu.rounding_report(dict(self.policy.named_parameters()), initial, dtype)
-        return SavedModel(path, self.args.run.save_dtype, mu.weights_sha256(state_dict), rounding)
+        with self.backend.full_model(self.policy) as policy:
+            if policy is None:
+                return None
+            assert_finite(policy.state_dict(), "the policy")
+            state_dict = mu.state_dict_for_saving(policy, dtype)
+            path = mu.save_hf_folder(policy, self.tokenizer, output_dir, state_dict, extra_files)
+            rounding = None
+            # Measured against the initial policy, which the reference model holds whole in one process only.
+            if dtype.itemsize < 4 and self.backend.world_size == 1:
+                initial = dict(self.ref_policy.named_parameters())
+                rounding = mu.rounding_report(dict(policy.named_parameters()), initial, dtype)
+            return SavedModel(path, self.args.run.save_dtype, mu.weights_sha256(state_dict), rounding)

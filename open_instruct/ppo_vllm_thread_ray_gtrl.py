@@ -9,6 +9,10 @@ next prompts with policy k *before* training on the batch policy k-1 generated, 
 training overlap and the data is one policy version old; without it, the same code waits for
 the batch of the current policy.
 
+The learner is this process's PPOLearner, or, with more than one learner (--num_learners_per_node), a
+--ray_address or a --deepspeed_stage, learner ranks as Ray actors on DeepSpeed behind the same methods
+(learner_group.py; docs/distributed.md). The loop below is the same for both.
+
 The recipe, in order: parse args -> data -> models -> generation thread -> loop {send weights and
 prompts, receive rollout, score + advantages, PPO epochs, log, eval, save} -> final eval, save, push.
 """
@@ -274,6 +278,15 @@ def check_engine_matches_learner(metrics: dict, max_diff: float, step: int) -> N
         )
 
 
+def build_learner(args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int]):
+    """This process's PPOLearner, or learner ranks on Ray + DeepSpeed behind the same methods."""
+    if not args.dist.uses_ray:
+        return PPOLearner(args, sizes, tokenizer, policy_path, stop_token_ids)
+    from open_instruct.learner_group import LearnerGroup  # imports ray; the single-process path never does
+
+    return LearnerGroup(args, sizes, policy_path, stop_token_ids)
+
+
 def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: ckpt.StopRequest) -> dict:
     torch.manual_seed(args.run.seed)
     start_time = time.time() - (resume.trainer_state["time_from_scratch"] if resume else 0.0)
@@ -314,7 +327,7 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
         try:
             if torch.cuda.is_available():
                 generator.wait_until_ready()  # vLLM sizes its KV cache from free GPU memory: let it measure first
-            learner = PPOLearner(args, sizes, tokenizer, policy_path, stop_token_ids)
+            learner = build_learner(args, sizes, tokenizer, policy_path, stop_token_ids)
             prompt_order = ShufflingIterator(len(train_dataset), sizes.prompts_per_step, args.run.seed)
             rollouts = RolloutRequests(
                 generator, train_dataset, tokenizer, prompt_order, eval_prompts, sizes.eval_freq, args.run.seed
@@ -462,8 +475,7 @@ def report_save_rounding(saved: SavedModel) -> dict:
     return {"save/fraction_of_changed_weights_rounded_away": fraction}
 
 
-def finish(args: Args, learner: PPOLearner, logger: MetricsLogger, final_eval: dict) -> dict:
-    ckpt.assert_finite(learner.policy.state_dict(), "the policy")
+def finish(args: Args, learner, logger: MetricsLogger, final_eval: dict) -> dict:
     saved = learner.save(
         os.path.join(args.run.output_dir, "model"), extra_files={"open_instruct_args.json": args.as_flat_dict()}
     )

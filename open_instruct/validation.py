@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 
 from open_instruct.ground_truth_utils import VERIFIERS, resolve_verifier_name
-from open_instruct.ppo_args import Args, BatchSizes, ConfigError
+from open_instruct.ppo_args import Args, ConfigError
 
 # Verifiers that compare numbers: a ground truth without one would fail mid-run at the first response scored.
 NUMERIC_VERIFIERS = ("gsm8k", "arithmetic")
@@ -132,6 +132,11 @@ def validate_flags(args: Args) -> None:
         )
     if args.run.resume is not None and args.run.overwrite_output_dir:
         raise ConfigError("--resume continues the run in --output_dir and --overwrite_output_dir deletes it; pick one.")
+    if args.dist.uses_ray and (args.run.save_freq > 0 or args.run.resume is not None):
+        raise ConfigError(
+            "resumable checkpoints (--save_freq, --resume) are not supported with Ray learners yet "
+            "(--num_learners_per_node); run without them, or with one learner in this process."
+        )
 
 
 def validate_hub(args: Args) -> None:

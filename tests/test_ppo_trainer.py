@@ -317,29 +317,39 @@ def test_saved_folder_holds_the_trained_weights_and_a_fresh_engine_reproduces_th
     fixture = request.getfixturevalue(run_fixture)
     run = fixture.run if isinstance(fixture, SyncRun) else fixture
     model_dir = run.model_dir
-    with open(run.output_dir / "summary.json") as f:
-        summary = json.load(f)
-    assert summary["save_dtype"] == "float32" and AutoConfig.from_pretrained(model_dir).dtype == torch.float32
-    saved_weights = load_safetensors(str(model_dir / "model.safetensors"))
+    assert_saved_weights_are_the_learners(run.output_dir)
+
+    final_rows = run.eval_rows(policy_version=run.num_steps)
+    _, reloaded_ids = fresh_engine_greedy(model_dir, eval_file, final_rows, tmp_path)
+    assert reloaded_ids == [row["token_ids"] for row in final_rows]
+
+
+def assert_saved_weights_are_the_learners(output_dir: Path) -> None:
+    """The digest the run computed from the learner's in-memory weights at save time equals the saved file's."""
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["save_dtype"] == "float32" and AutoConfig.from_pretrained(output_dir / "model").dtype == torch.float32
+    saved_weights = load_safetensors(str(output_dir / "model" / "model.safetensors"))
     assert {t.dtype for t in saved_weights.values()} == {torch.float32}
     assert weights_sha256(saved_weights) == summary["weights_sha256"], "the saved file is not the learner's weights"
 
-    final_rows = run.eval_rows(policy_version=run.num_steps)
+
+def fresh_engine_greedy(model_dir: Path, eval_file: Path, rows: list[dict], workdir: Path) -> tuple[list, list]:
+    """(prompts, greedy completion ids) of `rows`' eval questions from a fresh vLLM engine on `model_dir`, in the
+    learner's dtype, run in a subprocess (tests/vllm_greedy.py)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     messages = eval_messages(eval_file)
     prompts = [
         tokenizer.apply_chat_template(messages[row["ground_truth"]], add_generation_prompt=True, return_dict=False)
-        for row in final_rows
+        for row in rows
     ]
-    prompts_path = tmp_path / "prompts.json"
+    prompts_path = workdir / "prompts.json"
     prompts_path.write_text(json.dumps(prompts))
     process = run_to_completion(
         [sys.executable, str(TESTS_DIR / "vllm_greedy.py"), str(model_dir), str(prompts_path), str(RESPONSE_LENGTH),
          engine_dtype()],
-        cwd=tmp_path,
+        cwd=workdir,
     )  # fmt: skip
-    reloaded_ids = json.loads(process.stdout.strip().splitlines()[-1])
-    assert reloaded_ids == [row["token_ids"] for row in final_rows]
+    return prompts, json.loads(process.stdout.strip().splitlines()[-1])
 
 
 def test_saved_model_folder_loads_with_its_tokenizer_config_and_args(sync_run, tiny_model_dir):

@@ -1,0 +1,219 @@
+"""Learner ranks as Ray actors on DeepSpeed: a group with PPOLearner's methods, for the same trainer loop.
+
+Each actor runs one `PPOLearner` rank (deepspeed_utils.DeepSpeedBackend). The driver sends every rank the
+whole rollout (token ids, a few KB); the ranks split the forward passes and the minibatches between them
+and keep their experience; metrics come back from rank 0 (every rank computes the same global ones).
+
+Placement: one bundle per node entry of --num_learners_per_node, STRICT_SPREAD over nodes when several
+are given, PACK for one. Rank 0 is created first and hosts the torch.distributed rendezvous.
+
+Failures: every call waits on all ranks at once with a deadline, so a rank that dies (while the others
+may sit in a collective waiting for it) ends the run at once with its name and cause, not a hang.
+
+Imported only when Ray is used: the single-process trainer never loads ray or deepspeed.
+"""
+
+import atexit
+import os
+import socket
+import time
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from open_instruct.ground_truth_utils import RewardManager
+from open_instruct.ppo_args import Args, BatchSizes
+from open_instruct.ppo_learner import Experience, PPOLearner, PromptBatch
+from open_instruct.vllm_utils import Completion
+
+
+class LearnerFailed(RuntimeError):
+    """A learner rank died or raised; the message names the actor and the cause."""
+
+
+class LearnerRank:
+    """One learner rank in its own Ray actor process."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.learner: PPOLearner | None = None
+        self.experience: Experience | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the process group on."""
+        address = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind((address, 0))
+            return address, sock.getsockname()[1]
+
+    def where(self) -> dict:
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def setup(
+        self, args: Args, sizes: BatchSizes, policy_path: str, stop_token_ids: list[int], master: tuple[str, int]
+    ) -> None:
+        from open_instruct import deepspeed_utils
+        from open_instruct.model_utils import load_tokenizer
+
+        deepspeed_utils.init_process_group(self.rank, sizes.num_learners, *master, args.dist.learner_timeout_s)
+        backend = deepspeed_utils.DeepSpeedBackend(
+            args.dist.deepspeed_stage, args.ppo.per_device_train_batch_size, args.dist.gather_whole_model
+        )
+        torch.manual_seed(args.run.seed)  # the value head's init, identical on every rank and in one process
+        tokenizer = load_tokenizer(policy_path, args.model.model_revision)
+        self.learner = PPOLearner(args, sizes, tokenizer, policy_path, stop_token_ids, backend=backend)
+
+    def make_experience(
+        self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager
+    ) -> tuple[dict, dict]:
+        self.experience, metrics, samples = self.learner.make_experience(prompts, completions, reward_manager)
+        return metrics, samples
+
+    def train(self) -> dict[str, float]:
+        metrics = self.learner.train(self.experience)
+        self.experience = None
+        return metrics
+
+    def weights_for_engine(self):
+        return self.learner.weights_for_engine()
+
+    def lr(self) -> float:
+        return self.learner.lr
+
+    def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> str | None:
+        return self.learner.save(output_dir, extra_files)
+
+
+class ExperienceOnRanks:
+    """Stands for the experience the ranks keep: `make_experience` leaves it there for `train`."""
+
+
+def start_ray(ray_address: str | None, num_learners: int) -> None:
+    if ray.is_initialized():
+        return
+    started = time.time()
+    if ray_address is not None:
+        ray.init(address=ray_address, log_to_driver=True)
+    else:  # a local instance with a logical CPU for each learner, even on a machine with fewer cores
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_learners), include_dashboard=False)
+    print(f"[ppo] Ray {'joined at ' + ray_address if ray_address else 'started locally'} in {time.time() - started:.1f}s")
+
+
+class LearnerGroup:
+    """PPOLearner's methods (make_experience, train, weights_for_engine, save, lr) over Ray learner ranks."""
+
+    def __init__(self, args: Args, sizes: BatchSizes, policy_path: str, stop_token_ids: list[int]):
+        dist = args.dist
+        self.timeout_s = dist.learner_timeout_s
+        start_ray(dist.ray_address, dist.num_learners)
+        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        bundles = [{"CPU": n, **({"GPU": n} if use_gpu else {})} for n in dist.num_learners_per_node]
+        strategy = "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
+        self.placement_group = placement_group(bundles, strategy=strategy)
+        try:
+            ray.get(self.placement_group.ready(), timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise LearnerFailed(
+                f"Ray could not place learners {bundles} ({strategy}) within {self.timeout_s:.0f}s on a cluster with "
+                f"{ray.cluster_resources()}; lower --num_learners_per_node or add nodes."
+            ) from None
+        atexit.register(self.shutdown)
+        actor_class = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(LearnerRank)
+        bundle_of_rank = [node for node, count in enumerate(dist.num_learners_per_node) for _ in range(count)]
+        self.names = [f"learner rank {rank}" for rank in range(len(bundle_of_rank))]
+        self.ranks = []
+        for rank, bundle in enumerate(bundle_of_rank):
+            in_bundle = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle)
+            self.ranks.append(actor_class.options(scheduling_strategy=in_bundle).remote(rank))
+            if rank == 0:  # rank 0 first: it hosts the rendezvous the others connect to
+                master = self._call_rank(0, "rendezvous_address")
+        for name, where in zip(self.names, self._call_all("where")):
+            print(f"[ppo] {name}: pid {where['pid']} on node {where['node_id'][:12]}")
+        self._call_all("setup", args, sizes, policy_path, stop_token_ids, master)
+
+    def _call_rank(self, rank: int, method: str, *method_args):
+        return self._wait([getattr(self.ranks[rank], method).remote(*method_args)], [self.names[rank]], method)[0]
+
+    def _call_all(self, method: str, *method_args) -> list:
+        method_args = [ray.put(a) for a in method_args]  # stored once, read by every rank
+        refs = [getattr(rank, method).remote(*method_args) for rank in self.ranks]
+        return self._wait(refs, self.names, method)
+
+    def _wait(self, refs: list, names: list[str], method: str) -> list:
+        """All results, in order; the first rank to die or raise ends the wait, whatever the others are doing."""
+        name_of = dict(zip(refs, names))
+        results, pending = {}, list(refs)
+        deadline = time.time() + self.timeout_s
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
+            if not done:
+                waiting = ", ".join(name_of[ref] for ref in pending)
+                raise LearnerFailed(
+                    f"{waiting} did not finish {method} within {self.timeout_s:.0f}s; raise --learner_timeout_s if "
+                    f"the work is that slow, else look for a stuck rank in the Ray logs."
+                )
+            ref = done[0]
+            try:
+                results[ref] = ray.get(ref)
+            except RayActorError as error:
+                raise LearnerFailed(f"{name_of[ref]} died during {method}: {death_cause(error)}") from None
+            except RayTaskError as error:
+                cause = error.cause if error.cause is not None else error
+                raise LearnerFailed(
+                    f"{name_of[ref]} failed in {method}: {type(cause).__name__}: {first_line(cause)}"
+                ) from error
+            except RayError as error:  # e.g. OutOfMemoryError: Ray's memory monitor killed the rank's worker
+                raise LearnerFailed(
+                    f"{name_of[ref]} was lost during {method}: {type(error).__name__}: {first_line(error)}"
+                ) from None
+        return [results[ref] for ref in refs]
+
+    def make_experience(
+        self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager
+    ) -> tuple[ExperienceOnRanks, dict, dict]:
+        metrics, samples = self._call_all("make_experience", prompts, completions, reward_manager)[0]
+        return ExperienceOnRanks(), metrics, samples
+
+    def train(self, experience: ExperienceOnRanks) -> dict[str, float]:
+        return self._call_all("train")[0]
+
+    def weights_for_engine(self) -> list[tuple[str, torch.Tensor]]:
+        return self._call_all("weights_for_engine")[0]
+
+    @property
+    def lr(self) -> float:
+        return self._call_rank(0, "lr")
+
+    def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> str:
+        return self._call_all("save", output_dir, extra_files)[0]
+
+    def state_dict(self) -> dict:
+        """Asked for by a checkpoint (only on SIGTERM/SIGINT: validation refuses --save_freq in Ray mode)."""
+        raise NotImplementedError(
+            "checkpoints of Ray learner ranks are not supported yet (their DeepSpeed optimizer states are not saved); "
+            "the run stops without one"
+        )
+
+    def shutdown(self) -> None:
+        """Kill the ranks (some may hang in a collective with a dead peer) and release their placement."""
+        if not ray.is_initialized():
+            return
+        for rank in self.ranks:
+            ray.kill(rank, no_restart=True)
+        self.ranks = []
+        remove_placement_group(self.placement_group)
+
+
+def death_cause(error: RayActorError) -> str:
+    """Ray's several-line report of a dead actor, cut to the line that says why it died."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    because = [line for line in lines if "because" in line]
+    return (because or lines or [type(error).__name__])[0]
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
