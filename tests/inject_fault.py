@@ -7,13 +7,16 @@ Faults:
   RuntimeError("injected generation failure").
 - `skip_weight_sync`: `vllm_utils.load_weights` returns without loading anything, so the engine keeps
   generating with its start weights while the learner moves on.
+- `nan_loss`: the third call of `rl_utils.policy_loss` (made by the learner) returns a NaN loss, still attached to
+  the graph, so backward sends NaN into every gradient.
 
-tests/test_ppo_trainer.py checks that each ends the run non-zero, with its cause, without hanging.
+tests/test_ppo_trainer.py and tests/test_resume.py check that each ends the run (or, for `nan_loss` with
+--skip_nonfinite_updates, skips that one update) with its cause, without hanging, and that nothing bad reaches disk.
 """
 
 import sys
 
-from open_instruct import ppo_vllm_thread_ray_gtrl, vllm_utils
+from open_instruct import ppo_vllm_thread_ray_gtrl, rl_utils, vllm_utils
 
 INJECTED_MESSAGE = "injected generation failure"
 FAIL_ON_CALL = 2
@@ -34,9 +37,27 @@ def load_nothing(llm, named_tensors) -> float:
     return 1e-3  # a plausible sync time, so nothing but the weights themselves gives the skip away
 
 
-FAULTS = {"generation_crash": ("generate", generate_then_fail), "skip_weight_sync": ("load_weights", load_nothing)}
+real_policy_loss = rl_utils.policy_loss
+NAN_ON_CALL = 3
+policy_loss_calls = 0
+
+
+def policy_loss_with_one_nan(*args, **kwargs):
+    global policy_loss_calls
+    policy_loss_calls += 1
+    pg_loss, *rest = real_policy_loss(*args, **kwargs)
+    if policy_loss_calls == NAN_ON_CALL:
+        pg_loss = pg_loss * float("nan")
+    return (pg_loss, *rest)
+
+
+FAULTS = {
+    "generation_crash": (vllm_utils, "generate", generate_then_fail),
+    "skip_weight_sync": (vllm_utils, "load_weights", load_nothing),
+    "nan_loss": (rl_utils, "policy_loss", policy_loss_with_one_nan),
+}
 
 if __name__ == "__main__":
-    name, replacement = FAULTS[sys.argv[1]]
-    setattr(vllm_utils, name, replacement)  # the generation thread looks it up on the module at each call
-    ppo_vllm_thread_ray_gtrl.main(sys.argv[2:])
+    module, name, replacement = FAULTS[sys.argv[1]]
+    setattr(module, name, replacement)  # callers look it up on the module at each call
+    ppo_vllm_thread_ray_gtrl.cli(sys.argv[2:])

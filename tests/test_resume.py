@@ -201,7 +201,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(refer
 # ---- non-finite values ---------------------------------------------------------------------------------------------
 
 NAN_RUN = [
-    sys.executable, str(TESTS_DIR / "nan_loss.py"),
+    sys.executable, str(TESTS_DIR / "inject_fault.py"), "nan_loss",
     "--model_name_or_path", "tiny", "--total_episodes", "24", "--num_evals", "0", "--save_freq", "1", *SMALL_RUN,
 ]  # fmt: skip
 
