@@ -8,27 +8,20 @@
 # Ray listens on every network interface, even when told to use 127.0.0.1 (README.md, "Scaling out"). On a CPU machine
 # (these development machines) the run therefore goes into a network namespace that has only loopback.
 # The micro-batch is 4 (the config's 8 halved): each minibatch of 8 responses is split over the 2 ranks.
+# It is ppo.sh (same config choice, install check and environment) with the learner flags below.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 cd "$REPO"
-bash scripts/install.sh ${OPEN_INSTRUCT_CURRENT_ENV:+--current-env}
-python="${OPEN_INSTRUCT_VENV:-$REPO/.venv}/bin/python"
-[[ -n "${OPEN_INSTRUCT_CURRENT_ENV:-}" ]] && python="$(command -v python3)"
-
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  config=configs/train_configs/ppo_arithmetic_gpu.yaml
-  loopback_only=()
-else
-  config=configs/train_configs/ppo_arithmetic_cpu.yaml
-  if ! unshare -n true 2>/dev/null; then
-    echo "[ppo_ray.sh] cannot create a loopback-only network namespace (needs root); Ray would listen on every interface" >&2
-    exit 1
-  fi
-  loopback_only=(unshare -n bash -c 'ip link set lo up && exec "$@"' _)
-fi
-export WANDB_MODE="${WANDB_MODE:-offline}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" PYTHONUNBUFFERED=1
+bash scripts/install.sh ${OPEN_INSTRUCT_CURRENT_ENV:+--current-env}  # here, where the package registries are reachable
 export RAY_USAGE_STATS_ENABLED=0
-echo "[ppo_ray.sh] $config --num_learners_per_node 2 --deepspeed_stage 2 $*"
-exec "${loopback_only[@]}" "$python" -m open_instruct.ppo_vllm_thread_ray_gtrl "$config" \
-  --num_learners_per_node 2 --deepspeed_stage 2 --per_device_train_batch_size 4 \
-  --exp_name ppo_arithmetic_debug_ray --output_dir output/ppo_arithmetic_debug_ray "$@"
+ray_flags=(--num_learners_per_node 2 --deepspeed_stage 2 --per_device_train_batch_size 4
+           --exp_name ppo_arithmetic_debug_ray --output_dir output/ppo_arithmetic_debug_ray)
+echo "[ppo_ray.sh] ${ray_flags[*]} $*"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  exec bash scripts/train/debug/ppo.sh "${ray_flags[@]}" "$@"
+fi
+if ! unshare -n true 2>/dev/null; then
+  echo "[ppo_ray.sh] cannot create a loopback-only network namespace (needs root); Ray would listen on every interface" >&2
+  exit 1
+fi
+exec unshare -n bash -c 'ip link set lo up && exec bash "$@"' _ scripts/train/debug/ppo.sh "${ray_flags[@]}" "$@"
