@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from open_instruct.ground_truth_utils import RewardManager
 from open_instruct.ppo_args import Args, BatchSizes
-from open_instruct.ppo_learner import Experience, PPOLearner, PromptBatch
+from open_instruct.ppo_learner import Experience, PPOLearner, PromptBatch, SavedModel
 from open_instruct.vllm_utils import Completion
 
 
@@ -83,7 +83,7 @@ class LearnerRank:
     def lr(self) -> float:
         return self.learner.lr
 
-    def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> str | None:
+    def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel | None:
         return self.learner.save(output_dir, extra_files)
 
 
@@ -187,7 +187,8 @@ class LearnerGroup:
     def lr(self) -> float:
         return self._call_rank(0, "lr")
 
-    def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> str:
+    def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel:
+        """Rank 0 writes the gathered policy; its SavedModel says where, in which dtype, and the weights' digest."""
         return self._call_all("save", output_dir, extra_files)[0]
 
     def state_dict(self) -> dict:

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file as load_safetensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from open_instruct.ground_truth_utils import RewardManager
-from open_instruct.model_utils import load_tokenizer
+from open_instruct.model_utils import load_tokenizer, weights_sha256
 from open_instruct.ppo_args import compute_batch_sizes, parse_args
 from open_instruct.ppo_learner import PPOLearner, PromptBatch
 from open_instruct.ppo_vllm_thread_ray_gtrl import stop_token_ids_for
@@ -149,7 +150,7 @@ def test_two_ranks_take_the_single_process_ppo_step(stage, ray_cluster, single_p
     try:
         metrics = one_ppo_step(group, prompts, completions, RewardManager(args.reward))
         params = dict(group.weights_for_engine())  # fp32 on CPU: exactly the learner's weights
-        saved_dir = group.save(str(tmp_path / "model"))
+        saved = group.save(str(tmp_path / "model"))
     finally:
         group.shutdown()
 
@@ -167,11 +168,11 @@ def test_two_ranks_take_the_single_process_ppo_step(stage, ray_cluster, single_p
         assert moved > 1e-4, f"{name} hardly moved ({moved}): the comparison would prove nothing"
         torch.testing.assert_close(params[name], expected, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
-    # The saved folder (bf16) holds the ranks' (gathered) weights. Not compared with the single process's: values
-    # 1e-7 apart round to different bf16 numbers when they straddle a rounding boundary.
-    saved = AutoModelForCausalLM.from_pretrained(saved_dir, dtype=torch.float32)
-    for name, param in saved.named_parameters():
-        assert torch.equal(param, params[name].to(torch.bfloat16).float()), f"saved {name} differs"
+    # The saved folder (fp32 by default) holds exactly the ranks' gathered weights, which match the single process.
+    saved_weights = load_safetensors(f"{saved.path}/model.safetensors")
+    assert saved.dtype == "float32" and weights_sha256(saved_weights) == saved.weights_sha256
+    for name, param in AutoModelForCausalLM.from_pretrained(saved.path, dtype=torch.float32).named_parameters():
+        assert torch.equal(param, params[name]), f"saved {name} differs from the ranks' weights"
 
 
 # ---- end to end: the trainer on two Ray nodes ----------------------------------------------------------------------
@@ -326,7 +327,7 @@ def test_single_process_trainer_imports_neither_ray_nor_deepspeed(tiny_model_dir
     """Import the trainer and build its single-process learner in a fresh interpreter; then look at sys.modules."""
     script = f"""
 import sys
-from open_instruct.model_utils import load_tokenizer
+from open_instruct.model_utils import load_tokenizer, weights_sha256
 from open_instruct.ppo_args import compute_batch_sizes, parse_args
 from open_instruct.ppo_vllm_thread_ray_gtrl import build_learner
 
