@@ -46,12 +46,11 @@ class EvalArgs:
 
 
 def eval_prompts(data_args: DatasetArgs, tokenizer) -> dict[str, PromptBatch]:
-    """Named prompt sets: the train and eval mixes of `data_args`, and both together as 'all'."""
+    """Named prompt sets: the train mix of `data_args` and, when given, its eval mix as 'test'."""
     train, evaluation = build_prompt_datasets(data_args, tokenizer)
     sets = {"train": prompt_batch(train, list(range(len(train))), tokenizer)}
     if evaluation is not None:
         sets["test"] = prompt_batch(evaluation, list(range(len(evaluation))), tokenizer)
-        sets["all"] = PromptBatch(*(getattr(sets["train"], f) + getattr(sets["test"], f) for f in vars(sets["train"])))
     return sets
 
 
@@ -70,14 +69,12 @@ def evaluate_model(model: str, args: EvalArgs, data_args: DatasetArgs) -> dict:
             n=n, temperature=temperature, max_tokens=args.response_length, stop_token_ids=stop_token_ids
         )
         for name, prompts in prompt_sets.items():
-            if name == "all":  # computed from the two splits' responses below: no second generation
-                continue
             start = time.time()
             completions = generate(llm, prompts.token_ids, params)
             result[f"{mode}_{name}"] = verifiable_correct_rate(completions, prompts, reward_manager)
             result[f"{mode}_{name}_responses"] = len(completions)
             print(f"[eval] {model}: {mode} on {name} ({len(completions)} responses) in {time.time() - start:.1f}s")
-        if "test" in prompt_sets:
+        if "test" in prompt_sets:  # both splits together, from their responses: no second generation
             counts = [result[f"{mode}_{name}_responses"] for name in ("train", "test")]
             rates = [result[f"{mode}_{name}"] for name in ("train", "test")]
             result[f"{mode}_all"] = sum(c * r for c, r in zip(counts, rates)) / sum(counts)
