@@ -153,6 +153,25 @@ class DistributedArgs:
         "instead of one parameter at a time."
     )
     learner_timeout_s: float = arg(1800.0, "Longest wait on a call to the learner ranks before failing with a message.")
+    vllm_num_engines: int = arg(
+        0,
+        "vLLM engines as Ray actors (implies Ray); the generation thread splits each batch of prompts over them. "
+        "0: one engine inside the trainer process (the single-GPU / CPU debug path).",
+    )
+    vllm_tensor_parallel_size: int = arg(1, "GPUs per vLLM engine actor (tensor parallelism; GPU only).")
+    vllm_sync_backend: str = arg(
+        "auto",
+        "torch.distributed backend of the weight broadcast from learner rank 0 to the engine actors; auto: nccl "
+        "on GPUs, gloo on CPUs.",
+        choices=["auto", "nccl", "gloo"],
+    )
+    vllm_sync_bucket_mb: float = arg(
+        256.0, "Size cap of one flat bucket of the weight broadcast (MB): one collective per bucket, not per tensor."
+    )
+    vllm_sync_timeout_s: float = arg(600.0, "A weight broadcast that does not finish within this ends the run.")
+    single_gpu_mode: bool = arg(
+        False, "Engine actors share the learner ranks' GPUs (one learner and one engine per GPU) instead of their own."
+    )
 
     @property
     def num_learners(self) -> int:
@@ -160,7 +179,9 @@ class DistributedArgs:
 
     @property
     def uses_ray(self) -> bool:
-        return self.num_learners > 1 or self.ray_address is not None or self.deepspeed_stage != 0
+        return (
+            self.num_learners > 1 or self.ray_address is not None or self.deepspeed_stage != 0 or self.vllm_num_engines > 0
+        )
 
 
 ARG_GROUPS = (ModelArgs, DatasetArgs, RewardConfig, PPOArgs, GenerationArgs, RunArgs, DistributedArgs)
