@@ -12,6 +12,7 @@ Imported only by the Ray learner actors: the single-process trainer never loads 
 import importlib
 import json
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -146,17 +147,28 @@ class DeepSpeedBackend:
     def named_weights(self, model: nn.Module, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]] | None:
         """Rank 0 gets the full weights. Under ZeRO-3 every rank takes part in gathering them: the whole model
         at once with --gather_whole_model, else one parameter at a time (peak memory: the largest one)."""
+        weights = list(self.iter_named_weights(model, dtype))
+        return weights if self.rank == 0 else None
+
+    def iter_named_weights(self, model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(name, copy in `dtype`) of each parameter in order; the tensor is None on ranks other than 0. Under ZeRO-3
+        every rank must run the iterator to the end: each step gathers a parameter (or, with --gather_whole_model,
+        the first step gathers all of them)."""
         module = unwrap(model)
         if self.stage != 3:
-            return mu.named_weights_for_engine(module, dtype) if self.rank == 0 else None
+            for name, param in module.named_parameters():
+                yield name, param.detach().to(dtype=dtype, copy=True) if self.rank == 0 else None
+            return
         named_params = list(module.named_parameters())
         groups = [named_params] if self.gather_whole_model else [[item] for item in named_params]
-        weights = []
         for group in groups:
             with deepspeed.zero.GatheredParameters([param for _, param in group]):
-                if self.rank == 0:
-                    weights += [(name, param.detach().to(dtype=dtype, copy=True)) for name, param in group]
-        return weights if self.rank == 0 else None
+                for name, param in group:
+                    yield name, param.detach().to(dtype=dtype, copy=True) if self.rank == 0 else None
+
+    def weight_shapes(self, model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+        """The parameters' full shapes (ZeRO-3 keeps a partition; `ds_shape` is the whole)."""
+        return [(name, tuple(getattr(p, "ds_shape", p.shape))) for name, p in unwrap(model).named_parameters()]
 
     @contextmanager
     def full_model(self, model: nn.Module):

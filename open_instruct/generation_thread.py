@@ -11,6 +11,10 @@ Size 1 is the whole scheduling policy: the learner can run at most one batch ahe
 generator, which gives the "generate with policy k while training policy k+1" overlap and never
 lets the data drift more than one version behind.
 
+Behind the thread sits either one vLLM engine in this process (`InProcessEngine`: the learner's tensors are
+handed over by reference) or engine actors on Ray (engine_group.EngineGroup, --vllm_num_engines): then a request
+with `broadcast=True` makes the engines receive the weights that learner rank 0 broadcasts at the same time.
+
 Failure handling: any exception in the thread is stored and the thread ends; every queue wait in
 the learner wakes up at least every `poll_s` seconds, sees the failure and raises it with its
 cause. A wait longer than `timeout_s` raises with a message instead of hanging.
@@ -33,6 +37,7 @@ class GenerationRequest:
     weights: list[tuple[str, torch.Tensor]] | None  # None: keep the engine's current weights
     prompt_token_ids: list[list[int]]
     run_eval: bool = False
+    broadcast: bool = False  # engine actors: receive this version's weights from learner rank 0's broadcast first
     # Re-seeds the sampling noise before this request's generation (sampled eval: sampling_seed + 1), so that its
     # samples depend only on (seed, weights, prompts), not on what the engine generated before: exact resume.
     sampling_seed: int | None = None
@@ -44,6 +49,9 @@ class Rollout:
     completions: list[vllm_utils.Completion]
     timings: dict[str, float] = field(default_factory=dict)
     sampled_completions: list[vllm_utils.Completion] = field(default_factory=list)  # eval only: at temperature
+    # Engine actors: per engine, the checksums of the weights each of its workers received in the sync before this
+    # rollout (the learner compares them with what it sent); empty for the in-process engine.
+    weight_checksums: list[list[dict]] = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +76,23 @@ def seed_sampling(seed: int | None) -> None:
         torch.manual_seed(seed)
 
 
+class InProcessEngine:
+    """One vLLM engine inside this process: weights arrive as tensors (by reference) and are loaded in place."""
+
+    def __init__(self, config: vllm_utils.EngineConfig):
+        self.llm = vllm_utils.create_engine(config)
+
+    def generate(self, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None):
+        seed_sampling(sampling_seed)
+        return vllm_utils.generate(self.llm, prompt_token_ids, vllm_utils.sampling_params(**params))
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> float:
+        return vllm_utils.load_weights(self.llm, named_tensors)
+
+    def shutdown(self) -> None:
+        pass  # the engine goes with this process
+
+
 class GenerationThreadError(RuntimeError):
     pass
 
@@ -75,9 +100,11 @@ class GenerationThreadError(RuntimeError):
 class GenerationThread(threading.Thread):
     """Owns the vLLM engine: reload weights, generate, hand back rollouts, until told to stop."""
 
-    def __init__(self, settings: GenerationSettings, poll_s: float = 1.0, timeout_s: float = 1800.0):
+    def __init__(self, settings: GenerationSettings, poll_s: float = 1.0, timeout_s: float = 1800.0, engine=None):
+        """`engine`: engine actors already created (engine_group.EngineGroup); None: start one in this process."""
         super().__init__(name="vllm-generation", daemon=True)
         self.settings = settings
+        self.engine = engine
         self.param_prompt_Q: queue.Queue = queue.Queue(maxsize=1)
         self.response_Q: queue.Queue = queue.Queue(maxsize=1)
         self.eval_Q: queue.Queue = queue.Queue(maxsize=1)
@@ -98,52 +125,43 @@ class GenerationThread(threading.Thread):
 
     def serve(self) -> None:
         settings = self.settings
-        llm = vllm_utils.create_engine(settings.engine)
+        engine = self.engine if self.engine is not None else InProcessEngine(settings.engine)
         self._engine_ready.set()
-        train_params = vllm_utils.sampling_params(
-            n=settings.samples_per_prompt,
-            temperature=settings.temperature,
-            max_tokens=settings.response_length,
-            stop_token_ids=settings.stop_token_ids,
-            stop_strings=settings.stop_strings,
-            with_logprobs=True,  # the learner checks every step that it computes the same logprobs
-        )  # no per-request seed: the engine's seeded generator must advance, or every step replays one stream
-        eval_params = vllm_utils.sampling_params(
-            n=1,
-            temperature=0.0,
-            max_tokens=settings.response_length,
-            stop_token_ids=settings.stop_token_ids,
-            stop_strings=settings.stop_strings,
+        common = dict(
+            max_tokens=settings.response_length, stop_token_ids=settings.stop_token_ids, stop_strings=settings.stop_strings
         )
-        sampled_eval_params = vllm_utils.sampling_params(
-            n=max(1, settings.eval_samples_per_prompt),
-            temperature=settings.temperature,
-            max_tokens=settings.response_length,
-            stop_token_ids=settings.stop_token_ids,
-            stop_strings=settings.stop_strings,
-        )
+        # No per-request vLLM seed: the engine's seeded generator must advance, or every step replays one stream.
+        # Training samples come with their logprobs: the learner checks every step that it computes the same ones.
+        train_params = dict(n=settings.samples_per_prompt, temperature=settings.temperature, with_logprobs=True, **common)
+        eval_params = dict(n=1, temperature=0.0, **common)
+        sampled_eval_params = dict(n=max(1, settings.eval_samples_per_prompt), temperature=settings.temperature, **common)
         while not self._stop_requested.is_set():
             request = self._wait(self.param_prompt_Q.get, "the next prompts from the learner", stop_aware=True)
             if request is None:
                 return
-            timings = {}
-            if request.weights is not None:
-                timings["weight_sync"] = vllm_utils.load_weights(llm, request.weights)
+            timings, checksums = {}, []
+            if request.broadcast:
+                synced = engine.receive_weights(request.policy_version)
+                timings["weight_sync"] = max(result["seconds"] for result in synced)
+                checksums = [result["checksums"] for result in synced]
+            elif request.weights is not None:
+                timings["weight_sync"] = engine.load_weights(request.weights)
             if request.prompt_token_ids:  # an eval-only request (the final eval) has no training prompts
                 start = time.time()
-                seed_sampling(request.sampling_seed)
-                completions = vllm_utils.generate(llm, request.prompt_token_ids, train_params)
+                completions = engine.generate(request.prompt_token_ids, train_params, request.sampling_seed)
                 timings["generation"] = time.time() - start
-                self._put(self.response_Q, Rollout(request.policy_version, completions, timings))
+                rollout = Rollout(request.policy_version, completions, timings, weight_checksums=checksums)
+                self._put(self.response_Q, rollout)
             if request.run_eval and settings.eval_prompt_token_ids:
                 start = time.time()
-                eval_completions = vllm_utils.generate(llm, settings.eval_prompt_token_ids, eval_params)
+                eval_completions = engine.generate(settings.eval_prompt_token_ids, eval_params, None)
                 sampled = []
                 if settings.eval_samples_per_prompt > 0:
-                    seed_sampling(None if request.sampling_seed is None else request.sampling_seed + 1)
-                    sampled = vllm_utils.generate(llm, settings.eval_prompt_token_ids, sampled_eval_params)
+                    seed = None if request.sampling_seed is None else request.sampling_seed + 1
+                    sampled = engine.generate(settings.eval_prompt_token_ids, sampled_eval_params, seed)
                 eval_timings = {"eval_generation": time.time() - start}
-                self._put(self.eval_Q, Rollout(request.policy_version, eval_completions, eval_timings, sampled))
+                eval_rollout = Rollout(request.policy_version, eval_completions, eval_timings, sampled, checksums)
+                self._put(self.eval_Q, eval_rollout)
 
     def _put(self, q: queue.Queue, item) -> None:
         self._wait(lambda timeout: q.put(item, timeout=timeout), "the learner to take the last rollout", True)
@@ -194,6 +212,8 @@ class GenerationThread(threading.Thread):
                 raise queue.Empty
 
         self._learner_wait(wait_for_engine, "start the vLLM engine")
+        if self.engine is not None:
+            self.engine.wait_until_ready()
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

@@ -15,6 +15,7 @@ behind a backend with these members (`deepspeed_utils.DeepSpeedBackend` is the o
 This module imports neither torch.distributed nor deepspeed: the single-process path never needs them.
 """
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -107,6 +108,13 @@ class SingleProcess:
 
     def named_weights(self, model: nn.Module, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
         return mu.named_weights_for_engine(model, dtype)
+
+    def iter_named_weights(self, model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in model.named_parameters():
+            yield name, param.detach().to(dtype=dtype)  # copied into a broadcast bucket at once
+
+    def weight_shapes(self, model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+        return [(name, tuple(param.shape)) for name, param in model.named_parameters()]
 
     @contextmanager
     def full_model(self, model: nn.Module):

@@ -43,11 +43,8 @@ class LearnerRank:
         self.experience: Experience | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's address and a free port, for rank 0 to host the process group on."""
-        address = ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind((address, 0))
-            return address, sock.getsockname()[1]
+        """This node's address and a free port, for rank 0 to host a process group on."""
+        return node_address_with_free_port()
 
     def where(self) -> dict:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
@@ -83,22 +80,38 @@ class LearnerRank:
     def lr(self) -> float:
         return self.learner.lr
 
+    def weight_bucket_plan(self, bucket_bytes: int):
+        return self.learner.weight_bucket_plan(bucket_bytes)
+
+    def join_weight_group(self, *group_args) -> None:
+        self.learner.join_weight_group(*group_args)
+
+    def broadcast_weights(self) -> dict | None:
+        return self.learner.broadcast_weights()
+
     def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel | None:
         return self.learner.save(output_dir, extra_files)
+
+
+def node_address_with_free_port() -> tuple[str, int]:
+    address = ray.util.get_node_ip_address()
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return address, sock.getsockname()[1]
 
 
 class ExperienceOnRanks:
     """Stands for the experience the ranks keep: `make_experience` leaves it there for `train`."""
 
 
-def start_ray(ray_address: str | None, num_learners: int) -> None:
+def start_ray(ray_address: str | None, num_actors: int) -> None:
     if ray.is_initialized():
         return
     started = time.time()
     if ray_address is not None:
         ray.init(address=ray_address, log_to_driver=True)
-    else:  # a local instance with a logical CPU for each learner, even on a machine with fewer cores
-        ray.init(num_cpus=max(os.cpu_count() or 1, num_learners), include_dashboard=False)
+    else:  # a local instance with a logical CPU for each actor (learner, engine), even on a machine with fewer cores
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_actors), include_dashboard=False)
     print(f"[ppo] Ray {'joined at ' + ray_address if ray_address else 'started locally'} in {time.time() - started:.1f}s")
 
 
@@ -108,9 +121,10 @@ class LearnerGroup:
     def __init__(self, args: Args, sizes: BatchSizes, policy_path: str, stop_token_ids: list[int]):
         dist = args.dist
         self.timeout_s = dist.learner_timeout_s
-        start_ray(dist.ray_address, dist.num_learners)
+        start_ray(dist.ray_address, dist.num_learners + dist.vllm_num_engines * dist.vllm_tensor_parallel_size)
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        bundles = [{"CPU": n, **({"GPU": n} if use_gpu else {})} for n in dist.num_learners_per_node]
+        gpu_per_rank = (0.5 if dist.single_gpu_mode else 1) if use_gpu else 0  # single GPU mode: an engine takes the rest
+        bundles = [{"CPU": n, **({"GPU": n * gpu_per_rank} if use_gpu else {})} for n in dist.num_learners_per_node]
         strategy = "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
         self.placement_group = placement_group(bundles, strategy=strategy)
         try:
@@ -121,7 +135,7 @@ class LearnerGroup:
                 f"{ray.cluster_resources()}; lower --num_learners_per_node or add nodes."
             ) from None
         atexit.register(self.shutdown)
-        actor_class = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0)(LearnerRank)
+        actor_class = ray.remote(num_cpus=1, num_gpus=gpu_per_rank)(LearnerRank)
         bundle_of_rank = [node for node, count in enumerate(dist.num_learners_per_node) for _ in range(count)]
         self.names = [f"learner rank {rank}" for rank in range(len(bundle_of_rank))]
         self.ranks = []
@@ -186,6 +200,19 @@ class LearnerGroup:
     @property
     def lr(self) -> float:
         return self._call_rank(0, "lr")
+
+    def weight_group_address(self) -> tuple[str, int]:
+        return self._call_rank(0, "rendezvous_address")
+
+    def weight_bucket_plan(self, bucket_bytes: int):
+        return self._call_rank(0, "weight_bucket_plan", bucket_bytes)
+
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        self._call_all("join_weight_group", host, port, world_size, backend, timeout_s)
+
+    def broadcast_weights(self) -> dict:
+        """Every rank gathers (ZeRO-3), rank 0 sends; rank 0's report: checksum of what was sent, timings."""
+        return self._call_all("broadcast_weights")[0]
 
     def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel:
         """Rank 0 writes the gathered policy; its SavedModel says where, in which dtype, and the weights' digest."""

@@ -11,6 +11,7 @@ import torch
 
 from open_instruct import model_utils as mu
 from open_instruct import rl_utils as rl
+from open_instruct import weight_sync as ws
 from open_instruct.checkpoint import NonFiniteError, assert_finite
 from open_instruct.dataset_transformation import left_pad
 from open_instruct.ground_truth_utils import RewardManager
@@ -125,6 +126,30 @@ class PPOLearner:
     def weights_for_engine(self) -> list[tuple[str, torch.Tensor]] | None:
         """The policy's weights, copied in the engine's dtype (on rank 0; None on the other ranks)."""
         return self.backend.named_weights(self.policy, getattr(torch, engine_dtype(self.args.gen.vllm_dtype)))
+
+    # ---- the weight broadcast to vLLM engine actors (weight_sync.py) ----
+    def weight_bucket_plan(self, bucket_bytes: int) -> list[ws.Bucket]:
+        """How the policy is cut into broadcast buckets (the same on every rank; the engines get it once)."""
+        dtype = getattr(torch, engine_dtype(self.args.gen.vllm_dtype))
+        self.weight_plan = ws.plan_buckets(self.backend.weight_shapes(self.policy), dtype, bucket_bytes)
+        return self.weight_plan
+
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Rank 0 becomes rank 0 of the broadcast group (the engines' workers join at the same time)."""
+        self.weight_group, self.weight_device = None, ws.buffer_device(backend, self.device)
+        if getattr(self.backend, "rank", 0) == 0:
+            self.weight_group = ws.init_group(host, port, 0, world_size, backend, timeout_s)
+
+    def broadcast_weights(self) -> dict | None:
+        """Send the policy to the engines in buckets (rank 0); under ZeRO-3 every rank takes part in gathering it.
+        Returns, on rank 0, the checksum of what was sent, timings and sizes."""
+        dtype = getattr(torch, engine_dtype(self.args.gen.vllm_dtype))
+        named = self.backend.iter_named_weights(self.policy, dtype)
+        if self.weight_group is None:
+            for _ in named:  # gathers a parameter at each step under ZeRO-3
+                pass
+            return None
+        return ws.send_buckets(self.weight_group, self.weight_plan, named, self.weight_device)
 
     @property
     def lr(self) -> float:

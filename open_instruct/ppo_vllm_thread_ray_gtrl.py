@@ -21,8 +21,6 @@ import os
 import sys
 import time
 import traceback
-from collections import deque
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -31,7 +29,8 @@ from open_instruct import checkpoint as ckpt
 from open_instruct import hub_utils
 from open_instruct.dataset_transformation import ShufflingIterator, build_prompt_datasets
 from open_instruct.embedded_model import resolve_model_path
-from open_instruct.generation_thread import GenerationRequest, GenerationSettings, GenerationThread, Rollout
+from open_instruct.generation_thread import GenerationSettings, GenerationThread, Rollout
+from open_instruct.rollout_requests import RolloutRequests, broadcast_metrics, prompt_batch
 from open_instruct.ground_truth_utils import RewardManager
 from open_instruct.model_utils import load_tokenizer
 from open_instruct.ppo_args import Args, BatchSizes, ConfigError, compute_batch_sizes, parse_args
@@ -51,109 +50,6 @@ from open_instruct.vllm_utils import EngineConfig
 PROGRESS_KEYS = ["objective/verifiable_correct_rate", "objective/scores", "objective/kl", "time/step"]
 
 
-@dataclass
-class InFlight:
-    """A rollout request the learner sent and has not trained on yet.
-
-    Its rollout (and eval rollout) are received when the learner needs them, or earlier when a checkpoint
-    stores them (see checkpoint.py: a resumed run trains on exactly the batch that was in flight).
-    """
-
-    prompts: PromptBatch
-    prompt_indices: list[int]
-    policy_version: int
-    run_eval: bool
-    rollout: Rollout | None = None
-    eval_rollout: Rollout | None = None
-
-    def receive(self, generator: GenerationThread) -> Rollout:
-        if self.rollout is None:
-            self.rollout = generator.receive()
-        return self.rollout
-
-    def receive_eval(self, generator: GenerationThread) -> Rollout:
-        if self.eval_rollout is None:
-            self.eval_rollout = generator.receive_eval()
-        return self.eval_rollout
-
-    def to_dict(self) -> dict:
-        return {
-            "prompt_indices": self.prompt_indices,
-            "policy_version": self.policy_version,
-            "run_eval": self.run_eval,
-            "rollout": ckpt.rollout_to_dict(self.rollout),
-            "eval_rollout": ckpt.rollout_to_dict(self.eval_rollout),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict, dataset, tokenizer) -> "InFlight":
-        return cls(
-            prompt_batch(dataset, data["prompt_indices"], tokenizer),
-            data["prompt_indices"],
-            data["policy_version"],
-            data["run_eval"],
-            ckpt.rollout_from_dict(data["rollout"]),
-            ckpt.rollout_from_dict(data["eval_rollout"]),
-        )
-
-
-class RolloutRequests:
-    """The learner's side of the generation thread: which prompts go out with which policy, what is in flight.
-
-    Its state (the prompt order, the evals done, the request count that seeds vLLM's sampling, and the rollouts in
-    flight, received first) is part of a checkpoint.
-    """
-
-    def __init__(self, generator: GenerationThread, dataset, tokenizer, prompt_order: ShufflingIterator,
-                 eval_prompts: PromptBatch | None, eval_freq: int, seed: int):  # fmt: skip
-        self.generator, self.dataset, self.tokenizer = generator, dataset, tokenizer
-        self.prompt_order, self.eval_prompts, self.eval_freq, self.seed = prompt_order, eval_prompts, eval_freq, seed
-        self.in_flight: deque[InFlight] = deque()
-        self.evaluated_versions: set[int] = set()
-        self.requests_sent = 0
-
-    def next_sampling_seed(self) -> int:
-        self.requests_sent += 1
-        return ckpt.sampling_seed(self.seed, self.requests_sent - 1)
-
-    def send(self, version: int, weights: list | None) -> None:
-        indices = next(self.prompt_order)
-        prompts = prompt_batch(self.dataset, indices, self.tokenizer)
-        run_eval = (
-            self.eval_prompts is not None
-            and self.eval_freq > 0
-            and version % self.eval_freq == 0
-            and version not in self.evaluated_versions  # async sends version 0 twice
-        )
-        if run_eval:
-            self.evaluated_versions.add(version)
-        seed = self.next_sampling_seed()
-        self.generator.send(GenerationRequest(version, weights, prompts.token_ids, run_eval, sampling_seed=seed))
-        self.in_flight.append(InFlight(prompts, indices, version, run_eval))
-
-    def receive(self) -> tuple[InFlight, Rollout]:
-        """The oldest request and its rollout."""
-        request = self.in_flight.popleft()
-        return request, request.receive(self.generator)
-
-    def state_dict(self) -> dict:
-        for request in self.in_flight:  # the rollouts in flight are part of the state: wait for them, keep them
-            request.receive(self.generator)
-            if request.run_eval:
-                request.receive_eval(self.generator)
-        return {
-            "prompt_order": self.prompt_order.state_dict(),
-            "evaluated_versions": sorted(self.evaluated_versions),
-            "requests_sent": self.requests_sent,
-            "in_flight": [request.to_dict() for request in self.in_flight],
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.prompt_order.load_state_dict(state["prompt_order"])
-        self.evaluated_versions, self.requests_sent = set(state["evaluated_versions"]), state["requests_sent"]
-        self.in_flight.extend(InFlight.from_dict(item, self.dataset, self.tokenizer) for item in state["in_flight"])
-
-
 def stop_token_ids_for(tokenizer, stop_token: str | None) -> list[int]:
     if stop_token is None:
         return []
@@ -163,28 +59,25 @@ def stop_token_ids_for(tokenizer, stop_token: str | None) -> list[int]:
     return period_ids[-1:]  # "period": stop after the first sentence (the seed 001 TL;DR setting)
 
 
-def prompt_batch(dataset, indices: list[int], tokenizer) -> PromptBatch:
-    rows = dataset[indices]
-    return PromptBatch(
-        token_ids=rows["input_ids_prompt"],
-        ground_truths=rows["ground_truth"],
-        verifier_names=rows["dataset"],
-        texts=[tokenizer.decode(ids) for ids in rows["input_ids_prompt"]],
-    )
-
-
 def start_generation_thread(
     args: Args, policy_path: str, stop_token_ids: list[int], eval_prompts: PromptBatch | None
 ) -> GenerationThread:
+    """The generation thread, with an engine in this process or, with --vllm_num_engines, engine actors on Ray."""
+    engine_config = EngineConfig(
+        policy_path,
+        max_model_len=args.gen.max_token_length,
+        seed=args.run.seed,
+        dtype=args.gen.vllm_dtype,
+        gpu_memory_utilization=args.gen.vllm_gpu_memory_utilization,
+        enforce_eager=args.gen.vllm_enforce_eager,
+    )
+    engines = None
+    if args.dist.vllm_num_engines > 0:
+        from open_instruct.engine_group import start_engine_actors  # imports ray; the in-process path never does
+
+        engines = start_engine_actors(args, engine_config)
     settings = GenerationSettings(
-        engine=EngineConfig(
-            policy_path,
-            max_model_len=args.gen.max_token_length,
-            seed=args.run.seed,
-            dtype=args.gen.vllm_dtype,
-            gpu_memory_utilization=args.gen.vllm_gpu_memory_utilization,
-            enforce_eager=args.gen.vllm_enforce_eager,
-        ),
+        engine=engine_config,
         samples_per_prompt=args.ppo.number_samples_per_prompt,
         temperature=args.gen.temperature,
         response_length=args.gen.response_length,
@@ -193,7 +86,7 @@ def start_generation_thread(
         eval_prompt_token_ids=eval_prompts.token_ids if eval_prompts is not None else None,
         eval_samples_per_prompt=args.run.eval_samples_per_prompt,
     )
-    thread = GenerationThread(settings, timeout_s=args.gen.queue_timeout_s)
+    thread = GenerationThread(settings, timeout_s=args.gen.queue_timeout_s, engine=engines)
     thread.start()
     return thread
 
@@ -328,16 +221,16 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
             if torch.cuda.is_available():
                 generator.wait_until_ready()  # vLLM sizes its KV cache from free GPU memory: let it measure first
             learner = build_learner(args, sizes, tokenizer, policy_path, stop_token_ids)
+            if generator.engine is not None:  # engine actors: learner rank 0 will broadcast weights to them
+                from open_instruct.engine_group import connect_engines
+
+                connect_engines(learner, generator.engine, args.dist)
             prompt_order = ShufflingIterator(len(train_dataset), sizes.prompts_per_step, args.run.seed)
-            rollouts = RolloutRequests(
-                generator, train_dataset, tokenizer, prompt_order, eval_prompts, sizes.eval_freq, args.run.seed
-            )
+            rollouts = RolloutRequests(generator, learner, train_dataset, tokenizer, prompt_order, eval_prompts,
+                                       sizes.eval_freq, args.run.seed, args.dist.vllm_sync_timeout_s)  # fmt: skip
             if resume is not None:
                 learner.load_state_dict(resume.learner_state)
                 rollouts.load_state_dict(resume.trainer_state)
-
-            def request_rollout(version: int) -> None:
-                rollouts.send(version, None if version == 0 else learner.weights_for_engine())  # engine starts at 0
 
             def save_checkpoint(step: int) -> str:
                 trainer_state = {
@@ -355,7 +248,7 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
 
             # ---- the loop ----
             if not rollouts.in_flight:
-                request_rollout(version=0)
+                rollouts.send(version=0)  # the engine starts with the initial weights
             first_step = last_step + 1
             progress = tqdm(range(first_step, sizes.num_training_steps + 1), desc="ppo", dynamic_ncols=True,
                             initial=first_step - 1, total=sizes.num_training_steps)  # fmt: skip
@@ -364,7 +257,7 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
                     raise ckpt.Preempted(stop.signum, step - 1, save_checkpoint(step - 1))
                 step_start = time.time()
                 if args.gen.async_mode and step < sizes.num_training_steps:
-                    request_rollout(version=step - 1)  # policy k generates the next batch while we train on k-1's
+                    rollouts.send(version=step - 1)  # policy k generates the next batch while we train on k-1's
                 request, rollout = rollouts.receive()
                 learner_wait = time.time() - step_start
                 if rollout.policy_version != expected_rollout_version(step, args.gen.async_mode):
@@ -379,7 +272,7 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
                 metrics.update(learner.train(experience))
                 training_time = time.time() - training_start
                 if not args.gen.async_mode and step < sizes.num_training_steps:
-                    request_rollout(version=step)  # sync: the next batch comes from the policy just trained
+                    rollouts.send(version=step)  # sync: the next batch comes from the policy just trained
                 if request.run_eval:
                     eval_rollout = request.receive_eval(generator)
                     metrics.update(log_eval(eval_rollout, eval_prompts, reward_manager, logger, step))
@@ -393,6 +286,7 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
                     "policy_version/rollout": rollout.policy_version,
                     "time/generation": rollout.timings.get("generation", 0.0),
                     "time/weight_sync": rollout.timings.get("weight_sync", 0.0),
+                    **broadcast_metrics(request.weights_sent),
                     "time/learner_wait": learner_wait,
                     "time/scoring": training_start - scoring_start,
                     "time/training": training_time,
@@ -412,13 +306,12 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
             final_step = sizes.num_training_steps
             final_eval = {}
             if eval_prompts is not None:
-                seed = rollouts.next_sampling_seed()
-                weights = learner.weights_for_engine()
-                generator.send(GenerationRequest(final_step, weights, [], run_eval=True, sampling_seed=seed))
-                final_eval = log_eval(generator.receive_eval(), eval_prompts, reward_manager, logger, final_step)
+                final_eval = log_eval(rollouts.send_final_eval(final_step), eval_prompts, reward_manager, logger, final_step)
                 logger.log({**final_eval, "episode": final_step * sizes.rollout_batch_size}, final_step)
         finally:
             generator.shutdown()
+            if generator.engine is not None:
+                generator.engine.shutdown()
         summary = finish(args, learner, logger, final_eval)
     except BaseException as error:
         record_failure(args, logger, error, last_step)

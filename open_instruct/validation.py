@@ -102,6 +102,11 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("reward_model_multiplier", reward.reward_model_multiplier, FINITE),
         ("penalty_reward_value", reward.penalty_reward_value, FINITE),
         ("r1_style_format_reward", reward.r1_style_format_reward, FINITE),
+        ("vllm_num_engines", args.dist.vllm_num_engines, NON_NEGATIVE_INT),
+        ("vllm_tensor_parallel_size", args.dist.vllm_tensor_parallel_size, AT_LEAST_1),
+        ("vllm_sync_bucket_mb", args.dist.vllm_sync_bucket_mb, POSITIVE),
+        ("vllm_sync_timeout_s", args.dist.vllm_sync_timeout_s, POSITIVE),
+        ("learner_timeout_s", args.dist.learner_timeout_s, POSITIVE),
     ]  # fmt: skip
 
 
@@ -132,10 +137,33 @@ def validate_flags(args: Args) -> None:
         )
     if args.run.resume is not None and args.run.overwrite_output_dir:
         raise ConfigError("--resume continues the run in --output_dir and --overwrite_output_dir deletes it; pick one.")
+    validate_engine_flags(args.dist)
     if args.dist.uses_ray and (args.run.save_freq > 0 or args.run.resume is not None):
         raise ConfigError(
             "resumable checkpoints (--save_freq, --resume) are not supported with Ray learners yet "
             "(--num_learners_per_node); run without them, or with one learner in this process."
+        )
+
+
+def validate_engine_flags(dist) -> None:
+    """Engine actors: the combinations that cannot work on this machine or together, before Ray starts."""
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    engine_flags_set = dist.vllm_tensor_parallel_size > 1 or dist.single_gpu_mode or dist.vllm_sync_backend != "auto"
+    if dist.vllm_num_engines == 0 and engine_flags_set:
+        raise ConfigError(
+            "--vllm_tensor_parallel_size, --single_gpu_mode and --vllm_sync_backend apply to engine actors; "
+            "pass --vllm_num_engines N (N >= 1), or drop them."
+        )
+    if dist.vllm_tensor_parallel_size > 1 and not has_cuda and dist.ray_address is None:
+        raise ConfigError("--vllm_tensor_parallel_size > 1 needs GPUs (this machine has none); use 1 on CPUs.")
+    if dist.vllm_sync_backend == "nccl" and not has_cuda and dist.ray_address is None:
+        raise ConfigError("--vllm_sync_backend nccl needs GPUs (this machine has none); use gloo or auto.")
+    if dist.single_gpu_mode and (dist.vllm_num_engines != dist.num_learners or dist.vllm_tensor_parallel_size != 1):
+        raise ConfigError(
+            f"--single_gpu_mode puts one engine beside each learner rank on its GPU: pass --vllm_num_engines "
+            f"{dist.num_learners} (one per learner) and --vllm_tensor_parallel_size 1."
         )
 
 

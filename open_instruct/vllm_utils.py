@@ -47,6 +47,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.4  # the learner shares the GPU on a single-GPU run
     enforce_eager: bool = True  # CUDA graphs must be re-captured after each weight load otherwise
     max_num_seqs: int = 256
+    # Engine actors (engine_group.py): the weight broadcast's worker-side methods, and tensor parallelism.
+    worker_extension_cls: str | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "ray" for a tensor-parallel engine actor
 
 
 @dataclass
@@ -100,6 +104,11 @@ def create_engine(config: EngineConfig):
     )
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+    if config.worker_extension_cls is not None:
+        kwargs["worker_extension_cls"] = config.worker_extension_cls
+    if config.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = config.tensor_parallel_size
+        kwargs["distributed_executor_backend"] = config.distributed_executor_backend
     llm = LLM(**kwargs)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(ExplainedReloadWarnings())
     print(f"[vllm] engine for {config.model_path} ready in {time.time() - start:.1f}s")

@@ -1,0 +1,271 @@
+"""Weight broadcast from learner rank 0 to the vLLM engine actors' workers, in flat buckets.
+
+One torch.distributed group spans learner rank 0 (group rank 0) and every engine worker (ranks 1..). It is created
+with vLLM's `stateless_init_torch_distributed_process_group`, so neither the learners' DeepSpeed group nor vLLM's own
+tensor-parallel group is touched: gloo on CPUs, NCCL on GPUs.
+
+A sync is one RPC per engine and one broadcast per bucket, whatever the number of parameters:
+
+    learner rank 0:  for each bucket of the plan: copy its tensors (engine dtype) into one flat buffer, broadcast it
+    engine worker:   reload_weights(iterator over the received buckets, cut back into named tensors)
+
+Both sides know the bucket plan (names, shapes, dtypes, offsets) before the first sync: it is computed once by
+`plan_buckets` from the policy's parameter list and given to the engines when the group is made.
+
+After each sync every engine worker reports `weights_checksum` of the parameters it now holds, and the learner the
+checksum of what it sent. Sums are invariant to how vLLM fuses (q/k/v), shards or reorders (CPU packing) a tensor, so
+the two agree to rounding when the engine really holds the sent weights, and a stale or partial sync shows.
+"""
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+CHECKSUM_RTOL = 1e-6  # float64 sums in different orders and layouts; a one-step update moves them by far more
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # in elements, within its bucket
+    numel: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dtype: torch.dtype
+    numel: int
+    slots: tuple[TensorSlot, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def plan_buckets(named_shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtype, bucket_bytes: int) -> list[Bucket]:
+    """Cut the tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets a bucket of its own)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    buckets, slots, used = [], [], 0
+    for name, shape in named_shapes:
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        if slots and (used + numel) * dtype.itemsize > bucket_bytes:
+            buckets.append(Bucket(dtype, used, tuple(slots)))
+            slots, used = [], 0
+        slots.append(TensorSlot(name, tuple(int(s) for s in shape), used, numel))
+        used += numel
+    if slots:
+        buckets.append(Bucket(dtype, used, tuple(slots)))
+    return buckets
+
+
+def new_checksum() -> dict[str, float]:
+    return {"numel": 0, "sum": 0.0, "abs_sum": 0.0, "square_sum": 0.0}
+
+
+def add_to_checksum(checksum: dict[str, float], tensor: torch.Tensor) -> None:
+    values = tensor.detach().to(torch.float64)
+    checksum["numel"] += values.numel()
+    checksum["sum"] += values.sum().item()
+    checksum["abs_sum"] += values.abs().sum().item()
+    checksum["square_sum"] += values.square().sum().item()
+
+
+def weights_checksum(tensors: Iterable[torch.Tensor]) -> dict[str, float]:
+    """Sums (plain, absolute, squared) in float64 of all values: the same for any fusion, sharding or order."""
+    checksum = new_checksum()
+    for tensor in tensors:
+        add_to_checksum(checksum, tensor)
+    return checksum
+
+
+def sum_checksums(checksums: Iterable[dict[str, float]]) -> dict[str, float]:
+    total = new_checksum()
+    for checksum in checksums:
+        for key in total:
+            total[key] += checksum[key]
+    return total
+
+
+def checksum_mismatch(expected: dict[str, float], actual: dict[str, float], rtol: float = CHECKSUM_RTOL) -> str | None:
+    """None when `actual` matches `expected`; else which sums differ and by how much (relative).
+
+    The element count is not compared: vLLM pads some tensors (a vocabulary rounded up to a multiple of 64) with zeros,
+    which change no sum. Tolerances are relative to the absolute sum, so cancellation in the plain sum cannot hide a gap.
+    """
+    scale = max(abs(expected["abs_sum"]), 1e-30)
+    problems = []
+    for key in ("sum", "abs_sum", "square_sum"):
+        reference = scale if key != "square_sum" else max(expected["square_sum"], 1e-30)
+        gap = abs(expected[key] - actual[key]) / reference
+        if not gap <= rtol:
+            problems.append(f"{key} off by {gap:.2e} (relative)")
+    return "; ".join(problems) or None
+
+
+# ---- the group (both sides) ----
+
+
+def init_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float):
+    """This process's membership in the broadcast group (blocks until all `world_size` members joined)."""
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    return stateless_init_torch_distributed_process_group(
+        host, port, rank, world_size, backend, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def resolve_backend(requested: str) -> str:
+    """--vllm_sync_backend: auto is NCCL when this machine has CUDA, else gloo."""
+    if requested != "auto":
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def buffer_device(backend: str, device) -> torch.device:
+    """Where the bucket buffers live: on the GPU for NCCL, in host memory for gloo."""
+    return torch.device(device) if backend == "nccl" else torch.device("cpu")
+
+
+def broadcast_from_rank0(group, tensor: torch.Tensor) -> None:
+    """`group.broadcast` with group rank 0 as the root: a stateless group is unknown to `torch.distributed.broadcast`."""
+    group.broadcast(tensor, 0).wait()
+
+
+# ---- learner rank 0 ----
+
+
+def send_buckets(group, plan: list[Bucket], named_tensors: Iterator[tuple[str, torch.Tensor | None]], device) -> dict:
+    """Broadcast the tensors (in plan order) bucket by bucket; returns the checksum of what was sent and timings.
+
+    `named_tensors` may be a generator that gathers each parameter as it is asked for (ZeRO-3), so that at most
+    one bucket and one parameter are materialised at a time.
+    """
+    start, copy_s, wire_s = time.time(), 0.0, 0.0
+    checksum = new_checksum()
+    for bucket in plan:
+        copy_start = time.time()
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+        for slot in bucket.slots:
+            name, tensor = next(named_tensors)
+            if name != slot.name or tuple(tensor.shape) != slot.shape:
+                raise RuntimeError(
+                    f"weight broadcast: expected {slot.name} {slot.shape}, the learner gave {name} {tuple(tensor.shape)}"
+                )
+            flat[slot.offset : slot.offset + slot.numel].copy_(tensor.reshape(-1))
+        add_to_checksum(checksum, flat)
+        wire_start = time.time()
+        copy_s += wire_start - copy_start
+        broadcast_from_rank0(group, flat)
+        wire_s += time.time() - wire_start
+    return {
+        "checksum": checksum,
+        "seconds": time.time() - start,
+        "copy_seconds": copy_s,
+        "broadcast_seconds": wire_s,
+        "bytes": sum(bucket.nbytes for bucket in plan),
+        "buckets": len(plan),
+    }
+
+
+# ---- engine workers (vLLM's `worker_extension_cls`) ----
+
+
+class ReceivedWeights:
+    """The named tensors of each bucket as it arrives, and the checksum of everything received.
+
+    A fresh buffer per bucket: the loader may keep views of it. `missed` lists what the loader did not ask for.
+    """
+
+    def __init__(self, group, plan: list[Bucket], device):
+        self.group, self.plan, self.device = group, plan, device
+        self.checksum = new_checksum()
+        self.received = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in self.plan:
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.device)
+            broadcast_from_rank0(self.group, flat)
+            add_to_checksum(self.checksum, flat)
+            for slot in bucket.slots:
+                self.received += 1
+                yield slot.name, flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+
+class WeightReceiverExtension:
+    """Mixed into every vLLM worker (`worker_extension_cls`); methods are called with `llm.collective_rpc`.
+
+    Names carry an `oi_` prefix: vLLM refuses an extension whose names clash with the worker's own
+    (`update_weights`, `reload_weights`, ...).
+    """
+
+    def oi_join_weight_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
+                             timeout_s: float, plan: list[Bucket]) -> int:  # fmt: skip
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = first_rank + get_tensor_model_parallel_rank()
+        self.oi_plan = plan
+        self.oi_device = buffer_device(backend, self.device)
+        self.oi_group = init_group(host, port, rank, world_size, backend, timeout_s)
+        return rank
+
+    def oi_receive_weights(self) -> dict:
+        """Load one broadcast into the model: vLLM's layer-wise reload fuses, shards and repacks as the buckets arrive.
+
+        Returns the seconds it took and the checksum of the received tensors, computed here as they streamed into the
+        loader: it equals the learner's only if every bucket arrived intact, in order, and the loader took all of them.
+        (What the kernels then compute with is checked every step by comparing the engine's logprobs with the
+        learner's: on CPUs vLLM packs linear weights into opaque kernel handles, so a parameter sum cannot see them.)
+        """
+        from open_instruct.vllm_utils import repack_tied_embeddings
+
+        start = time.time()
+        received = ReceivedWeights(self.oi_group, self.oi_plan, self.oi_device)
+        stream = iter(received)
+        self.reload_weights(weights_iterator=stream)
+        unloaded = [name for name, _ in stream]  # still take part in every broadcast, or rank 0 would hang
+        if unloaded:
+            raise RuntimeError(f"vLLM's loader did not take {len(unloaded)} tensors of the broadcast: {unloaded[:3]}")
+        repack_tied_embeddings(self.model_runner.get_model())
+        return {"seconds": time.time() - start, "checksum": received.checksum, "tensors": received.received}
+
+
+class Beside(threading.Thread):
+    """A call run in a daemon thread, so the caller can watch other things (the generation thread) meanwhile."""
+
+    def __init__(self, fn, *fn_args):
+        super().__init__(daemon=True, name=f"beside-{fn.__name__}")
+        self.fn, self.fn_args = fn, fn_args
+        self.value, self.error = None, None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn(*self.fn_args)
+        except BaseException as error:  # noqa: BLE001 - re-raised in result()
+            self.error = error
+
+    def result(self, timeout_s: float, what: str, watch=None):
+        """The call's value; raises its error, or after `timeout_s`, or as soon as `watch()` raises."""
+        deadline = time.time() + timeout_s
+        while self.is_alive():
+            self.join(timeout=0.5)
+            if watch is not None:
+                watch()
+            if self.is_alive() and time.time() > deadline:
+                raise TimeoutError(f"the learner did not {what} within {timeout_s:.0f}s; raise --vllm_sync_timeout_s if it is that slow")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def run_beside(fn, *fn_args) -> Beside:
+    thread = Beside(fn, *fn_args)
+    thread.start()
+    return thread
