@@ -92,11 +92,15 @@ class EngineGroup:
             raise EngineFailed("--vllm_tensor_parallel_size > 1 needs GPUs; the Ray cluster has none.")
         gpus_per_engine = (0.5 if single_gpu_mode else 1) if use_gpu else 0
         bundle = {"CPU": 1, **({"GPU": gpus_per_engine} if use_gpu else {})}
-        bundles = [dict(bundle) for _ in range(num_engines * tensor_parallel_size)]
-        self.placement_group = placement_group(bundles, strategy="PACK")
+        # One placement group per engine (its tensor-parallel workers on one node); Ray places the engines anywhere.
+        self.placement_groups = [
+            placement_group([dict(bundle) for _ in range(tensor_parallel_size)], strategy="STRICT_PACK")
+            for _ in range(num_engines)
+        ]
         try:
-            ray.get(self.placement_group.ready(), timeout=timeout_s)
+            ray.get([group.ready() for group in self.placement_groups], timeout=timeout_s)
         except GetTimeoutError:
+            self.shutdown()
             raise EngineFailed(
                 f"Ray could not place {num_engines} vLLM engine(s) x {tensor_parallel_size} GPU(s) within {timeout_s:.0f}s "
                 f"on a cluster with {ray.cluster_resources()}; lower --vllm_num_engines or add nodes."
@@ -107,13 +111,13 @@ class EngineGroup:
                 **{**vars(config), "seed": config.seed + index, "worker_extension_cls": WORKER_EXTENSION,
                    "tensor_parallel_size": tensor_parallel_size}  # fmt: skip
             )
-            first_bundle = index * tensor_parallel_size
+            placement = self.placement_groups[index]
             if tensor_parallel_size == 1:
                 options = dict(num_cpus=1, num_gpus=gpus_per_engine)
-                strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=first_bundle)
+                strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=0)
             else:  # vLLM's Ray executor puts its TP workers into the bundles of the placement group it runs in
                 options = dict(num_cpus=0, num_gpus=0)
-                strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_capture_child_tasks=True)
+                strategy = PlacementGroupSchedulingStrategy(placement, placement_group_capture_child_tasks=True)
                 engine_config.distributed_executor_backend = "ray"
             actor_class = ray.remote(**options)(EngineActor)
             self.actors.append(actor_class.options(scheduling_strategy=strategy).remote(engine_config, index))
@@ -201,10 +205,12 @@ class EngineGroup:
     def shutdown(self) -> None:
         if not ray.is_initialized():
             return
-        for actor in self.actors:
+        for actor in getattr(self, "actors", []):
             ray.kill(actor, no_restart=True)
         self.actors = []
-        remove_placement_group(self.placement_group)
+        for group in self.placement_groups:
+            remove_placement_group(group)
+        self.placement_groups = []
 
 
 def split_evenly(count: int, parts: int) -> list[slice]:

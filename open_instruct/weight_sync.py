@@ -269,3 +269,10 @@ def run_beside(fn, *fn_args) -> Beside:
     thread = Beside(fn, *fn_args)
     thread.start()
     return thread
+
+
+def stateless_destroy(group) -> None:
+    """Leave a broadcast group (the benchmark makes one per bucket size)."""
+    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+    stateless_destroy_torch_distributed_process_group(group)

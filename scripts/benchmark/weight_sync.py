@@ -1,0 +1,122 @@
+"""Weight sync of the policy into vLLM: the broadcast to engine actors vs the in-process reload vs the memcpy floor.
+
+    unshare -n bash -c 'ip link set lo up; RAY_USAGE_STATS_ENABLED=0 python scripts/benchmark/weight_sync.py'
+    ... weight_sync.py --model PATH --bucket_mb 16 64 256 1024 --engines 1 2 --repeats 3 --json out.json
+
+Everything is measured in this one invocation, on the embedded default (SmolLM2-135M) unless --model says otherwise:
+
+- floor: copying the weights' bytes once in memory (`torch.Tensor.copy_` into a preallocated buffer, engine dtype);
+- in-process: today's path without engine actors, `vllm_utils.load_weights` into an engine in this process;
+- broadcast: this process as learner rank 0 sends the weights in buckets over a gloo (CPU) or NCCL (GPU) group to
+  N engine actors, which load them with vLLM's layer-wise reload as they arrive; per bucket size and engine count.
+  "send" is rank 0's time (copying into buckets + the collectives); "sync" the engines' time to receive and load.
+
+Prints a table and the ratio of each to the floor, and writes JSON. Ray listens on every interface: run it in a
+loopback-only network namespace as above.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a local HF folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--bucket_mb", type=float, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default="weight_sync_benchmark.json")
+    options = parser.parse_args()
+
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from open_instruct import weight_sync as ws
+    from open_instruct.embedded_model import resolve_model_path
+    from open_instruct.engine_group import EngineGroup
+    from open_instruct.learner_group import node_address_with_free_port
+    from open_instruct.vllm_utils import EngineConfig, create_engine, engine_dtype, load_weights
+
+    path = resolve_model_path(options.model)
+    dtype = getattr(torch, engine_dtype("auto"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    named = [(name, param.detach()) for name, param in model.named_parameters()]
+    nbytes = sum(t.numel() * dtype.itemsize for _, t in named)
+    results = {"model": path, "dtype": str(dtype), "megabytes": nbytes / 2**20, "tensors": len(named), "rows": []}
+    print(f"[bench] {path}: {len(named)} tensors, {nbytes / 2**20:.0f} MB in {dtype}, on {device}")
+
+    source = torch.cat([t.reshape(-1).to(dtype) for _, t in named])
+    target = torch.empty_like(source)
+    floor = median_seconds(lambda: target.copy_(source), options.repeats)
+    results["floor_seconds"] = floor
+    del source, target
+
+    llm = create_engine(EngineConfig(path, max_model_len=256))
+    casted = [(name, t.to(dtype)) for name, t in named]
+    in_process = median_seconds(lambda: load_weights(llm, casted), options.repeats)
+    results["in_process_reload_seconds"] = in_process
+    del llm
+
+    started = time.time()
+    ray.init(num_cpus=max(options.engines) + 1, include_dashboard=False)
+    results["ray_start_seconds"] = time.time() - started
+    backend = ws.resolve_backend("auto")
+    for num_engines in options.engines:
+        engines = EngineGroup(EngineConfig(path, max_model_len=256), num_engines, timeout_s=600)
+        engines.wait_until_ready()
+        for bucket_mb in options.bucket_mb:
+            plan = ws.plan_buckets([(n, tuple(t.shape)) for n, t in named], dtype, int(bucket_mb * 2**20))
+            host, port = node_address_with_free_port()
+            joining = ws.run_beside(ws.init_group, host, port, 0, 1 + engines.num_workers, backend, 300)
+            engines.join_weight_group(host, port, backend, plan)
+            group = joining.result(300, "join the group")
+            sends, syncs = [], []
+            for version in range(1, options.repeats + 1):
+                receiving = ws.run_beside(engines.receive_weights, version)
+                sent = ws.send_buckets(group, plan, iter(named), ws.buffer_device(backend, device))
+                received = receiving.result(300, "receive")
+                sends.append(sent["seconds"])
+                syncs.append(max(r["seconds"] for r in received))
+                for r in received:
+                    assert all(ws.checksum_mismatch(sent["checksum"], c) is None for c in r["checksums"])
+            row = {
+                "engines": num_engines,
+                "bucket_mb": bucket_mb,
+                "buckets": len(plan),
+                "send_seconds": statistics.median(sends),
+                "sync_seconds": statistics.median(syncs),
+            }
+            results["rows"].append(row)
+            ws.stateless_destroy(group)
+        engines.shutdown()
+    ray.shutdown()
+
+    print(f"\n{'path':<34} {'buckets':>7} {'seconds':>8} {'x floor':>8}")
+    print(f"{'memcpy floor':<34} {'':>7} {floor:8.3f} {1.0:8.1f}")
+    print(f"{'in-process reload (no actors)':<34} {'':>7} {in_process:8.3f} {in_process / floor:8.1f}")
+    for row in results["rows"]:
+        name = f"broadcast {row['engines']} engine(s), {row['bucket_mb']:g} MB"
+        print(f"{name:<34} {row['buckets']:>7} {row['sync_seconds']:8.3f} {row['sync_seconds'] / floor:8.1f}"
+              f"   (rank 0 send {row['send_seconds']:.3f} s)")  # fmt: skip
+    print(f"ray start: {results['ray_start_seconds']:.1f} s")
+    with open(options.json, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"[bench] wrote {options.json}")
+
+
+if __name__ == "__main__":
+    main()
