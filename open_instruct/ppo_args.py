@@ -62,6 +62,20 @@ class PPOArgs:
     lam: float = arg(0.95, "GAE lambda.")
     whiten_rewards: bool = arg(False, "Whiten per-token rewards (without shifting their mean).")
     whiten_advantages: bool = arg(True, "Whiten advantages over the valid tokens of the batch.")
+    old_logprobs_from: str = arg(
+        "learner",
+        "Where PPO's old (behaviour) logprobs of the sampled tokens come from. learner: a forward pass of the "
+        "learner's policy over the rollout. vllm: the engine's logprobs of the tokens it sampled, no forward pass "
+        "(equal to the learner's within ~1e-5 with an fp32 engine in sync mode; in async mode the policy that "
+        "really sampled). See docs/ppo_details.md.",
+        choices=["learner", "vllm"],
+    )
+    truncated_importance_sampling_ratio_cap: float = arg(
+        0.0,
+        "Truncated importance sampling: weight each token's policy-gradient term by min(pi_learner_old / "
+        "pi_vllm, C), correcting for a bf16 engine or async lag. 0: off; else C >= 1 (e.g. 2). Needs "
+        "--old_logprobs_from learner.",
+    )
 
 
 @dataclass
