@@ -52,7 +52,10 @@ class PPOArgs:
     per_device_train_batch_size: int = arg(8, "Micro-batch size of a forward/backward pass.")
     local_rollout_batch_size: int = arg(8, "Prompts per training step.")
     number_samples_per_prompt: int = arg(4, "Responses sampled per prompt.")
-    beta: float = arg(0.05, "KL coefficient (reward penalty, or loss weight with --kl_in_loss).")
+    beta: float = arg(
+        0.05, "KL coefficient (reward penalty, or loss weight with --kl_in_loss). 0: no KL, and no reference model "
+        "is loaded or run."
+    )
     kl_estimator: str = arg("k1", "KL estimator: k1, k2 or k3.", choices=["k1", "k2", "k3"])
     kl_in_loss: bool = arg(False, "Put beta * KL(k3) in the policy loss instead of the reward.")
     cliprange: float = arg(0.2, "PPO ratio clip.")
