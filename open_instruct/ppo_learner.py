@@ -75,8 +75,11 @@ def engine_logprobs(completions: list[Completion], width: int) -> torch.Tensor:
 
 @contextmanager
 def timed(timings: dict[str, float], key: str):
+    """Seconds the block took, in timings[key]; on a GPU, until its kernels finished (they run asynchronously)."""
     start = time.time()
     yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     timings[key] = time.time() - start
 
 
