@@ -36,9 +36,8 @@ def build_learner(model_dir: str, *flags: str) -> tuple[PPOLearner, RewardManage
 
 
 def with_engine_logprobs(completions: list[Completion], logprobs: list[list[float | None]]) -> list[Completion]:
-    return [
-        Completion(c.prompt_index, c.token_ids, c.text, c.finish_reason, list(lp)) for c, lp in zip(completions, logprobs)
-    ]
+    pairs = zip(completions, logprobs)
+    return [Completion(c.prompt_index, c.token_ids, c.text, c.finish_reason, list(lp)) for c, lp in pairs]
 
 
 def fabricated_logprobs(completions: list[Completion], seed: int = 0) -> list[list[float]]:
