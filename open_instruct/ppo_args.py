@@ -52,7 +52,10 @@ class PPOArgs:
     per_device_train_batch_size: int = arg(8, "Micro-batch size of a forward/backward pass.")
     local_rollout_batch_size: int = arg(8, "Prompts per training step.")
     number_samples_per_prompt: int = arg(4, "Responses sampled per prompt.")
-    beta: float = arg(0.05, "KL coefficient (reward penalty, or loss weight with --kl_in_loss).")
+    beta: float = arg(
+        0.05, "KL coefficient (reward penalty, or loss weight with --kl_in_loss). 0: no KL, and no reference model "
+        "is loaded or run."
+    )
     kl_estimator: str = arg("k1", "KL estimator: k1, k2 or k3.", choices=["k1", "k2", "k3"])
     kl_in_loss: bool = arg(False, "Put beta * KL(k3) in the policy loss instead of the reward.")
     cliprange: float = arg(0.2, "PPO ratio clip.")
@@ -62,6 +65,20 @@ class PPOArgs:
     lam: float = arg(0.95, "GAE lambda.")
     whiten_rewards: bool = arg(False, "Whiten per-token rewards (without shifting their mean).")
     whiten_advantages: bool = arg(True, "Whiten advantages over the valid tokens of the batch.")
+    old_logprobs_from: str = arg(
+        "learner",
+        "Where PPO's old (behaviour) logprobs of the sampled tokens come from. learner: a forward pass of the "
+        "learner's policy over the rollout. vllm: the engine's logprobs of the tokens it sampled, no forward pass "
+        "(equal to the learner's within ~1e-5 with an fp32 engine in sync mode; in async mode the policy that "
+        "really sampled). See docs/ppo_details.md.",
+        choices=["learner", "vllm"],
+    )
+    truncated_importance_sampling_ratio_cap: float = arg(
+        0.0,
+        "Truncated importance sampling: weight each token's policy-gradient term by min(pi_learner_old / "
+        "pi_vllm, C), correcting for a bf16 engine or async lag. 0: off; else C >= 1 (e.g. 2). Needs "
+        "--old_logprobs_from learner.",
+    )
 
 
 @dataclass

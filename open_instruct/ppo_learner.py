@@ -5,6 +5,8 @@ when one is used. All the math it calls lives in `rl_utils` (pure and tested); t
 arranges tensors and models around it.
 """
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -49,11 +51,70 @@ class Experience:
     attention_mask: torch.Tensor  # [batch, context_length + response_len]
     context_length: int
     response_mask: torch.Tensor  # [batch, response_len]
-    logprob: torch.Tensor  # [batch, response_len] policy logprobs when the batch was made ("old")
-    ref_logprob: torch.Tensor  # [batch, response_len]
+    logprob: torch.Tensor  # [batch, response_len] "old" logprobs: the learner's, or the engine's (--old_logprobs_from)
+    ref_logprob: torch.Tensor | None  # [batch, response_len]; None with --beta 0 (no reference model)
     value: torch.Tensor  # [batch, response_len] ("old" values)
     advantage: torch.Tensor  # [batch, response_len]
     return_: torch.Tensor  # [batch, response_len]
+    # [batch, response_len] per-token weight of the policy-gradient term (truncated importance sampling), or None.
+    tis_weight: torch.Tensor | None = None
+    # [batch, response_len] the engine's logprobs (NaN where it gave none), kept when make_experience ran no learner
+    # forward to compare them with: `train` then compares them with the first minibatch's logprobs. Else None.
+    engine_logprob_to_check: torch.Tensor | None = None
+
+
+def engine_logprobs(completions: list[Completion], width: int) -> torch.Tensor:
+    """The engine's logprob of each sampled token, [batch, width]; NaN where it gave none (a stop token added back
+    after generation, logprobs not asked for) and on padding."""
+    engine_logprob = torch.full((len(completions), width), torch.nan)
+    for row, completion in enumerate(completions):
+        if completion.logprobs is not None:
+            logprobs = completion.logprobs[:width]
+            engine_logprob[row, : len(logprobs)] = torch.tensor([torch.nan if lp is None else lp for lp in logprobs])
+    return engine_logprob
+
+
+@contextmanager
+def timed(timings: dict[str, float], key: str):
+    """Seconds the block took, in timings[key]; on a GPU, until its kernels finished (they run asynchronously)."""
+    start = time.time()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    timings[key] = time.time() - start
+
+
+def check_engine_matches_learner(metrics: dict, max_diff: float, step: int | None = None) -> None:
+    """Stop before training on a rollout that the engine did not sample from the learner's weights.
+
+    The agreement is measured in `make_experience` when it runs the learner's old-logprob forward, else (with
+    --old_logprobs_from vllm) on the first minibatch in `train`, which checks it itself before its first update;
+    a call without the metric does nothing.
+    """
+    if "debug/vllm_vs_learner_logprob_diff_mean" not in metrics:
+        return
+    diff = metrics["debug/vllm_vs_learner_logprob_diff_mean"]
+    if max_diff > 0 and not diff <= max_diff:  # `not <=`: a NaN difference stops the run too
+        where = f"Step {step}" if step is not None else "This rollout (first minibatch)"
+        raise RuntimeError(
+            f"{where}: vLLM and the learner disagree on the logprobs of the sampled tokens by {diff:.4g} nats "
+            f"per token on average (limit --max_vllm_logprob_diff {max_diff:g}), so the engine is not sampling "
+            f"from the learner's weights (a failed or partial weight sync) and the rollouts are off-policy. "
+            f"Look at the debug/vllm_vs_learner_* metrics; if the gap is expected (a bf16 engine, async mode at a "
+            f"high learning rate), raise --max_vllm_logprob_diff."
+        )
+
+
+def agreement_metrics(learner_logprob: torch.Tensor, engine_logprob: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The `debug/vllm_vs_learner_*` metrics (rl.logprob_agreement); inputs [batch, response_len]."""
+    agreement = rl.logprob_agreement(learner_logprob, engine_logprob, mask)
+    return {
+        "debug/vllm_vs_learner_logprob_diff_mean": agreement["diff_mean"].item(),
+        "debug/vllm_vs_learner_logprob_diff_max": agreement["diff_max"].item(),
+        "debug/vllm_vs_learner_ratio_mean": agreement["ratio_mean"].item(),
+        "debug/vllm_vs_learner_ratio_min": agreement["ratio_min"].item(),
+        "debug/vllm_vs_learner_ratio_max": agreement["ratio_max"].item(),
+    }
 
 
 class PPOLearner:
@@ -74,8 +135,12 @@ class PPOLearner:
         self.backend = backend or SingleProcess()
         self.device = self.backend.device
         model_args = args.model
+        self.policy_path = policy_path
         self.policy = mu.load_policy(policy_path, self.device, model_args.model_revision, trainable=True)
-        self.ref_policy = mu.load_policy(policy_path, self.device, model_args.model_revision, trainable=False)
+        # --beta 0 puts no KL in the reward or the loss: no reference model is loaded, and none runs.
+        self.ref_policy = None
+        if args.ppo.beta != 0:
+            self.ref_policy = mu.load_policy(policy_path, self.device, model_args.model_revision, trainable=False)
         self.reward_model = None
         if args.reward.reward_model_multiplier != 0:
             if model_args.reward_model_path is None:
@@ -104,7 +169,8 @@ class PPOLearner:
         self.value_trainer = self.backend.trainable(self.value_model, self.optimizer_settings(value_lr))
         # From here on forward passes go through what the backend built (a DeepSpeed engine, or the model itself).
         self.policy, self.value_model = self.policy_trainer.model, self.value_trainer.model
-        self.ref_policy = self.backend.frozen(self.ref_policy)
+        if self.ref_policy is not None:
+            self.ref_policy = self.backend.frozen(self.ref_policy)
         if self.reward_model is not None:
             self.reward_model = self.backend.frozen(self.reward_model)
         self.shuffle_generator = torch.Generator().manual_seed(args.run.seed)
@@ -158,7 +224,12 @@ class PPOLearner:
     def make_experience(
         self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager
     ) -> tuple[Experience, dict[str, float], dict]:
-        """Score a rollout and compute logprobs, values, KL-shaped rewards and GAE advantages."""
+        """Score a rollout and compute logprobs, values, KL-shaped rewards and GAE advantages.
+
+        Forward passes, each only when something needs it: the learner's old logprobs (--old_logprobs_from learner,
+        truncated importance sampling, or a response token the engine gave no logprob for), the reference's
+        (--beta non-zero), the value model's, and the reward model's (--reward_model_multiplier non-zero).
+        """
         ppo, gen, device = self.args.ppo, self.args.gen, self.device
         pad = self.tokenizer.pad_token_id
         query, query_mask = left_pad([prompts.token_ids[c.prompt_index] for c in completions], pad)
@@ -189,17 +260,39 @@ class PPOLearner:
         def logprob_of(model):
             return lambda qr, am: mu.response_logprobs(model, qr, am, context_length, gen.temperature)[0]
 
-        logprob = forward_on_all_rows(logprob_of(self.policy), query_response, attention_mask)
-        ref_logprob = forward_on_all_rows(logprob_of(self.ref_policy), query_response, attention_mask)
-        value = forward_on_all_rows(
-            lambda qr, am: mu.response_values(self.value_model, qr, am, context_length), query_response, attention_mask
-        )
+        # Positions past the stop token (truncation) are padding: the engine's logprobs there are never read.
+        engine_logprob = engine_logprobs(completions, width).to(device)  # [batch, response_len]
+        engine_scored = response_mask & torch.isfinite(engine_logprob)
+        tis_cap = ppo.truncated_importance_sampling_ratio_cap
+        timings: dict[str, float] = {}
+        learner_logprob = None
+        if ppo.old_logprobs_from == "learner" or tis_cap > 0 or not bool(engine_scored[response_mask].all()):
+            with timed(timings, "time/old_logprob_forward"):
+                learner_logprob = forward_on_all_rows(logprob_of(self.policy), query_response, attention_mask)
+        source_metrics = {}
+        if ppo.old_logprobs_from == "learner":
+            logprob = learner_logprob
+        else:  # the engine's logprob where it gave one, the learner's where it did not; 0 on padding
+            fallback = learner_logprob if learner_logprob is not None else torch.zeros_like(engine_logprob)
+            logprob = torch.where(engine_scored, engine_logprob, torch.where(response_mask, fallback, 0.0))
+            filled = (response_mask & ~engine_scored).float()
+            source_metrics = {"debug/old_logprobs_from_learner_frac": rl.masked_mean(filled, response_mask).item()}
+        ref_logprob = None
+        if self.ref_policy is not None:
+            with timed(timings, "time/ref_logprob_forward"):
+                ref_logprob = forward_on_all_rows(logprob_of(self.ref_policy), query_response, attention_mask)
+        with timed(timings, "time/value_forward"):
+            value = forward_on_all_rows(
+                lambda qr, am: mu.response_values(self.value_model, qr, am, context_length),
+                query_response, attention_mask,
+            )  # fmt: skip
         rm_score = None
         if self.reward_model is not None:
-            rm_score = forward_on_all_rows(
-                lambda qr, am, length: mu.reward_model_scores(self.reward_model, qr, am, context_length, length),
-                query_response, attention_mask, response_length,
-            ).cpu()
+            with timed(timings, "time/reward_model_forward"):
+                rm_score = forward_on_all_rows(
+                    lambda qr, am, length: mu.reward_model_scores(self.reward_model, qr, am, context_length, length),
+                    query_response, attention_mask, response_length,
+                ).cpu()
         score, reward_metrics = reward_manager.score(
             [c.text for c in completions],
             [prompts.ground_truths[c.prompt_index] for c in completions],
@@ -210,15 +303,19 @@ class PPOLearner:
         score = score.to(device)
         if not torch.isfinite(score).all():
             raise NonFiniteError(f"a reward score is NaN or inf ({score.tolist()}); check the reward model")
-        engine_logprob = torch.full(logprob.shape, torch.nan)
-        for row, completion in enumerate(completions):
-            if completion.logprobs is not None:
-                engine_logprob[row, : len(completion.logprobs)] = torch.tensor(
-                    [torch.nan if lp is None else lp for lp in completion.logprobs]
-                )
-        agreement = rl.logprob_agreement(logprob, engine_logprob.to(device), response_mask)
 
-        kl = rl.compute_kl(logprob, ref_logprob, ppo.kl_estimator)
+        tis_weight, tis_metrics = None, {}
+        if tis_cap > 0:
+            tis_weight = rl.truncated_importance_weight(learner_logprob, engine_logprob, response_mask, tis_cap)
+            tis_metrics = {
+                "policy/tis_weight_mean": rl.masked_mean(tis_weight, response_mask).item(),
+                "policy/tis_capped_frac": rl.masked_mean((tis_weight >= tis_cap).float(), response_mask).item(),
+            }
+
+        if ref_logprob is not None:
+            kl = rl.compute_kl(logprob, ref_logprob, ppo.kl_estimator)
+        else:  # --beta 0: no reference to measure a KL against, and none is used
+            kl = torch.zeros_like(logprob)
         reward_beta = 0.0 if ppo.kl_in_loss else ppo.beta  # with --kl_in_loss the KL is a loss term instead
         reward, non_score_reward = rl.per_token_rewards(score, kl, response_mask, reward_beta)
         if ppo.whiten_rewards:
@@ -230,8 +327,11 @@ class PPOLearner:
             raise NonFiniteError("an advantage is NaN or inf (from the logprobs, values or KL of this batch)")
 
         masked_kl = torch.where(response_mask, kl, torch.zeros_like(kl))
+        # Without the learner's old forward, `train` measures the engine-vs-learner agreement on its first minibatch.
+        agreement = {} if learner_logprob is None else agreement_metrics(learner_logprob, engine_logprob, response_mask)
         metrics = {
-            "objective/kl": masked_kl.sum(1).mean().item(),
+            # Absent with --beta 0: no reference model; policy/approxkl_avg still shows how far each update moves.
+            **({"objective/kl": masked_kl.sum(1).mean().item()} if ref_logprob is not None else {}),
             "objective/entropy": (-torch.where(response_mask, logprob, torch.zeros_like(logprob))).sum(1).mean().item(),
             "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
             "objective/rlhf_reward": (non_score_reward.sum(1) + score).mean().item(),
@@ -240,18 +340,18 @@ class PPOLearner:
             "val/num_stop_token_ids": float(sum(stopped)),
             "val/advantage_mean": rl.masked_mean(advantage, response_mask).item(),
             "val/value_mean": rl.masked_mean(value, response_mask).item(),
-            "debug/vllm_vs_learner_logprob_diff_mean": agreement["diff_mean"].item(),
-            "debug/vllm_vs_learner_logprob_diff_max": agreement["diff_max"].item(),
-            "debug/vllm_vs_learner_ratio_mean": agreement["ratio_mean"].item(),
-            "debug/vllm_vs_learner_ratio_min": agreement["ratio_min"].item(),
-            "debug/vllm_vs_learner_ratio_max": agreement["ratio_max"].item(),
+            **agreement,
+            **source_metrics,
+            **tis_metrics,
             **reward_metrics,
+            **timings,
         }
         samples = {"score": score.tolist(), "response_length": response_length.tolist()}
         experience = Experience(
             query_response, attention_mask, context_length, response_mask, logprob, ref_logprob, value,
-            advantage, return_,
-        )
+            advantage, return_, tis_weight,
+            engine_logprob_to_check=engine_logprob if learner_logprob is None else None,
+        )  # fmt: skip
         return experience, metrics, samples
 
     def train(self, exp: Experience) -> dict[str, float]:
@@ -260,16 +360,21 @@ class PPOLearner:
         micro_size = ppo.per_device_train_batch_size
         stats: dict[str, list[float]] = {}
         skipped_updates = 0
+        agreement: dict[str, float] = {}
 
         def record(**values: torch.Tensor) -> None:
             for key, value in values.items():
                 stats.setdefault(key, []).append(value.item())
 
-        for _ in range(ppo.num_epochs):
+        for epoch in range(ppo.num_epochs):
             # The same order on every rank (same seed); each rank trains on its equal slice of each minibatch.
             order = torch.randperm(exp.query_response.shape[0], generator=self.shuffle_generator)
-            for minibatch in order.split(self.sizes.mini_batch_size):
+            for index, minibatch in enumerate(order.split(self.sizes.mini_batch_size)):
                 finite_losses = True
+                # Before the first update the policy is still the one the batch was made with: its logprobs here are
+                # the learner's old ones, which make_experience did not compute with --old_logprobs_from vllm.
+                check_agreement = epoch == 0 and index == 0 and exp.engine_logprob_to_check is not None
+                first_logprobs = []
                 local_minibatch = minibatch.tensor_split(self.backend.world_size)[self.backend.rank]
                 for micro in local_minibatch.split(micro_size):
                     mask = exp.response_mask[micro]
@@ -277,14 +382,17 @@ class PPOLearner:
                     with mu.autocast(self.device):
                         new_logprob, logits = mu.response_logprobs(self.policy, qr, am, exp.context_length, temperature)
                         new_value = mu.response_values(self.value_model, qr, am, exp.context_length).float()
+                    if check_agreement:
+                        first_logprobs.append(new_logprob.detach())
+                    tis_weight = exp.tis_weight[micro] if exp.tis_weight is not None else None
                     pg_loss, pg_clipfrac, approxkl, ratio = rl.policy_loss(
-                        new_logprob, exp.logprob[micro], exp.advantage[micro], mask, ppo.cliprange
+                        new_logprob, exp.logprob[micro], exp.advantage[micro], mask, ppo.cliprange, tis_weight
                     )
                     vf_loss, vf_clipfrac = rl.value_loss(
                         new_value, exp.value[micro], exp.return_[micro], mask, ppo.cliprange_value
                     )
                     policy_objective = pg_loss
-                    if ppo.kl_in_loss:
+                    if ppo.kl_in_loss and exp.ref_logprob is not None:  # --beta 0: no KL term
                         policy_objective = policy_objective + ppo.beta * rl.kl_penalty_loss(
                             new_logprob, exp.ref_logprob[micro], mask, "k3"
                         )
@@ -299,6 +407,12 @@ class PPOLearner:
                         pg_loss=pg_loss, vf_loss=vf_loss, loss=loss, pg_clipfrac=pg_clipfrac, vf_clipfrac=vf_clipfrac,
                         approxkl=approxkl, ratio=ratio, entropy=entropy,
                     )
+                if check_agreement:  # gathered over ranks: the minibatch's rows in `minibatch` order
+                    learner_logprob = self.backend.gather_rows(torch.cat(first_logprobs))
+                    agreement = agreement_metrics(
+                        learner_logprob, exp.engine_logprob_to_check[minibatch], exp.response_mask[minibatch]
+                    )
+                    check_engine_matches_learner(agreement, self.args.gen.max_vllm_logprob_diff)  # before the update
                 # A non-finite loss or gradient norm is never applied to the weights (see AdamWTrainer.step).
                 applied = [trainer.step(apply=finite_losses) for trainer in self.trainers]
                 if not all(applied) and not self.args.run.skip_nonfinite_updates:
@@ -327,11 +441,13 @@ class PPOLearner:
             "policy/entropy_avg": mean("entropy"),
             "val/clipfrac_avg": mean("vf_clipfrac"),
             "val/ratio": mean("ratio"),
+            **agreement,
         }
 
     def state_dict(self) -> dict:
         """Everything of the learner a resumed run needs; the frozen reference (and reward) model are reloaded from
-        their original paths instead, so the KL reference stays the run's initial policy."""
+        their original paths instead, so the KL reference stays the run's initial policy (with --beta 0 there is
+        none, in the run and in its resumption: --beta must match the checkpoint's)."""
         return {
             "policy": self.policy.state_dict(),
             "value_model": self.value_model.state_dict(),
@@ -349,6 +465,13 @@ class PPOLearner:
             trainer.scheduler.load_state_dict(scheduler_state)
         self.shuffle_generator.set_state(state["shuffle_generator"])
         torch.set_rng_state(state["torch_rng"])
+
+    def initial_weights(self) -> dict[str, torch.Tensor]:
+        """The run's initial policy weights: the reference model's, or (--beta 0: none loaded) read again, in fp32."""
+        if self.ref_policy is not None:
+            return dict(self.ref_policy.named_parameters())
+        initial = mu.load_policy(self.policy_path, torch.device("cpu"), self.args.model.model_revision, trainable=True)
+        return dict(initial.named_parameters())
 
     @property
     def trainers(self) -> tuple:
@@ -370,6 +493,5 @@ class PPOLearner:
             rounding = None
             # Measured against the initial policy, which the reference model holds whole in one process only.
             if dtype.itemsize < 4 and self.backend.world_size == 1:
-                initial = dict(self.ref_policy.named_parameters())
-                rounding = mu.rounding_report(dict(policy.named_parameters()), initial, dtype)
+                rounding = mu.rounding_report(dict(policy.named_parameters()), self.initial_weights(), dtype)
             return SavedModel(path, self.args.run.save_dtype, mu.weights_sha256(state_dict), rounding)

@@ -34,7 +34,7 @@ from open_instruct.rollout_requests import RolloutRequests, broadcast_metrics, p
 from open_instruct.ground_truth_utils import RewardManager
 from open_instruct.model_utils import load_tokenizer
 from open_instruct.ppo_args import Args, BatchSizes, ConfigError, compute_batch_sizes, parse_args
-from open_instruct.ppo_learner import PPOLearner, PromptBatch, SavedModel
+from open_instruct.ppo_learner import PPOLearner, PromptBatch, SavedModel, check_engine_matches_learner
 from open_instruct.tracking import MetricsLogger, format_progress, plot_training_curves, read_metrics, repair_jsonl
 from open_instruct.validation import (
     as_config_errors,
@@ -156,19 +156,6 @@ def sample_rows(prompts: PromptBatch, rollout: Rollout, scores: list[float], how
 def expected_rollout_version(step: int, async_mode: bool) -> int:
     """Learner is at version step-1: sync trains on its own data, async on the previous version's."""
     return max(0, step - 2) if async_mode else step - 1
-
-
-def check_engine_matches_learner(metrics: dict, max_diff: float, step: int) -> None:
-    """Stop before training on a rollout that the engine did not sample from the learner's weights."""
-    diff = metrics["debug/vllm_vs_learner_logprob_diff_mean"]
-    if max_diff > 0 and not diff <= max_diff:  # `not <=`: a NaN difference stops the run too
-        raise RuntimeError(
-            f"Step {step}: vLLM and the learner disagree on the logprobs of the sampled tokens by {diff:.4g} nats "
-            f"per token on average (limit --max_vllm_logprob_diff {max_diff:g}), so the engine is not sampling "
-            f"from the learner's weights (a failed or partial weight sync) and the rollouts are off-policy. "
-            f"Look at the debug/vllm_vs_learner_* metrics; if the gap is expected (a bf16 engine, async mode at a "
-            f"high learning rate), raise --max_vllm_logprob_diff."
-        )
 
 
 def build_learner(args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int]):

@@ -178,9 +178,13 @@ def policy_loss(
     advantage: torch.Tensor,
     response_mask: torch.Tensor,
     cliprange: float,
+    token_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate loss over real tokens. All inputs [batch, response_len].
 
+    `token_weight` (optional, no gradient) multiplies each token's clipped surrogate, e.g. the truncated
+    importance weight of `truncated_importance_weight`; the clipping itself is unchanged (a positive weight
+    scales both branches, so the same branch wins).
     Returns (loss, clipfrac, approxkl, ratio_mean): scalars; only `loss` carries a gradient.
     clipfrac is the fraction of tokens where the clipped term wins (its gradient is then zero);
     approxkl = 0.5 * mean(log_ratio**2), the k2 estimate of KL(old || new).
@@ -190,12 +194,33 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     unclipped_loss = -advantage * ratio
     clipped_loss = -advantage * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(unclipped_loss, clipped_loss), response_mask)
+    token_loss = torch.max(unclipped_loss, clipped_loss)
+    if token_weight is not None:
+        token_loss = token_loss * _select(token_weight.detach(), response_mask)
+    loss = masked_mean(token_loss, response_mask)
     with torch.no_grad():
         clipfrac = masked_mean((clipped_loss > unclipped_loss).float(), response_mask)
         approxkl = 0.5 * masked_mean(log_ratio.pow(2), response_mask)
         ratio_mean = masked_mean(ratio, response_mask)
     return loss, clipfrac, approxkl, ratio_mean
+
+
+def truncated_importance_weight(
+    old_logprob: torch.Tensor, engine_logprob: torch.Tensor, response_mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance sampling (TIS) weight of each sampled token: min(pi_old / pi_engine, cap).
+
+    old_logprob: the learner's logprob of the token under the policy it trains from ("old"); engine_logprob: the
+    logprob the generation engine sampled it with (NaN where the engine gave none). Both [batch, response_len].
+    The engine's distribution differs from the learner's by its numerics (a bf16 engine) and, in async mode, by
+    one policy version; weighting the policy gradient by pi_old / pi_engine corrects for sampling from the engine's
+    distribution, and truncating the weight at `cap` bounds its variance (Yao et al., "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training", 2025; Ionides, "Truncated Importance Sampling", 2008).
+    Returns [batch, response_len]; 1 on padding and where the engine gave no logprob (no correction known).
+    """
+    valid = response_mask.bool() & torch.isfinite(engine_logprob)
+    log_ratio = _select(old_logprob - engine_logprob, valid)  # 0 where not valid: weight 1
+    return torch.clamp(torch.exp(log_ratio), max=cap)
 
 
 def value_loss(

@@ -78,6 +78,11 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("cliprange", ppo.cliprange, POSITIVE),
         ("cliprange_value", ppo.cliprange_value, POSITIVE),
         ("vf_coef", ppo.vf_coef, NON_NEGATIVE),
+        (
+            "truncated_importance_sampling_ratio_cap",
+            ppo.truncated_importance_sampling_ratio_cap,
+            (lambda v: _finite(v) and (v == 0 or v >= 1), "0 (off) or a number >= 1 (a cap below 1 scales all tokens)"),
+        ),
         ("gamma", ppo.gamma, PROBABILITY),
         ("lam", ppo.lam, PROBABILITY),
         ("response_length", gen.response_length, AT_LEAST_1),
@@ -134,6 +139,12 @@ def validate_flags(args: Args) -> None:
         raise ConfigError(
             "No reward is enabled (--apply_verifiable_reward false and --reward_model_multiplier 0); pass "
             "--apply_verifiable_reward true or a non-zero --reward_model_multiplier with --reward_model_path."
+        )
+    if args.ppo.truncated_importance_sampling_ratio_cap > 0 and args.ppo.old_logprobs_from == "vllm":
+        raise ConfigError(
+            "--truncated_importance_sampling_ratio_cap weights tokens by pi_learner_old / pi_vllm, which is 1 with "
+            "--old_logprobs_from vllm; pass --old_logprobs_from learner, or "
+            "--truncated_importance_sampling_ratio_cap 0."
         )
     if args.run.resume is not None and args.run.overwrite_output_dir:
         raise ConfigError("--resume continues the run in --output_dir and --overwrite_output_dir deletes it; pick one.")

@@ -79,6 +79,12 @@ CASES = [
     Case("zero max_grad_norm", ["--max_grad_norm", "0"], "--max_grad_norm 0.0 is not valid"),
     Case("zero queue timeout", ["--queue_timeout_s", "0"], "--queue_timeout_s 0.0 is not valid"),
     Case("run_name with a slash", ["--run_name", "a/b"], "--run_name 'a/b' is not valid; expected a name without '/'"),
+    Case("TIS cap below 1", ["--truncated_importance_sampling_ratio_cap", "0.5"],
+         "--truncated_importance_sampling_ratio_cap 0.5 is not valid; expected 0 (off) or a number >= 1"),  # fmt: skip
+    Case("TIS with the engine's old logprobs",
+         ["--truncated_importance_sampling_ratio_cap", "2", "--old_logprobs_from", "vllm"],
+         "which is 1 with --old_logprobs_from vllm; pass --old_logprobs_from learner"),  # fmt: skip
+    Case("unknown old logprobs source", ["--old_logprobs_from", "engine"], "--old-logprobs-from: invalid choice: 'engine' (choose from 'learner', 'vllm')"),
     # ---- flag syntax ----
     Case("choice not allowed", ["--kl_estimator", "k4"], "argument --kl_estimator/--kl-estimator: invalid choice: 'k4'"),
     Case("not a number", ["--learning_rate", "abc"], "--learning_rate/--learning-rate: invalid float value: 'abc'"),

@@ -416,6 +416,29 @@ def test_a_skipped_weight_sync_stops_the_run_before_it_trains_on_off_policy_data
     assert not (tmp_path / "output" / "model").exists()
 
 
+def test_with_the_engines_old_logprobs_and_no_reference_a_skipped_weight_sync_still_stops_the_run(
+    tiny_model_dir, tmp_path
+):
+    """The same fault with `--old_logprobs_from vllm --beta 0`: the learner runs no old-logprob and no reference
+    forward, so the agreement is measured on the first minibatch of each step, before its update. Step 1 (real
+    engine, fp32, sync) matches the learner's logprobs; step 2 (stale engine) stops the run."""
+    process, _ = run_with_fault(
+        "skip_weight_sync", tiny_model_dir, tmp_path,
+        "--async_mode", "false", "--total_episodes", "24", "--num_evals", "0",
+        "--learning_rate", "1e-2", "--lr_scheduler_type", "constant",
+        "--max_vllm_logprob_diff", str(SYNC_MAX_LOGPROB_DIFF),
+        "--old_logprobs_from", "vllm", "--beta", "0",
+    )  # fmt: skip
+    assert process.returncode != 0, "the run trained on rollouts from stale engine weights"
+    assert "This rollout (first minibatch): vLLM and the learner disagree" in process.stderr, last_lines(process.stderr)
+    [step_1] = read_metrics(str(tmp_path / "output" / "metrics.jsonl"))
+    assert step_1["debug/vllm_vs_learner_logprob_diff_mean"] < SYNC_MAX_LOGPROB_DIFF / 10
+    assert step_1["debug/old_logprobs_from_learner_frac"] == 0.0  # the engine scored every response token
+    assert "time/value_forward" in step_1
+    skipped = {"objective/kl", "time/old_logprob_forward", "time/ref_logprob_forward"}
+    assert not skipped & set(step_1), f"logged {skipped & set(step_1)}"
+
+
 # ---- 5. push to the Hub, wandb tracking ------------------------------------------------------------------------------
 
 

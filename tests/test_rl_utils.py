@@ -247,6 +247,16 @@ def test_whitened_gae_advantage():
 # ---------------------------------------------------------------- losses
 
 
+def clipping_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(new_logprob requiring grad, old_logprob, advantage, mask): ratios 1.5, 0.5, 1.5, 0.5 and a padded token."""
+    ratio = torch.tensor([[1.5, 0.5, 1.5, 0.5, 3.0]])
+    old_logprob = torch.tensor([[-1.0, -2.0, -0.5, -3.0, -1.0]])
+    new_logprob = (old_logprob + ratio.log()).requires_grad_(True)
+    advantage = torch.tensor([[1.0, 1.0, -1.0, -1.0, 7.0]])
+    mask = torch.tensor([[True, True, True, True, False]])
+    return new_logprob, old_logprob, advantage, mask
+
+
 def test_policy_loss_clipping_branches_and_gradients():
     # cliprange 0.2. Token by token (pg = max(-A*r, -A*clip(r, 0.8, 1.2))):
     #   A=+1, r=1.5: max(-1.5, -1.2) = -1.2 clipped (no gradient)
@@ -255,11 +265,7 @@ def test_policy_loss_clipping_branches_and_gradients():
     #   A=-1, r=0.5: max( 0.5,  0.8) =  0.8 clipped (no gradient)
     #   a fifth, padded token must not count.
     # loss = (-1.2 - 0.5 + 1.5 + 0.8) / 4 = 0.15; clipfrac = 2/4; ratio_mean = (1.5 + 0.5 + 1.5 + 0.5) / 4 = 1
-    ratio = torch.tensor([[1.5, 0.5, 1.5, 0.5, 3.0]])
-    old_logprob = torch.tensor([[-1.0, -2.0, -0.5, -3.0, -1.0]])
-    new_logprob = (old_logprob + ratio.log()).requires_grad_(True)
-    advantage = torch.tensor([[1.0, 1.0, -1.0, -1.0, 7.0]])
-    mask = torch.tensor([[True, True, True, True, False]])
+    new_logprob, old_logprob, advantage, mask = clipping_case()
     loss, clipfrac, approxkl, ratio_mean = rl_utils.policy_loss(new_logprob, old_logprob, advantage, mask, 0.2)
     assert loss.item() == pytest.approx(0.15, abs=1e-6)
     assert clipfrac.item() == pytest.approx(0.5)
@@ -270,6 +276,40 @@ def test_policy_loss_clipping_branches_and_gradients():
     # gradients divided by the 4 real tokens
     torch.testing.assert_close(new_logprob.grad, torch.tensor([[0.0, -0.5 / 4, 1.5 / 4, 0.0, 0.0]]))
     assert not clipfrac.requires_grad and not approxkl.requires_grad and not ratio_mean.requires_grad
+
+
+def test_policy_loss_token_weight_scales_each_tokens_surrogate():
+    # The tokens of the clipping test above, weighted by w = [2, 0.5, 1, 3] (a padded fifth token holds NaN):
+    #   -1.2 * 2 = -2.4 (clipped), -0.5 * 0.5 = -0.25, 1.5 * 1 = 1.5, 0.8 * 3 = 2.4 (clipped)
+    # loss = (-2.4 - 0.25 + 1.5 + 2.4) / 4 = 0.3125; gradients -A*r*w/4 on the unclipped tokens:
+    #   token 1: -1 * 0.5 * 0.5 / 4 = -0.0625, token 2: 1 * 1.5 * 1 / 4 = 0.375. clipfrac stays 2/4.
+    new_logprob, old_logprob, advantage, mask = clipping_case()
+    weight = torch.tensor([[2.0, 0.5, 1.0, 3.0, float("nan")]])
+    loss, clipfrac, _, _ = rl_utils.policy_loss(new_logprob, old_logprob, advantage, mask, 0.2, weight)
+    assert loss.item() == pytest.approx(0.3125, abs=1e-6)
+    assert clipfrac.item() == pytest.approx(0.5)
+    loss.backward()
+    torch.testing.assert_close(new_logprob.grad, torch.tensor([[0.0, -0.0625, 0.375, 0.0, 0.0]]))
+    # No weight and a weight of ones are the same loss.
+    unweighted, *_ = rl_utils.policy_loss(new_logprob, old_logprob, advantage, mask, 0.2)
+    ones, *_ = rl_utils.policy_loss(new_logprob, old_logprob, advantage, mask, 0.2, torch.ones_like(weight))
+    assert unweighted.item() == pytest.approx(0.15, abs=1e-6) and ones.item() == pytest.approx(0.15, abs=1e-6)
+
+
+def test_truncated_importance_weight_hand_numbers():
+    # cap 2. weight = min(exp(old - engine), 2):
+    #   old - engine = ln 3 -> 3 -> capped at 2;  -ln 2 -> 0.5;  ln 1.5 -> 1.5;
+    #   the engine gave no logprob (NaN) -> 1;  padding (engine value anything) -> 1.
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, -1.0]])
+    engine = old - torch.tensor([[math.log(3), -math.log(2), math.log(1.5), 0.0, 0.0]])
+    engine[0, 3] = float("nan")
+    engine[0, 4] = -1e9
+    mask = torch.tensor([[True, True, True, True, False]])
+    weight = rl_utils.truncated_importance_weight(old, engine, mask, cap=2.0)
+    torch.testing.assert_close(weight, torch.tensor([[2.0, 0.5, 1.5, 1.0, 1.0]]))
+    # A large cap leaves the ratio itself; identical distributions give 1 everywhere.
+    torch.testing.assert_close(rl_utils.truncated_importance_weight(old, engine, mask, cap=100.0)[0, 0], torch.tensor(3.0))
+    torch.testing.assert_close(rl_utils.truncated_importance_weight(old, old, mask, cap=2.0), torch.ones(1, 5))
 
 
 def test_policy_loss_on_policy_is_minus_mean_advantage():

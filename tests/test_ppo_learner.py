@@ -1,0 +1,215 @@
+"""The learner's switches that skip work, on the tiny model and a fixed, fabricated rollout (no engine):
+
+- `--old_logprobs_from vllm`: the experience's old logprobs are exactly the engine's (0 on padding, nothing read
+  past the stop token), the policy's old-logprob forward never runs, a token without an engine logprob falls back
+  to the learner's value for that token only, and the engine-vs-learner check moves to the first minibatch, before
+  any update. With the learner's own logprobs as the engine's, the PPO step equals `--old_logprobs_from learner`'s.
+- `--beta 0`: no reference model is loaded or run; no KL metric; checkpoints round-trip and a bf16 save still reports
+  its rounding against the initial weights.
+- `--truncated_importance_sampling_ratio_cap`: the weights min(pi_old / pi_vllm, C) and the policy loss they give,
+  checked against numbers worked out from the experience.
+
+Each test builds one or two learners of the 2-layer tiny model (a few seconds each on 2 cores).
+"""
+
+import math
+
+import pytest
+import torch
+
+from open_instruct import model_utils as mu
+from open_instruct.ground_truth_utils import RewardManager
+from open_instruct.model_utils import load_tokenizer
+from open_instruct.ppo_args import compute_batch_sizes, parse_args
+from open_instruct.ppo_learner import PPOLearner
+from open_instruct.ppo_vllm_thread_ray_gtrl import stop_token_ids_for
+from open_instruct.vllm_utils import Completion
+from tests.test_learner_group import EQUIVALENCE_FLAGS, fixed_rollout
+
+
+def build_learner(model_dir: str, *flags: str) -> tuple[PPOLearner, RewardManager]:
+    args = parse_args(["--model_name_or_path", model_dir, *EQUIVALENCE_FLAGS, *flags])
+    tokenizer = load_tokenizer(model_dir)
+    torch.manual_seed(args.run.seed)  # the value head's init: the same in every learner of a test
+    learner = PPOLearner(args, compute_batch_sizes(args), tokenizer, model_dir, stop_token_ids_for(tokenizer, "eos"))
+    return learner, RewardManager(args.reward)
+
+
+def with_engine_logprobs(completions: list[Completion], logprobs: list[list[float | None]]) -> list[Completion]:
+    pairs = zip(completions, logprobs)
+    return [Completion(c.prompt_index, c.token_ids, c.text, c.finish_reason, list(lp)) for c, lp in pairs]
+
+
+def fabricated_logprobs(completions: list[Completion], seed: int = 0) -> list[list[float]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(-0.1 - 3 * torch.rand(len(c.token_ids), generator=generator)).tolist() for c in completions]
+
+
+class ForwardLog:
+    """Which models `mu.response_logprobs` ran (the policy's and the reference's logprob forwards)."""
+
+    def __init__(self, monkeypatch):
+        self.models: list = []
+        real = mu.response_logprobs
+
+        def logged(model, *args, **kwargs):
+            self.models.append(model)
+            return real(model, *args, **kwargs)
+
+        monkeypatch.setattr(mu, "response_logprobs", logged)
+
+    def count(self, model) -> int:
+        return sum(m is model for m in self.models)
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_model_dir):
+    return fixed_rollout(load_tokenizer(tiny_model_dir))
+
+
+def test_old_logprobs_from_vllm_are_the_engines_and_no_policy_forward_runs(tiny_model_dir, rollout, monkeypatch):
+    prompts, completions = rollout
+    tokenizer = load_tokenizer(tiny_model_dir)
+    # Row 0 goes on after its stop token (tokens the learner truncates): their engine logprobs must not be read.
+    extra = tokenizer.encode(" and more", add_special_tokens=False)
+    completions = list(completions)
+    completions[0] = Completion(0, completions[0].token_ids + extra, completions[0].text, "stop")
+    engine = fabricated_logprobs(completions)
+    learner, reward_manager = build_learner(tiny_model_dir, "--old_logprobs_from", "vllm")
+    forwards = ForwardLog(monkeypatch)
+    exp, metrics, _ = learner.make_experience(prompts, with_engine_logprobs(completions, engine), reward_manager)
+
+    assert forwards.count(learner.policy) == 0 and forwards.count(learner.ref_policy) > 0
+    lengths = exp.response_mask.sum(1).tolist()
+    assert lengths[0] == len(completions[0].token_ids) - len(extra)  # truncated after the stop token
+    for row, length in enumerate(lengths):
+        assert exp.logprob[row, :length].tolist() == engine[row][:length]  # exactly the engine's numbers
+        assert exp.logprob[row, length:].eq(0).all()
+    assert metrics["debug/old_logprobs_from_learner_frac"] == 0.0
+    assert not any(key.startswith("debug/vllm_vs_learner") for key in metrics)  # measured in train instead
+    assert "time/old_logprob_forward" not in metrics and "time/ref_logprob_forward" in metrics
+
+
+def test_a_token_without_an_engine_logprob_takes_the_learners(tiny_model_dir, rollout):
+    prompts, completions = rollout
+    engine = fabricated_logprobs(completions)
+    engine[2][-1] = None  # e.g. a stop token added back after generation
+    learner, reward_manager = build_learner(tiny_model_dir, "--old_logprobs_from", "vllm")
+    exp, metrics, _ = learner.make_experience(prompts, with_engine_logprobs(completions, engine), reward_manager)
+
+    learner_logprob, _ = mu.response_logprobs(
+        learner.policy, exp.query_response, exp.attention_mask, exp.context_length, learner.args.gen.temperature
+    )
+    last = len(engine[2]) - 1
+    assert exp.logprob[2, last].item() == pytest.approx(learner_logprob[2, last].item(), abs=1e-5)
+    assert exp.logprob[2, :last].tolist() == engine[2][:last]
+    assert exp.logprob[0, : len(engine[0])].tolist() == engine[0]
+    assert metrics["debug/old_logprobs_from_learner_frac"] == pytest.approx(1 / exp.response_mask.sum().item())
+    # The learner's forward ran, so the agreement was measured here, on the tokens the engine scored.
+    assert metrics["debug/vllm_vs_learner_logprob_diff_mean"] > 0.1
+    assert exp.engine_logprob_to_check is None
+
+
+def test_vllm_old_logprobs_equal_to_the_learners_give_the_same_ppo_step(tiny_model_dir, rollout):
+    prompts, completions = rollout
+    reference, reward_manager = build_learner(tiny_model_dir)
+    exp, _, _ = reference.make_experience(prompts, completions, reward_manager)
+    reference_metrics = reference.train(exp)
+    lengths = exp.response_mask.sum(1).tolist()
+    engine = [exp.logprob[row, :length].tolist() for row, length in enumerate(lengths)]  # an exact fp32 engine
+
+    learner, _ = build_learner(tiny_model_dir, "--old_logprobs_from", "vllm")
+    vllm_exp, _, _ = learner.make_experience(prompts, with_engine_logprobs(completions, engine), reward_manager)
+    metrics = learner.train(vllm_exp)
+    # Checked on the first minibatch (2 of 4 prompts' responses here), before the first update.
+    assert metrics["debug/vllm_vs_learner_logprob_diff_mean"] < 1e-5
+    assert metrics["debug/vllm_vs_learner_ratio_min"] == pytest.approx(1.0, abs=1e-5)
+    for key in ("loss/policy_avg", "loss/value_avg", "policy/approxkl_avg", "val/ratio"):
+        assert metrics[key] == pytest.approx(reference_metrics[key], rel=1e-4, abs=1e-6), key
+    for (name, param), (_, expected) in zip(learner.policy.named_parameters(), reference.policy.named_parameters()):
+        torch.testing.assert_close(param, expected, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_vllm_old_logprobs_far_from_the_learners_stop_before_any_update(tiny_model_dir, rollout):
+    prompts, completions = rollout
+    learner, reward_manager = build_learner(tiny_model_dir, "--old_logprobs_from", "vllm")
+    exp, _, _ = learner.make_experience(
+        prompts, with_engine_logprobs(completions, fabricated_logprobs(completions)), reward_manager
+    )
+    before = {name: p.detach().clone() for name, p in learner.policy.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"This rollout \(first minibatch\): vLLM and the learner disagree"):
+        learner.train(exp)
+    for name, param in learner.policy.named_parameters():
+        assert torch.equal(param, before[name]), f"{name} was updated before the check"
+
+
+def test_beta_0_loads_and_runs_no_reference_model(tiny_model_dir, rollout, monkeypatch, tmp_path):
+    prompts, completions = rollout
+    loaded = []  # the `trainable` flag of each model load_policy builds: the reference is the frozen one
+    real_load = mu.load_policy
+
+    def logged_load(*args, **kwargs):
+        loaded.append(kwargs.get("trainable"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(mu, "load_policy", logged_load)
+    with_kl, reward_manager = build_learner(tiny_model_dir)
+    assert loaded == [True, False] and with_kl.ref_policy is not None  # the default builds a reference
+
+    loaded.clear()
+    learner, _ = build_learner(
+        tiny_model_dir, "--beta", "0", "--kl_in_loss", "true", "--save_dtype", "bfloat16", "--learning_rate", "1e-2"
+    )
+    assert loaded == [True] and learner.ref_policy is None
+    forwards = ForwardLog(monkeypatch)
+    exp, metrics, _ = learner.make_experience(prompts, completions, reward_manager)
+    assert len(forwards.models) > 0 and all(model is learner.policy for model in forwards.models)
+    assert exp.ref_logprob is None and "objective/kl" not in metrics and "time/ref_logprob_forward" not in metrics
+    assert metrics["objective/non_score_reward"] == 0.0
+    learner.train(exp)
+
+    # Checkpoints hold no reference model: a fresh --beta 0 learner resumes from the state.
+    resumed, _ = build_learner(tiny_model_dir, "--beta", "0")
+    resumed.load_state_dict(learner.state_dict())
+    for (name, param), (_, expected) in zip(resumed.policy.named_parameters(), learner.policy.named_parameters()):
+        assert torch.equal(param, expected), name
+    # A bf16 save still measures what rounding removed, against the initial weights read again.
+    saved = learner.save(str(tmp_path / "model"))
+    assert saved.rounding is not None and saved.rounding["changed"] > 0
+
+
+def test_truncated_importance_sampling_weights_the_policy_loss_by_hand(tiny_model_dir, rollout):
+    prompts, completions = rollout
+    # One micro-batch, one minibatch, one epoch: the loss is computed once, before any update, at ratio 1.
+    one_pass = ["--per_device_train_batch_size", "8", "--num_mini_batches", "1", "--num_epochs", "1"]
+    plain, reward_manager = build_learner(tiny_model_dir, *one_pass)
+    plain_exp, _, _ = plain.make_experience(prompts, completions, reward_manager)
+    lengths = plain_exp.response_mask.sum(1).tolist()
+    # Engine logprobs = the learner's old ones minus ln 3, plus ln 2, or equal, token by token in turn:
+    # pi_old / pi_vllm = 3 -> capped at 2, 0.5, 1.
+    offsets, expected_weights = [math.log(3), -math.log(2), 0.0], [2.0, 0.5, 1.0]
+    engine = [
+        [plain_exp.logprob[row, t].item() - offsets[t % 3] for t in range(length)] for row, length in enumerate(lengths)
+    ]
+    learner, _ = build_learner(tiny_model_dir, *one_pass, "--truncated_importance_sampling_ratio_cap", "2")
+    exp, metrics, _ = learner.make_experience(prompts, with_engine_logprobs(completions, engine), reward_manager)
+
+    weight = torch.zeros_like(exp.logprob)
+    for row, length in enumerate(lengths):
+        for t in range(length):
+            weight[row, t] = expected_weights[t % 3]
+    mask = exp.response_mask
+    torch.testing.assert_close(torch.where(mask, exp.tis_weight, 0.0), weight, atol=1e-5, rtol=0)
+    capped = sum(1 for length in lengths for t in range(length) if t % 3 == 0)
+    assert metrics["policy/tis_capped_frac"] == pytest.approx(capped / sum(lengths))
+
+    # At ratio 1 the clipped surrogate of a token is -A; TIS weights it: loss = sum(-A * w) / tokens.
+    advantage = exp.advantage
+    expected_loss = sum(
+        -advantage[row, t].item() * weight[row, t].item() for row, length in enumerate(lengths) for t in range(length)
+    ) / sum(lengths)
+    tis_metrics = learner.train(exp)
+    assert tis_metrics["loss/policy_avg"] == pytest.approx(expected_loss, abs=1e-5)
+    # Without TIS the same batch's loss is -mean(A) = 0 (whitened advantages): the weights are what changed it.
+    assert plain.train(plain_exp)["loss/policy_avg"] == pytest.approx(0.0, abs=1e-5)
+    assert abs(expected_loss) > 1e-3  # far outside the 1e-5 tolerances above
