@@ -115,25 +115,37 @@ def start_ray(ray_address: str | None, num_actors: int) -> None:
     print(f"[ppo] Ray {'joined at ' + ray_address if ray_address else 'started locally'} in {time.time() - started:.1f}s")
 
 
+def reserve_learner_placement(dist) -> tuple:
+    """The learner ranks' placement group (one bundle per node entry of --num_learners_per_node) and GPUs per rank.
+
+    Reserved before the engine actors are placed, so that engines landing first cannot take the CPUs or GPUs of a
+    node that the learners' STRICT_SPREAD needs.
+    """
+    start_ray(dist.ray_address, dist.num_learners + dist.vllm_num_engines * dist.vllm_tensor_parallel_size)
+    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    gpu_per_rank = (0.5 if dist.single_gpu_mode else 1) if use_gpu else 0  # single GPU mode: an engine takes the rest
+    bundles = [{"CPU": n, **({"GPU": n * gpu_per_rank} if use_gpu else {})} for n in dist.num_learners_per_node]
+    strategy = "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
+    group = placement_group(bundles, strategy=strategy)
+    try:
+        ray.get(group.ready(), timeout=dist.learner_timeout_s)
+    except GetTimeoutError:
+        remove_placement_group(group)
+        raise LearnerFailed(
+            f"Ray could not place learners {bundles} ({strategy}) within {dist.learner_timeout_s:.0f}s on a cluster "
+            f"with {ray.cluster_resources()}; lower --num_learners_per_node or add nodes."
+        ) from None
+    return group, gpu_per_rank
+
+
 class LearnerGroup:
     """PPOLearner's methods (make_experience, train, weights_for_engine, save, lr) over Ray learner ranks."""
 
-    def __init__(self, args: Args, sizes: BatchSizes, policy_path: str, stop_token_ids: list[int]):
+    def __init__(self, args: Args, sizes: BatchSizes, policy_path: str, stop_token_ids: list[int], placement=None):
+        """`placement`: from `reserve_learner_placement`, when it had to come before the engine actors' placement."""
         dist = args.dist
         self.timeout_s = dist.learner_timeout_s
-        start_ray(dist.ray_address, dist.num_learners + dist.vllm_num_engines * dist.vllm_tensor_parallel_size)
-        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        gpu_per_rank = (0.5 if dist.single_gpu_mode else 1) if use_gpu else 0  # single GPU mode: an engine takes the rest
-        bundles = [{"CPU": n, **({"GPU": n * gpu_per_rank} if use_gpu else {})} for n in dist.num_learners_per_node]
-        strategy = "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
-        self.placement_group = placement_group(bundles, strategy=strategy)
-        try:
-            ray.get(self.placement_group.ready(), timeout=self.timeout_s)
-        except GetTimeoutError:
-            raise LearnerFailed(
-                f"Ray could not place learners {bundles} ({strategy}) within {self.timeout_s:.0f}s on a cluster with "
-                f"{ray.cluster_resources()}; lower --num_learners_per_node or add nodes."
-            ) from None
+        self.placement_group, gpu_per_rank = placement or reserve_learner_placement(dist)
         atexit.register(self.shutdown)
         actor_class = ray.remote(num_cpus=1, num_gpus=gpu_per_rank)(LearnerRank)
         bundle_of_rank = [node for node, count in enumerate(dist.num_learners_per_node) for _ in range(count)]

@@ -158,13 +158,13 @@ def expected_rollout_version(step: int, async_mode: bool) -> int:
     return max(0, step - 2) if async_mode else step - 1
 
 
-def build_learner(args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int]):
+def build_learner(args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int], placement=None):
     """This process's PPOLearner, or learner ranks on Ray + DeepSpeed behind the same methods."""
     if not args.dist.uses_ray:
         return PPOLearner(args, sizes, tokenizer, policy_path, stop_token_ids)
     from open_instruct.learner_group import LearnerGroup  # imports ray; the single-process path never does
 
-    return LearnerGroup(args, sizes, policy_path, stop_token_ids)
+    return LearnerGroup(args, sizes, policy_path, stop_token_ids, placement)
 
 
 def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: ckpt.StopRequest) -> dict:
@@ -203,11 +203,16 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
     last_step = resume.step if resume else 0
     try:
         # ---- models and the generation thread (the engine starts while the learner loads) ----
+        learner_placement = None
+        if args.dist.uses_ray:  # reserve the learners' nodes first: engine actors placed before could take them
+            from open_instruct.learner_group import reserve_learner_placement
+
+            learner_placement = reserve_learner_placement(args.dist)
         generator = start_generation_thread(args, policy_path, stop_token_ids, eval_prompts)
         try:
             if torch.cuda.is_available():
                 generator.wait_until_ready()  # vLLM sizes its KV cache from free GPU memory: let it measure first
-            learner = build_learner(args, sizes, tokenizer, policy_path, stop_token_ids)
+            learner = build_learner(args, sizes, tokenizer, policy_path, stop_token_ids, learner_placement)
             if generator.engine is not None:  # engine actors: learner rank 0 will broadcast weights to them
                 from open_instruct.engine_group import connect_engines
 
