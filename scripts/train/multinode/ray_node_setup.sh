@@ -59,8 +59,7 @@ flags=()
 if [[ "$role" == head ]]; then
   flags=(--head --port "$port" --include-dashboard=false --disable-usage-stats "${flags[@]}")
 else
-  # `ray start --address` gives up on an unreachable head after a short while; under a scheduler the
-  # workers often start first, so wait for the head's port here.
+  # Under a scheduler the workers often start before the head is up; `ray start --address` would fail then.
   wait_s="${HEAD_WAIT_S:-300}"
   deadline=$((SECONDS + wait_s))
   # shellcheck disable=SC2016  # $0 and $1 are expanded by the inner bash
@@ -87,7 +86,7 @@ if ((status != 0)); then
   exit 1
 fi
 if [[ "$role" == head ]]; then
-  say "head up on port $port. Next: on every other node, with the same token file:"
+  say "head up on port $port. Next: on every other node, with the same token:"
   say "  NODE_ROLE=worker HEAD_ADDRESS=<this node's IP, 'Local node IP' above> HEAD_PORT=$port bash $0"
   say "then here: bash scripts/train/multinode/ppo_2nodes.sh (or the trainer with --ray_address <IP>:$port)"
 fi
