@@ -497,9 +497,9 @@ def test_yaml_config_with_a_command_line_override(tmp_path):
     assert args.ppo.num_epochs == 4  # not in the file: the default
 
 
-@pytest.mark.parametrize("name", ["ppo_arithmetic_cpu.yaml", "ppo_arithmetic_gpu.yaml"])
-def test_shipped_debug_configs_parse_into_consistent_sizes(name):
-    """ppo.sh runs these files; a key the dataclasses do not know, or sizes that do not divide, fails here."""
+@pytest.mark.parametrize("name", ["ppo_arithmetic_cpu.yaml", "ppo_arithmetic_gpu.yaml", "ppo_tulu3_8b.yaml"])
+def test_shipped_configs_parse_into_consistent_sizes(name):
+    """The shipped recipes: a key the dataclasses do not know, or sizes that do not divide, fails here."""
     args = parse_args([str(TESTS_DIR.parent / "configs" / "train_configs" / name)])
     sizes = compute_batch_sizes(args)
     rollout = args.ppo.local_rollout_batch_size * args.ppo.number_samples_per_prompt
