@@ -12,9 +12,8 @@ A sync is one RPC per engine and one broadcast per bucket, whatever the number o
 Both sides know the bucket plan (names, shapes, dtypes, offsets) before the first sync: it is computed once by
 `plan_buckets` from the policy's parameter list and given to the engines when the group is made.
 
-After each sync every engine worker reports `weights_checksum` of the parameters it now holds, and the learner the
-checksum of what it sent. Sums are invariant to how vLLM fuses (q/k/v), shards or reorders (CPU packing) a tensor, so
-the two agree to rounding when the engine really holds the sent weights, and a stale or partial sync shows.
+After each sync every engine worker reports the checksum of the tensors it received and loaded, and the learner the
+checksum of what it sent (an exact integer sum of the raw words): equal only if every bucket arrived intact.
 """
 
 import threading
@@ -25,7 +24,6 @@ from datetime import timedelta
 
 import torch
 
-CHECKSUM_RTOL = 1e-6  # float64 sums in different orders and layouts; a one-step update moves them by far more
 
 
 @dataclass(frozen=True)
@@ -66,47 +64,36 @@ def plan_buckets(named_shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: tor
     return buckets
 
 
-def new_checksum() -> dict[str, float]:
-    return {"numel": 0, "sum": 0.0, "abs_sum": 0.0, "square_sum": 0.0}
+def new_checksum() -> dict[str, int]:
+    return {"numel": 0, "word_sum": 0}
 
 
-def add_to_checksum(checksum: dict[str, float], tensor: torch.Tensor) -> None:
-    values = tensor.detach().to(torch.float64)
-    checksum["numel"] += values.numel()
-    checksum["sum"] += values.sum().item()
-    checksum["abs_sum"] += values.abs().sum().item()
-    checksum["square_sum"] += values.square().sum().item()
+WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def weights_checksum(tensors: Iterable[torch.Tensor]) -> dict[str, float]:
-    """Sums (plain, absolute, squared) in float64 of all values: the same for any fusion, sharding or order."""
+def add_to_checksum(checksum: dict[str, int], tensor: torch.Tensor) -> None:
+    """Add the integer sum of the tensor's raw words (its bit patterns) to `checksum`.
+
+    Exact and independent of summation order and thread count, so both sides of a broadcast get the same integer for
+    the same bytes; any changed value changes it (unless changes cancel exactly). One pass over memory: 0.35 s for
+    512 MB on 2 cores here, a third of three float64 reductions.
+    """
+    words = tensor.detach().contiguous().view(-1).view(WORD_DTYPES[tensor.element_size()])
+    checksum["numel"] += words.numel()
+    checksum["word_sum"] += int(words.sum(dtype=torch.int64).item())
+
+
+def weights_checksum(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
+    """The checksum of tensors taken in any order and layout (a sum: fused, reordered or concatenated alike)."""
     checksum = new_checksum()
     for tensor in tensors:
         add_to_checksum(checksum, tensor)
     return checksum
 
 
-def sum_checksums(checksums: Iterable[dict[str, float]]) -> dict[str, float]:
-    total = new_checksum()
-    for checksum in checksums:
-        for key in total:
-            total[key] += checksum[key]
-    return total
-
-
-def checksum_mismatch(expected: dict[str, float], actual: dict[str, float], rtol: float = CHECKSUM_RTOL) -> str | None:
-    """None when `actual` matches `expected`; else which sums differ and by how much (relative).
-
-    The element count is not compared: vLLM pads some tensors (a vocabulary rounded up to a multiple of 64) with zeros,
-    which change no sum. Tolerances are relative to the absolute sum, so cancellation in the plain sum cannot hide a gap.
-    """
-    scale = max(abs(expected["abs_sum"]), 1e-30)
-    problems = []
-    for key in ("sum", "abs_sum", "square_sum"):
-        reference = scale if key != "square_sum" else max(expected["square_sum"], 1e-30)
-        gap = abs(expected[key] - actual[key]) / reference
-        if not gap <= rtol:
-            problems.append(f"{key} off by {gap:.2e} (relative)")
+def checksum_mismatch(expected: dict[str, int], actual: dict[str, int]) -> str | None:
+    """None when `actual` equals `expected`; else what differs."""
+    problems = [f"{key} {actual[key]} != {expected[key]}" for key in ("numel", "word_sum") if actual[key] != expected[key]]
     return "; ".join(problems) or None
 
 

@@ -60,7 +60,9 @@ def test_checksum_is_blind_to_layout_and_sees_a_small_update_or_a_missing_tensor
     assert ws.checksum_mismatch(sent, ws.weights_checksum([torch.cat([q, k, v]).t().contiguous()])) is None
     updated = q.clone()
     updated[0, 0] += 1e-3
-    assert "sum" in ws.checksum_mismatch(sent, ws.weights_checksum([updated, k, v]))
+    assert "word_sum" in ws.checksum_mismatch(sent, ws.weights_checksum([updated, k, v]))
+    bf16 = ws.weights_checksum([q.to(torch.bfloat16)])  # 2-byte words
+    assert bf16["numel"] == q.numel() and ws.checksum_mismatch(bf16, ws.weights_checksum([q.to(torch.bfloat16)])) is None
     assert ws.checksum_mismatch(sent, ws.weights_checksum([q, k])) is not None
 
 
