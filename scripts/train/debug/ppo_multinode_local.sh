@@ -14,6 +14,9 @@
 # CPU only: both nodes get 0 GPUs (two `ray start` on one machine would both claim the same GPUs), and the run
 # uses the embedded default's CPU config for 3 steps, no evals, micro-batch 4 (the 8 of the config, halved over
 # the 2 ranks).
+# Memory: with the embedded model each ZeRO-3 rank grows to 7-8 GB and the trainer process to 4-5.5 GB, about
+# 20 GB in all; on a 24 GB machine Ray's memory monitor may kill a rank (the run then fails naming it). Add
+# `--model_name_or_path tiny` to check the multi-node path in a few GB.
 # Results: output/ppo_multinode_local/; Ray's logs: printed at the end (kept when the run fails).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
