@@ -14,6 +14,9 @@
 # CPU only: both nodes get 0 GPUs (two `ray start` on one machine would both claim the same GPUs), and the run
 # uses the embedded default's CPU config for 3 steps, no evals, micro-batch 4 (the 8 of the config, halved over
 # the 2 ranks).
+# Memory: with the embedded model each ZeRO-3 rank grows to 7-8 GB and the trainer process to 4-5.5 GB, about
+# 20 GB in all; on a 24 GB machine Ray's memory monitor may kill a rank (the run then fails naming it). Add
+# `--model_name_or_path tiny` to check the multi-node path in a few GB.
 # Results: output/ppo_multinode_local/; Ray's logs: printed at the end (kept when the run fails).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -44,6 +47,13 @@ export WANDB_MODE="${WANDB_MODE:-offline}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$ray_root/auth_token"  # a fresh token, made by the head below
 unset RAY_AUTH_TOKEN RAY_ADDRESS
 output_dir=output/ppo_multinode_local
+for ((i = 1; i <= $#; i++)); do  # the trainer takes the last --output_dir: report that one
+  case "${!i}" in
+    --output_dir=*) output_dir="${!i#--output_dir=}" ;;
+    --output_dir) j=$((i + 1)); output_dir="${!j:-$output_dir}" ;;
+  esac
+done
+[[ "$output_dir" == /* ]] || output_dir="$REPO/$output_dir"
 
 stop_ray() {
   local status=$?
@@ -53,9 +63,9 @@ stop_ray() {
   rm -f "$RAY_AUTH_TOKEN_PATH"
   if ((status == 0)); then
     rm -rf "$ray_root"
-    say "done. Outputs: $REPO/$output_dir (metrics.jsonl, summary.json, model/)"
+    say "done. Outputs: $output_dir (metrics.jsonl, summary.json, model/)"
   else
-    say "failed (exit $status). Outputs so far: $REPO/$output_dir; Ray's logs: $ray_root/session_latest/logs"
+    say "failed (exit $status). Outputs so far: $output_dir; Ray's logs: $ray_root/session_latest/logs"
   fi
   exit "$status"
 }
@@ -74,6 +84,6 @@ say "two-node Ray cluster up in $((SECONDS - started))s"
 config=configs/train_configs/ppo_arithmetic_cpu.yaml
 trainer_flags=(--ray_address "127.0.0.1:$port" --num_learners_per_node 1 1 --deepspeed_stage 3 --vllm_num_engines 2
                --per_device_train_batch_size 4 --total_episodes 96 --num_evals 0
-               --exp_name ppo_multinode_local --output_dir "$output_dir")
+               --exp_name ppo_multinode_local --output_dir output/ppo_multinode_local)
 say "$config ${trainer_flags[*]} $*"
 "$python" -m open_instruct.ppo_vllm_thread_ray_gtrl "$config" "${trainer_flags[@]}" "$@"
