@@ -209,6 +209,15 @@ def test_algorithm_defaults_follow_the_entry_point_and_lose_to_given_flags():
     assert parse_args(["--model_name_or_path", "tiny", "--algorithm", "grpo"]).ppo.num_epochs == 1  # --algorithm too
 
 
+@pytest.mark.parametrize("name", ["grpo_arithmetic_cpu.yaml", "grpo_arithmetic_gpu.yaml"])
+def test_shipped_grpo_configs_are_grpo_and_pass_the_flag_checks(name):
+    from open_instruct.validation import validate_flags
+
+    args = parse_args([str(Path(__file__).resolve().parents[1] / "configs" / "train_configs" / name)])
+    assert args.ppo.algorithm == "grpo" and args.ppo.number_samples_per_prompt >= 2  # even under the PPO trainer
+    validate_flags(args)
+
+
 # ---- the GRPO trainer end to end ----------------------------------------------------------------------------------
 
 GRPO_TRAINER = [sys.executable, "-m", "open_instruct.grpo_vllm_thread_ray_gtrl"]
