@@ -314,3 +314,16 @@ def test_grpo_resumed_from_step_1_repeats_step_2_and_the_final_model(grpo_run, t
     resumed = load_safetensors(str(output_dir / "model" / "model.safetensors"))
     for name, tensor in reference.items():
         torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_ppo_trainer_refuses_to_resume_a_grpo_checkpoint(grpo_run, tiny_model_dir, eval_file, tmp_path, capsys):  # noqa: F811
+    from open_instruct.ppo_vllm_thread_ray_gtrl import cli
+
+    output_dir = tmp_path / "output"
+    shutil.copytree(grpo_run, output_dir, ignore=shutil.ignore_patterns(".run.lock"))
+    flags = grpo_command(tiny_model_dir, eval_file, output_dir, "--resume")[len(GRPO_TRAINER) :]
+    with pytest.raises(SystemExit) as exit_info:
+        cli(flags)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "with other settings: --algorithm 'ppo' (checkpoint: 'grpo')" in err, err
