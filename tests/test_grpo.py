@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file as load_safetensors
 from transformers import AutoModelForCausalLM
 
 from open_instruct import grpo_vllm_thread_ray_gtrl
@@ -42,6 +41,7 @@ from tests.test_ppo_trainer import (
     is_finite_number,
     run_to_completion,
 )
+from tests.test_resume import assert_same_run
 
 # The Ray equivalence tests' flags (4 prompts x 2 samples, lr 1e-3) without the value model's learning rate, which
 # GRPO refuses.
@@ -297,23 +297,7 @@ def test_grpo_resumed_from_step_1_repeats_step_2_and_the_final_model(grpo_run, t
     process = run_to_completion(command, cwd=tmp_path)
     assert "resuming run grpo__" in process.stdout + process.stderr
 
-    def comparable(path: Path) -> list[dict]:
-        rows = read_metrics(str(path / "metrics.jsonl"))
-        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
-
-    expected, got = comparable(grpo_run), comparable(output_dir)
-    assert [row["step"] for row in got] == [row["step"] for row in expected]
-    for want, have in zip(expected, got):
-        assert have.keys() == want.keys()
-        for key, value in want.items():
-            if isinstance(value, float):
-                assert math.isclose(have[key], value, rel_tol=1e-5, abs_tol=1e-6), f"step {want['step']} {key}"
-            else:
-                assert have[key] == value, f"step {want['step']} {key}"
-    reference = load_safetensors(str(grpo_run / "model" / "model.safetensors"))
-    resumed = load_safetensors(str(output_dir / "model" / "model.safetensors"))
-    for name, tensor in reference.items():
-        torch.testing.assert_close(resumed[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_run(output_dir, grpo_run)  # every logged row (timings aside) and the final model
 
 
 def test_the_ppo_trainer_refuses_to_resume_a_grpo_checkpoint(grpo_run, tiny_model_dir, eval_file, tmp_path, capsys):  # noqa: F811
