@@ -260,7 +260,6 @@ class PPOLearner:
         query_response = torch.cat([query, response], dim=1).to(device)
         attention_mask = torch.cat([query_mask, response_mask.long()], dim=1).to(device)
         response_mask, response_length = response_mask.to(device), response_length.to(device)
-        forward_on_all_rows = self.forward_on_all_rows
 
         def logprob_of(model):
             return lambda qr, am: mu.response_logprobs(model, qr, am, context_length, gen.temperature)[0]
@@ -273,7 +272,7 @@ class PPOLearner:
         learner_logprob = None
         if ppo.old_logprobs_from == "learner" or tis_cap > 0 or not bool(engine_scored[response_mask].all()):
             with timed(timings, "time/old_logprob_forward"):
-                learner_logprob = forward_on_all_rows(logprob_of(self.policy), query_response, attention_mask)
+                learner_logprob = self.forward_on_all_rows(logprob_of(self.policy), query_response, attention_mask)
         source_metrics = {}
         if ppo.old_logprobs_from == "learner":
             logprob = learner_logprob
@@ -285,11 +284,11 @@ class PPOLearner:
         ref_logprob = None
         if self.ref_policy is not None:
             with timed(timings, "time/ref_logprob_forward"):
-                ref_logprob = forward_on_all_rows(logprob_of(self.ref_policy), query_response, attention_mask)
+                ref_logprob = self.forward_on_all_rows(logprob_of(self.ref_policy), query_response, attention_mask)
         rm_score = None
         if self.reward_model is not None:
             with timed(timings, "time/reward_model_forward"):
-                rm_score = forward_on_all_rows(
+                rm_score = self.forward_on_all_rows(
                     lambda qr, am, length: mu.reward_model_scores(self.reward_model, qr, am, context_length, length),
                     query_response, attention_mask, response_length,
                 ).cpu()

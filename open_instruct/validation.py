@@ -165,8 +165,9 @@ def validate_grpo_flags(args: Args) -> None:
         return
     if ppo.number_samples_per_prompt < 2:
         raise ConfigError(
-            f"--number_samples_per_prompt {ppo.number_samples_per_prompt} is too few for GRPO, whose advantages compare "
-            "the responses to the same prompt with each other; pass --number_samples_per_prompt 2 or more (e.g. 8)."
+            f"--number_samples_per_prompt {ppo.number_samples_per_prompt} is too few for GRPO, whose advantages "
+            "compare the responses to the same prompt with each other; pass --number_samples_per_prompt 2 or more "
+            "(e.g. 8)."
         )
     if ppo.beta != 0 and not ppo.kl_in_loss:
         raise ConfigError(

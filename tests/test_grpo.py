@@ -199,14 +199,18 @@ def test_grpo_flags_that_cannot_work_fail_in_one_line(flags, expected, tmp_path,
 
 
 def test_algorithm_defaults_follow_the_entry_point_and_lose_to_given_flags():
-    grpo = parse_args(["--model_name_or_path", "tiny"], algorithm="grpo")
-    assert (grpo.ppo.algorithm, grpo.ppo.kl_in_loss, grpo.ppo.kl_estimator, grpo.ppo.num_epochs) == ("grpo", True, "k3", 1)
-    assert not grpo.ppo.whiten_advantages and grpo.run.output_dir == "output/grpo" and grpo.run.run_name.startswith("grpo__")
-    given = parse_args(["--model_name_or_path", "tiny", "--num_epochs", "2", "--whiten_advantages", "true"], algorithm="grpo")
+    def settings(args) -> tuple:
+        ppo = args.ppo
+        return (ppo.algorithm, ppo.kl_in_loss, ppo.kl_estimator, ppo.num_epochs, ppo.whiten_advantages,
+                args.run.output_dir)
+
+    tiny = ["--model_name_or_path", "tiny"]
+    assert settings(parse_args(tiny, algorithm="grpo")) == ("grpo", True, "k3", 1, False, "output/grpo")
+    assert parse_args(tiny, algorithm="grpo").run.run_name.startswith("grpo__")
+    given = parse_args([*tiny, "--num_epochs", "2", "--whiten_advantages", "true"], algorithm="grpo")
     assert (given.ppo.num_epochs, given.ppo.whiten_advantages) == (2, True)
-    ppo = parse_args(["--model_name_or_path", "tiny"])
-    assert (ppo.ppo.algorithm, ppo.ppo.kl_in_loss, ppo.ppo.num_epochs, ppo.run.output_dir) == ("ppo", False, 4, "output/ppo")
-    assert parse_args(["--model_name_or_path", "tiny", "--algorithm", "grpo"]).ppo.num_epochs == 1  # --algorithm too
+    assert settings(parse_args(tiny)) == ("ppo", False, "k1", 4, True, "output/ppo")
+    assert settings(parse_args([*tiny, "--algorithm", "grpo"]))[3] == 1  # --algorithm itself brings the defaults too
 
 
 @pytest.mark.parametrize("name", ["grpo_arithmetic_cpu.yaml", "grpo_arithmetic_gpu.yaml"])
@@ -290,17 +294,22 @@ def test_grpo_trainer_logs_every_step_saves_a_loadable_model_and_a_checkpoint_wi
     assert json.loads((checkpoint / "args.json").read_text())["algorithm"] == "grpo"
 
 
-def test_grpo_resumed_from_step_1_repeats_step_2_and_the_final_model(grpo_run, tiny_model_dir, eval_file, tmp_path):  # noqa: F811
+def test_grpo_resumed_from_step_1_repeats_step_2_and_the_final_model(
+    grpo_run, tiny_model_dir, eval_file, tmp_path  # noqa: F811
+):
     output_dir = tmp_path / "output"
     shutil.copytree(grpo_run, output_dir, ignore=shutil.ignore_patterns(".run.lock"))
-    command = grpo_command(tiny_model_dir, eval_file, output_dir, "--resume", str(output_dir / "checkpoints" / "step_1"))
+    step_1 = str(output_dir / "checkpoints" / "step_1")
+    command = grpo_command(tiny_model_dir, eval_file, output_dir, "--resume", step_1)
     process = run_to_completion(command, cwd=tmp_path)
     assert "resuming run grpo__" in process.stdout + process.stderr
 
     assert_same_run(output_dir, grpo_run)  # every logged row (timings aside) and the final model
 
 
-def test_the_ppo_trainer_refuses_to_resume_a_grpo_checkpoint(grpo_run, tiny_model_dir, eval_file, tmp_path, capsys):  # noqa: F811
+def test_the_ppo_trainer_refuses_to_resume_a_grpo_checkpoint(
+    grpo_run, tiny_model_dir, eval_file, tmp_path, capsys  # noqa: F811
+):
     from open_instruct.ppo_vllm_thread_ray_gtrl import cli
 
     output_dir = tmp_path / "output"
