@@ -4,8 +4,8 @@ A checkpoint holds everything the run's future depends on, so a resumed run cont
 uninterrupted one would have (same metrics, same final model, up to float tolerance):
 
     output_dir/checkpoints/step_N/
-        learner.pt          policy and value weights (fp32), both AdamW states and LR schedulers, the minibatch
-                            shuffle generator, torch's global RNG
+        learner.pt          policy and value weights (fp32; GRPO: no value model), their AdamW states and LR
+                            schedulers, the minibatch shuffle generator, torch's global RNG
         trainer_state.json  step, episode, policy version, run id, wandb run id, the prompt iterator's state,
                             the evals done, how many rollouts were requested, and the rollout in flight
         args.json           every flag of the run
@@ -108,7 +108,8 @@ def save_checkpoint(
 ) -> str:
     """Write checkpoints/step_{step} atomically (fsynced files, COMPLETE last, then a rename); prune old ones."""
     assert_finite(learner_state["policy"], "the policy")
-    assert_finite(learner_state["value_model"], "the value model")
+    if "value_model" in learner_state:  # GRPO trains none
+        assert_finite(learner_state["value_model"], "the value model")
     root = os.path.join(output_dir, CHECKPOINTS)
     os.makedirs(root, exist_ok=True)
     final_dir = os.path.join(root, f"step_{step}")

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-MODEL_CARD_TAGS = ["open-instruct", "ppo", "rlvr"]
+MODEL_CARD_TAGS = ["open-instruct", "rlvr"]  # and the algorithm's name
 
 # Hub names (owner, repo): letters, digits, '-', '_', '.'; start and end alphanumeric; no '--' or '..'; <= 96.
 _HUB_NAME = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
@@ -182,6 +182,7 @@ def write_model_card(
     metrics: dict | None,
     weights_dtype: str | None = None,
     command: str | None = None,
+    algorithm: str = "ppo",
 ) -> str:
     """Write `{folder}/README.md`: Hub metadata (front matter), what was trained and how, final metrics, wandb link.
 
@@ -194,7 +195,7 @@ def write_model_card(
     front_matter: dict[str, Any] = {"library_name": "transformers"}
     if base_is_hub_id:
         front_matter["base_model"] = base_model
-    front_matter["tags"] = list(MODEL_CARD_TAGS)
+    front_matter["tags"] = [MODEL_CARD_TAGS[0], algorithm, *MODEL_CARD_TAGS[1:]]
     if dataset_names:
         front_matter["datasets"] = list(dataset_names)
 
@@ -209,7 +210,7 @@ def write_model_card(
         "",
         f"# {repo_id.split('/')[-1]}",
         "",
-        f"This model is {base_link} fine-tuned with PPO from verifiable rewards (RLVR) using open_instruct.",
+        f"This model is {base_link} fine-tuned with {algorithm.upper()} from verifiable rewards (RLVR) using open_instruct.",
         "",
         f"- Datasets: {datasets_text}",
     ]

@@ -1,6 +1,7 @@
 """Learner ranks as Ray actors on DeepSpeed: a group with PPOLearner's methods, for the same trainer loop.
 
-Each actor runs one `PPOLearner` rank (deepspeed_utils.DeepSpeedBackend). The driver sends every rank the
+Each actor runs one rank of the run's learner class (`PPOLearner`, or `GRPOLearner` with --algorithm grpo) on
+deepspeed_utils.DeepSpeedBackend. The driver sends every rank the
 whole rollout (token ids, a few KB); the ranks split the forward passes and the minibatches between them
 and keep their experience; metrics come back from rank 0 (every rank computes the same global ones).
 
@@ -26,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from open_instruct.ground_truth_utils import RewardManager
 from open_instruct.ppo_args import Args, BatchSizes
-from open_instruct.ppo_learner import Experience, PPOLearner, PromptBatch, SavedModel
+from open_instruct.ppo_learner import Experience, PPOLearner, PromptBatch, SavedModel, learner_class
 from open_instruct.vllm_utils import Completion
 
 
@@ -59,9 +60,10 @@ class LearnerRank:
         backend = deepspeed_utils.DeepSpeedBackend(
             args.dist.deepspeed_stage, args.ppo.per_device_train_batch_size, args.dist.gather_whole_model
         )
-        torch.manual_seed(args.run.seed)  # the value head's init, identical on every rank and in one process
+        torch.manual_seed(args.run.seed)  # PPO's value head init, identical on every rank and in one process
         tokenizer = load_tokenizer(policy_path, args.model.model_revision)
-        self.learner = PPOLearner(args, sizes, tokenizer, policy_path, stop_token_ids, backend=backend)
+        learner = learner_class(args.ppo.algorithm)  # the same class as a single-process run of these args
+        self.learner = learner(args, sizes, tokenizer, policy_path, stop_token_ids, backend=backend)
 
     def make_experience(
         self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager

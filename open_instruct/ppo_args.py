@@ -1,7 +1,10 @@
-"""Arguments of the PPO trainer: one dataclass per concern, parsed from the CLI and/or a YAML file.
+"""Arguments of the PPO and GRPO trainers: one dataclass per concern, parsed from the CLI and/or a YAML file.
 
     python -m open_instruct.ppo_vllm_thread_ray_gtrl configs/train_configs/ppo_arithmetic_debug.yaml \
         --learning_rate 1e-6      # command-line flags override the YAML
+
+`--algorithm grpo` (the default of `python -m open_instruct.grpo_vllm_thread_ray_gtrl`) also changes the defaults
+of a few other flags (`ALGORITHM_DEFAULTS`); flags given in the YAML or on the command line win over them.
 
 Sizes derived from them (`BatchSizes`) are computed and checked before any model loads.
 """
@@ -31,15 +34,22 @@ class ModelArgs:
     model_revision: str | None = arg(None, "Hub revision of the policy.")
     reward_model_path: str | None = arg(None, "Reward model (a *ForSequenceClassification checkpoint).")
     reward_model_revision: str | None = arg(None, "Hub revision of the reward model.")
-    value_model_path: str | None = arg(None, "Value model init; default: the reward model, else the policy.")
-    gradient_checkpointing: bool = arg(False, "Trade compute for memory in the policy and value models.")
+    value_model_path: str | None = arg(None, "PPO's value model init; default: the reward model, else the policy.")
+    gradient_checkpointing: bool = arg(False, "Trade compute for memory in the policy (and PPO's value model).")
 
 
 @dataclass
 class PPOArgs:
+    algorithm: str = arg(
+        "ppo",
+        "ppo: a value model and GAE advantages. grpo: no value model; each response's advantage is its score against "
+        "the other responses to its prompt (see docs/grpo.md). The GRPO trainer sets it; it also sets the defaults "
+        "in ALGORITHM_DEFAULTS.",
+        choices=["ppo", "grpo"],
+    )
     learning_rate: float = arg(3e-6, "AdamW learning rate of the policy.")
     value_learning_rate: float | None = arg(
-        None, "AdamW learning rate of the value model (default: --learning_rate). A fresh value head needs a "
+        None, "AdamW learning rate of PPO's value model (default: --learning_rate). A fresh value head needs a "
         "faster one: Adam ignores --vf_coef's scale, so at the policy's rate the critic stays near its random init."
     )
     lr_scheduler_type: str = arg("linear", "transformers scheduler name: linear, cosine, constant, ...")
@@ -59,12 +69,14 @@ class PPOArgs:
     kl_estimator: str = arg("k1", "KL estimator: k1, k2 or k3.", choices=["k1", "k2", "k3"])
     kl_in_loss: bool = arg(False, "Put beta * KL(k3) in the policy loss instead of the reward.")
     cliprange: float = arg(0.2, "PPO ratio clip.")
-    cliprange_value: float = arg(0.2, "Value clip around the old values.")
-    vf_coef: float = arg(0.1, "Value loss coefficient.")
-    gamma: float = arg(1.0, "Discount factor.")
-    lam: float = arg(0.95, "GAE lambda.")
-    whiten_rewards: bool = arg(False, "Whiten per-token rewards (without shifting their mean).")
-    whiten_advantages: bool = arg(True, "Whiten advantages over the valid tokens of the batch.")
+    cliprange_value: float = arg(0.2, "PPO: value clip around the old values.")
+    vf_coef: float = arg(0.1, "PPO: value loss coefficient.")
+    gamma: float = arg(1.0, "PPO: discount factor of GAE.")
+    lam: float = arg(0.95, "PPO: GAE lambda.")
+    whiten_rewards: bool = arg(False, "PPO: whiten per-token rewards (without shifting their mean).")
+    whiten_advantages: bool = arg(
+        True, "Whiten advantages over the valid tokens of the batch (GRPO default: false, its groups are normalised)."
+    )
     old_logprobs_from: str = arg(
         "learner",
         "Where PPO's old (behaviour) logprobs of the sampled tokens come from. learner: a forward pass of the "
@@ -78,6 +90,18 @@ class PPOArgs:
         "Truncated importance sampling: weight each token's policy-gradient term by min(pi_learner_old / "
         "pi_vllm, C), correcting for a bf16 engine or async lag. 0: off; else C >= 1 (e.g. 2). Needs "
         "--old_logprobs_from learner.",
+    )
+    loss_aggregation: str = arg(
+        "token",
+        "How the per-token policy loss (and a KL loss term) becomes the loss: token: mean over all response tokens "
+        "(DAPO; a long response weighs more), sequence: mean over responses of each response's token mean (GRPO's "
+        "original form; each response weighs the same).",
+        choices=["token", "sequence"],
+    )
+    grpo_std_normalize: bool = arg(
+        True,
+        "GRPO: divide each group's centred scores by the group's std (GRPO). false: only subtract the group's mean "
+        "score (Dr. GRPO), so prompts whose answers are almost all right or all wrong are not weighed up.",
     )
 
 
@@ -203,6 +227,21 @@ class DistributedArgs:
 
 ARG_GROUPS = (ModelArgs, DatasetArgs, RewardConfig, PPOArgs, GenerationArgs, RunArgs, DistributedArgs)
 
+# The defaults `--algorithm` changes. GRPO: the KL to the reference is a k3 loss term (its advantages come from the
+# scores alone, so a KL in the reward would be ignored), one pass over each rollout (DeepSeekMath, TRL and
+# open-instruct's GRPO take one), and no batch whitening on top of the per-group normalisation.
+ALGORITHM_DEFAULTS = {
+    "ppo": {},
+    "grpo": {
+        "exp_name": "grpo",
+        "output_dir": "output/grpo",
+        "kl_in_loss": True,
+        "kl_estimator": "k3",
+        "num_epochs": 1,
+        "whiten_advantages": False,
+    },
+}
+
 
 @dataclass
 class Args:
@@ -244,13 +283,18 @@ class _Parser(HfArgumentParser):
         raise ConfigError(f"{message}; run with --help for the list of flags.")
 
 
-def parse_args(argv: list[str] | None = None) -> Args:
+def parse_args(argv: list[str] | None = None, algorithm: str = "ppo") -> Args:
+    """Flags from `argv` (a YAML config first, then flags that override it); `algorithm` is the entry point's
+    default of --algorithm, whose ALGORITHM_DEFAULTS apply to every flag the config and the command line leave out."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].endswith((".yaml", ".yml")):
         if not os.path.isfile(argv[0]):
             raise ConfigError(f"config file {argv[0]} does not exist; check the path (relative to {os.getcwd()}).")
         argv = yaml_to_cli(argv[0]) + argv[1:]
     parser = _Parser(ARG_GROUPS)
+    parser.set_defaults(algorithm=algorithm)
+    chosen, _ = parser.parse_known_args(argv)  # the algorithm first (a YAML or flag may name it), then its defaults
+    parser.set_defaults(**ALGORITHM_DEFAULTS[chosen.algorithm])
     *groups, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
         raise ConfigError(f"Unknown arguments {unknown}; flags take their full names, run with --help for the list.")

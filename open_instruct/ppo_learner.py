@@ -2,7 +2,8 @@
 
 It holds the trainable policy and value model, the frozen reference policy, and the reward model
 when one is used. All the math it calls lives in `rl_utils` (pure and tested); this module only
-arranges tensors and models around it.
+arranges tensors and models around it. GRPO's learner (grpo_learner.py) is this one without the value
+model and with its own `compute_advantages`.
 """
 
 import time
@@ -53,9 +54,10 @@ class Experience:
     response_mask: torch.Tensor  # [batch, response_len]
     logprob: torch.Tensor  # [batch, response_len] "old" logprobs: the learner's, or the engine's (--old_logprobs_from)
     ref_logprob: torch.Tensor | None  # [batch, response_len]; None with --beta 0 (no reference model)
-    value: torch.Tensor  # [batch, response_len] ("old" values)
-    advantage: torch.Tensor  # [batch, response_len]
-    return_: torch.Tensor  # [batch, response_len]
+    # Set by `compute_advantages`: [batch, response_len] each; value and return_ stay None without a value model.
+    advantage: torch.Tensor | None = None
+    value: torch.Tensor | None = None  # "old" values
+    return_: torch.Tensor | None = None
     # [batch, response_len] per-token weight of the policy-gradient term (truncated importance sampling), or None.
     tis_weight: torch.Tensor | None = None
     # [batch, response_len] the engine's logprobs (NaN where it gave none), kept when make_experience ran no learner
@@ -120,12 +122,16 @@ def agreement_metrics(learner_logprob: torch.Tensor, engine_logprob: torch.Tenso
 class PPOLearner:
     """The learner of one process, or one rank of a DeepSpeed group (`backend`, see learner_backend.py).
 
+    Subclasses change the algorithm through `uses_value_model` and `compute_advantages` (GRPO: grpo_learner.py).
+
     Every rank holds the whole rollout, runs the forward passes of `make_experience` on its share of the
     rows and gathers them, so advantages, their whitening and every metric are computed over the global
     batch, identically on each rank. `train` draws the same minibatch order on every rank and gives each
     rank an equal slice of each minibatch: with gradients averaged over ranks and micro-batches, the update
     is the single-process one.
     """
+
+    uses_value_model = True  # a critic, trained beside the policy, that GAE takes its baseline from
 
     def __init__(
         self, args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int], backend=None
@@ -155,20 +161,25 @@ class PPOLearner:
                 pad_token_id=tokenizer.pad_token_id,
                 revision=model_args.reward_model_revision,
             )
-        value_path = model_args.value_model_path or model_args.reward_model_path or policy_path
-        self.value_model = mu.load_scalar_model(
-            value_path, self.device, trainable=True, pad_token_id=tokenizer.pad_token_id
-        )
+        self.value_model = self.value_trainer = None
+        if self.uses_value_model:
+            value_path = model_args.value_model_path or model_args.reward_model_path or policy_path
+            self.value_model = mu.load_scalar_model(
+                value_path, self.device, trainable=True, pad_token_id=tokenizer.pad_token_id
+            )
         if model_args.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
-            self.value_model.gradient_checkpointing_enable()
         self.policy.train()
-        self.value_model.train()
-        value_lr = args.ppo.value_learning_rate or args.ppo.learning_rate
         self.policy_trainer = self.backend.trainable(self.policy, self.optimizer_settings(args.ppo.learning_rate))
-        self.value_trainer = self.backend.trainable(self.value_model, self.optimizer_settings(value_lr))
         # From here on forward passes go through what the backend built (a DeepSpeed engine, or the model itself).
-        self.policy, self.value_model = self.policy_trainer.model, self.value_trainer.model
+        self.policy = self.policy_trainer.model
+        if self.value_model is not None:
+            if model_args.gradient_checkpointing:
+                self.value_model.gradient_checkpointing_enable()
+            self.value_model.train()
+            value_lr = args.ppo.value_learning_rate or args.ppo.learning_rate
+            self.value_trainer = self.backend.trainable(self.value_model, self.optimizer_settings(value_lr))
+            self.value_model = self.value_trainer.model
         if self.ref_policy is not None:
             self.ref_policy = self.backend.frozen(self.ref_policy)
         if self.reward_model is not None:
@@ -249,13 +260,6 @@ class PPOLearner:
         query_response = torch.cat([query, response], dim=1).to(device)
         attention_mask = torch.cat([query_mask, response_mask.long()], dim=1).to(device)
         response_mask, response_length = response_mask.to(device), response_length.to(device)
-        chunk = ppo.per_device_train_batch_size
-        rows = self.backend.local_rows(len(completions))
-
-        def forward_on_all_rows(fn, *tensors: torch.Tensor) -> torch.Tensor:
-            """`fn` on this rank's rows, gathered: every rank ends up with the whole batch's outputs."""
-            local = mu.no_grad_in_chunks(fn, chunk, *(t[rows] for t in tensors), device=device)
-            return self.backend.gather_rows(local)
 
         def logprob_of(model):
             return lambda qr, am: mu.response_logprobs(model, qr, am, context_length, gen.temperature)[0]
@@ -268,7 +272,7 @@ class PPOLearner:
         learner_logprob = None
         if ppo.old_logprobs_from == "learner" or tis_cap > 0 or not bool(engine_scored[response_mask].all()):
             with timed(timings, "time/old_logprob_forward"):
-                learner_logprob = forward_on_all_rows(logprob_of(self.policy), query_response, attention_mask)
+                learner_logprob = self.forward_on_all_rows(logprob_of(self.policy), query_response, attention_mask)
         source_metrics = {}
         if ppo.old_logprobs_from == "learner":
             logprob = learner_logprob
@@ -280,16 +284,11 @@ class PPOLearner:
         ref_logprob = None
         if self.ref_policy is not None:
             with timed(timings, "time/ref_logprob_forward"):
-                ref_logprob = forward_on_all_rows(logprob_of(self.ref_policy), query_response, attention_mask)
-        with timed(timings, "time/value_forward"):
-            value = forward_on_all_rows(
-                lambda qr, am: mu.response_values(self.value_model, qr, am, context_length),
-                query_response, attention_mask,
-            )  # fmt: skip
+                ref_logprob = self.forward_on_all_rows(logprob_of(self.ref_policy), query_response, attention_mask)
         rm_score = None
         if self.reward_model is not None:
             with timed(timings, "time/reward_model_forward"):
-                rm_score = forward_on_all_rows(
+                rm_score = self.forward_on_all_rows(
                     lambda qr, am, length: mu.reward_model_scores(self.reward_model, qr, am, context_length, length),
                     query_response, attention_mask, response_length,
                 ).cpu()
@@ -318,12 +317,14 @@ class PPOLearner:
             kl = torch.zeros_like(logprob)
         reward_beta = 0.0 if ppo.kl_in_loss else ppo.beta  # with --kl_in_loss the KL is a loss term instead
         reward, non_score_reward = rl.per_token_rewards(score, kl, response_mask, reward_beta)
-        if ppo.whiten_rewards:
-            reward = rl.masked_whiten(reward, response_mask, shift_mean=False)
-        advantage, return_ = rl.compute_gae(reward, value, response_mask, ppo.gamma, ppo.lam)
+        experience = Experience(
+            query_response, attention_mask, context_length, response_mask, logprob, ref_logprob,
+            tis_weight=tis_weight, engine_logprob_to_check=engine_logprob if learner_logprob is None else None,
+        )  # fmt: skip
+        advantage_metrics = self.compute_advantages(experience, score, reward, completions, timings)
         if ppo.whiten_advantages:
-            advantage = rl.masked_whiten(advantage, response_mask)
-        if not torch.isfinite(torch.where(response_mask, advantage, 0.0)).all():
+            experience.advantage = rl.masked_whiten(experience.advantage, response_mask)
+        if not torch.isfinite(torch.where(response_mask, experience.advantage, 0.0)).all():
             raise NonFiniteError("an advantage is NaN or inf (from the logprobs, values or KL of this batch)")
 
         masked_kl = torch.where(response_mask, kl, torch.zeros_like(kl))
@@ -338,8 +339,8 @@ class PPOLearner:
             "objective/scores": score.mean().item(),
             "val/sequence_lengths": response_length.float().mean().item(),
             "val/num_stop_token_ids": float(sum(stopped)),
-            "val/advantage_mean": rl.masked_mean(advantage, response_mask).item(),
-            "val/value_mean": rl.masked_mean(value, response_mask).item(),
+            "val/advantage_mean": rl.masked_mean(experience.advantage, response_mask).item(),
+            **advantage_metrics,
             **agreement,
             **source_metrics,
             **tis_metrics,
@@ -347,12 +348,31 @@ class PPOLearner:
             **timings,
         }
         samples = {"score": score.tolist(), "response_length": response_length.tolist()}
-        experience = Experience(
-            query_response, attention_mask, context_length, response_mask, logprob, ref_logprob, value,
-            advantage, return_, tis_weight,
-            engine_logprob_to_check=engine_logprob if learner_logprob is None else None,
-        )  # fmt: skip
         return experience, metrics, samples
+
+    def forward_on_all_rows(self, fn, *tensors: torch.Tensor) -> torch.Tensor:
+        """`fn` (no grad, in micro-batches) on this rank's rows, gathered: every rank gets the whole batch's outputs."""
+        rows = self.backend.local_rows(tensors[0].shape[0])
+        chunk = self.args.ppo.per_device_train_batch_size
+        local = mu.no_grad_in_chunks(fn, chunk, *(t[rows] for t in tensors), device=self.device)
+        return self.backend.gather_rows(local)
+
+    def compute_advantages(
+        self, exp: Experience, score: torch.Tensor, reward: torch.Tensor, completions: list[Completion], timings: dict
+    ) -> dict[str, float]:
+        """PPO: the value model's values of the rollout, then GAE over the per-token rewards `reward` (the score on
+        the last real token, and -beta * KL on every token unless --kl_in_loss). Sets exp.value, exp.advantage and
+        exp.return_; returns metrics. `score` [batch] and `completions` are what other algorithms use instead."""
+        ppo = self.args.ppo
+        with timed(timings, "time/value_forward"):
+            exp.value = self.forward_on_all_rows(
+                lambda qr, am: mu.response_values(self.value_model, qr, am, exp.context_length),
+                exp.query_response, exp.attention_mask,
+            )  # fmt: skip
+        if ppo.whiten_rewards:
+            reward = rl.masked_whiten(reward, exp.response_mask, shift_mean=False)
+        exp.advantage, exp.return_ = rl.compute_gae(reward, exp.value, exp.response_mask, ppo.gamma, ppo.lam)
+        return {"val/value_mean": rl.masked_mean(exp.value, exp.response_mask).item()}
 
     def train(self, exp: Experience) -> dict[str, float]:
         """`num_epochs` PPO epochs over shuffled minibatches; one optimizer step per minibatch."""
@@ -381,31 +401,36 @@ class PPOLearner:
                     qr, am = exp.query_response[micro], exp.attention_mask[micro]
                     with mu.autocast(self.device):
                         new_logprob, logits = mu.response_logprobs(self.policy, qr, am, exp.context_length, temperature)
-                        new_value = mu.response_values(self.value_model, qr, am, exp.context_length).float()
                     if check_agreement:
                         first_logprobs.append(new_logprob.detach())
                     tis_weight = exp.tis_weight[micro] if exp.tis_weight is not None else None
                     pg_loss, pg_clipfrac, approxkl, ratio = rl.policy_loss(
-                        new_logprob, exp.logprob[micro], exp.advantage[micro], mask, ppo.cliprange, tis_weight
-                    )
-                    vf_loss, vf_clipfrac = rl.value_loss(
-                        new_value, exp.value[micro], exp.return_[micro], mask, ppo.cliprange_value
-                    )
+                        new_logprob, exp.logprob[micro], exp.advantage[micro], mask, ppo.cliprange, tis_weight,
+                        ppo.loss_aggregation,
+                    )  # fmt: skip
                     policy_objective = pg_loss
                     if ppo.kl_in_loss and exp.ref_logprob is not None:  # --beta 0: no KL term
                         policy_objective = policy_objective + ppo.beta * rl.kl_penalty_loss(
-                            new_logprob, exp.ref_logprob[micro], mask, "k3"
+                            new_logprob, exp.ref_logprob[micro], mask, "k3", ppo.loss_aggregation
                         )
-                    loss = policy_objective + ppo.vf_coef * vf_loss  # vf_loss is logged unweighted
-                    finite_losses &= bool(torch.isfinite(loss))
-                    # The two models share no parameter: separate backward passes give the gradients of the sum.
+                    loss = policy_objective.detach()
                     self.policy_trainer.backward(policy_objective)
-                    self.value_trainer.backward(ppo.vf_coef * vf_loss)
+                    if self.value_model is not None:
+                        with mu.autocast(self.device):
+                            new_value = mu.response_values(self.value_model, qr, am, exp.context_length).float()
+                        vf_loss, vf_clipfrac = rl.value_loss(
+                            new_value, exp.value[micro], exp.return_[micro], mask, ppo.cliprange_value
+                        )
+                        # The two models share no parameter: separate backward passes give the gradients of the sum.
+                        self.value_trainer.backward(ppo.vf_coef * vf_loss)
+                        loss = loss + ppo.vf_coef * vf_loss.detach()  # vf_loss is logged unweighted
+                        record(vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
+                    finite_losses &= bool(torch.isfinite(loss))
                     with torch.no_grad():
                         entropy = rl.masked_mean(rl.entropy_from_logits(logits.float() / temperature), mask)
                     record(
-                        pg_loss=pg_loss, vf_loss=vf_loss, loss=loss, pg_clipfrac=pg_clipfrac, vf_clipfrac=vf_clipfrac,
-                        approxkl=approxkl, ratio=ratio, entropy=entropy,
+                        pg_loss=pg_loss, loss=loss, pg_clipfrac=pg_clipfrac, approxkl=approxkl, ratio=ratio,
+                        entropy=entropy,
                     )
                 if check_agreement:  # gathered over ranks: the minibatch's rows in `minibatch` order
                     learner_logprob = self.backend.gather_rows(torch.cat(first_logprobs))
@@ -431,26 +456,31 @@ class PPOLearner:
         def mean(key: str) -> float:
             return global_mean[key]
 
+        value_metrics = {}
+        if self.value_model is not None:
+            value_metrics = {"loss/value_avg": mean("vf_loss"), "val/clipfrac_avg": mean("vf_clipfrac")}
         return {
             "train/skipped_updates": float(skipped_updates),
             "loss/policy_avg": mean("pg_loss"),
-            "loss/value_avg": mean("vf_loss"),
             "objective/loss": mean("loss"),
             "policy/approxkl_avg": mean("approxkl"),
             "policy/clipfrac_avg": mean("pg_clipfrac"),
             "policy/entropy_avg": mean("entropy"),
-            "val/clipfrac_avg": mean("vf_clipfrac"),
             "val/ratio": mean("ratio"),
+            **value_metrics,
             **agreement,
         }
 
     def state_dict(self) -> dict:
         """Everything of the learner a resumed run needs; the frozen reference (and reward) model are reloaded from
         their original paths instead, so the KL reference stays the run's initial policy (with --beta 0 there is
-        none, in the run and in its resumption: --beta must match the checkpoint's)."""
+        none, in the run and in its resumption: --beta must match the checkpoint's). Without a value model (GRPO)
+        there is no "value_model" entry, and one optimizer and scheduler."""
+        state = {"policy": self.policy.state_dict()}
+        if self.value_model is not None:
+            state["value_model"] = self.value_model.state_dict()
         return {
-            "policy": self.policy.state_dict(),
-            "value_model": self.value_model.state_dict(),
+            **state,
             "optimizers": [trainer.optimizer.state_dict() for trainer in self.trainers],
             "schedulers": [trainer.scheduler.state_dict() for trainer in self.trainers],
             "shuffle_generator": self.shuffle_generator.get_state(),
@@ -458,8 +488,15 @@ class PPOLearner:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if ("value_model" in state) != (self.value_model is not None):
+            held, wanted = ("a", "no") if "value_model" in state else ("no", "a")
+            raise ValueError(
+                f"the checkpoint holds {held} value model but this {type(self).__name__} trains {wanted} value model "
+                "(a PPO checkpoint resumed by GRPO, or the reverse); resume with the trainer that wrote it."
+            )
         self.policy.load_state_dict(state["policy"])
-        self.value_model.load_state_dict(state["value_model"])
+        if self.value_model is not None:
+            self.value_model.load_state_dict(state["value_model"])
         for trainer, optimizer_state, scheduler_state in zip(self.trainers, state["optimizers"], state["schedulers"]):
             trainer.optimizer.load_state_dict(optimizer_state)
             trainer.scheduler.load_state_dict(scheduler_state)
@@ -475,7 +512,7 @@ class PPOLearner:
 
     @property
     def trainers(self) -> tuple:
-        return self.policy_trainer, self.value_trainer
+        return (self.policy_trainer,) if self.value_trainer is None else (self.policy_trainer, self.value_trainer)
 
     def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel | None:
         """Save the policy as an HF folder in `--save_dtype` (default fp32: exactly the trained weights).
@@ -495,3 +532,12 @@ class PPOLearner:
             if dtype.itemsize < 4 and self.backend.world_size == 1:
                 rounding = mu.rounding_report(dict(policy.named_parameters()), self.initial_weights(), dtype)
             return SavedModel(path, self.args.run.save_dtype, mu.weights_sha256(state_dict), rounding)
+
+
+def learner_class(algorithm: str) -> type[PPOLearner]:
+    """The learner of --algorithm, for this process and for every Ray learner rank alike."""
+    if algorithm == "grpo":
+        from open_instruct.grpo_learner import GRPOLearner  # imports this module: a top-level import would be a cycle
+
+        return GRPOLearner
+    return PPOLearner

@@ -15,6 +15,9 @@ The learner is this process's PPOLearner, or, with more than one learner (--num_
 
 The recipe, in order: parse args -> data -> models -> generation thread -> loop {send weights and
 prompts, receive rollout, score + advantages, PPO epochs, log, eval, save} -> final eval, save, push.
+
+GRPO runs this same loop (grpo_vllm_thread_ray_gtrl.py passes `algorithm="grpo"`): only the learner's class
+differs (`ppo_learner.learner_class`), here and on Ray learner ranks.
 """
 
 import os
@@ -34,7 +37,7 @@ from open_instruct.rollout_requests import RolloutRequests, broadcast_metrics, p
 from open_instruct.ground_truth_utils import RewardManager
 from open_instruct.model_utils import load_tokenizer
 from open_instruct.ppo_args import Args, BatchSizes, ConfigError, compute_batch_sizes, parse_args
-from open_instruct.ppo_learner import PPOLearner, PromptBatch, SavedModel, check_engine_matches_learner
+from open_instruct.ppo_learner import PromptBatch, SavedModel, check_engine_matches_learner, learner_class
 from open_instruct.tracking import MetricsLogger, format_progress, plot_training_curves, read_metrics, repair_jsonl
 from open_instruct.validation import (
     as_config_errors,
@@ -159,9 +162,10 @@ def expected_rollout_version(step: int, async_mode: bool) -> int:
 
 
 def build_learner(args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int], placement=None):
-    """This process's PPOLearner, or learner ranks on Ray + DeepSpeed behind the same methods."""
+    """This process's learner (PPOLearner, or GRPOLearner with --algorithm grpo), or learner ranks of that class on
+    Ray + DeepSpeed behind the same methods."""
     if not args.dist.uses_ray:
-        return PPOLearner(args, sizes, tokenizer, policy_path, stop_token_ids)
+        return learner_class(args.ppo.algorithm)(args, sizes, tokenizer, policy_path, stop_token_ids)
     from open_instruct.learner_group import LearnerGroup  # imports ray; the single-process path never does
 
     return LearnerGroup(args, sizes, policy_path, stop_token_ids, placement)
@@ -242,7 +246,7 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
             if not rollouts.in_flight:
                 rollouts.send(version=0)  # the engine starts with the initial weights
             first_step = last_step + 1
-            progress = tqdm(range(first_step, sizes.num_training_steps + 1), desc="ppo", dynamic_ncols=True,
+            progress = tqdm(range(first_step, sizes.num_training_steps + 1), desc=args.ppo.algorithm, dynamic_ncols=True,
                             initial=first_step - 1, total=sizes.num_training_steps)  # fmt: skip
             for step in progress:
                 if stop.requested:  # SIGTERM/SIGINT: stop between steps, with a checkpoint of the last one
@@ -390,7 +394,8 @@ def finish(args: Args, learner, logger: MetricsLogger, final_eval: dict) -> dict
             training_args=args.as_flat_dict(),
             metrics={**final_eval, **summary},
             weights_dtype=saved.dtype,
-            command=" ".join(["python -m open_instruct.ppo_vllm_thread_ray_gtrl", *sys.argv[1:]]),
+            command=" ".join([f"python -m open_instruct.{args.ppo.algorithm}_vllm_thread_ray_gtrl", *sys.argv[1:]]),
+            algorithm=args.ppo.algorithm,
         )
         summary["hub_url"] = hub_utils.push_folder_to_hub(
             model_dir, repo_id, revision, endpoint=args.run.hf_endpoint
@@ -401,9 +406,10 @@ def finish(args: Args, learner, logger: MetricsLogger, final_eval: dict) -> dict
     return summary
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, algorithm: str = "ppo") -> dict:
+    """One run; `algorithm` is the default of --algorithm (the GRPO entry point passes "grpo")."""
     with as_config_errors():  # everything below up to the models: a one-line error and exit code 2 (see cli)
-        args = parse_args(argv)
+        args = parse_args(argv, algorithm)
         validate_flags(args)
         sizes = compute_batch_sizes(args)  # inconsistent sizes fail here, before any model loads
         validate_hub(args)
@@ -423,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def cli(argv: list[str] | None = None) -> None:
+def cli(argv: list[str] | None = None, algorithm: str = "ppo") -> None:
     """Run `main`; errors end the process with one line on stderr (`error: ...`) and an exit code:
 
     2: the configuration (flags, files, data rows, output_dir) cannot work; nothing was trained. The traceback
@@ -434,7 +440,7 @@ def cli(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("OPEN_INSTRUCT_DEBUG", "") not in ("", "0")
     try:
-        main(argv)
+        main(argv, algorithm)
     except ConfigError as error:
         if debug:
             traceback.print_exc()
@@ -449,18 +455,18 @@ def cli(argv: list[str] | None = None) -> None:
     except ckpt.NonFiniteError as error:
         if debug:
             traceback.print_exc()
-        print(f"error: stopped: {one_line(error)}; {resume_hint(argv)}", file=sys.stderr, flush=True)
+        print(f"error: stopped: {one_line(error)}; {resume_hint(argv, algorithm)}", file=sys.stderr, flush=True)
         sys.exit(1)
     except Exception as error:  # noqa: BLE001 - a failure while training: its traceback, then one line
         traceback.print_exc()
-        print(f"error: the run failed: {type(error).__name__}: {one_line(error)}; {resume_hint(argv)}",
+        print(f"error: the run failed: {type(error).__name__}: {one_line(error)}; {resume_hint(argv, algorithm)}",
               file=sys.stderr, flush=True)  # fmt: skip
         sys.exit(1)
 
 
-def resume_hint(argv: list[str]) -> str:
+def resume_hint(argv: list[str], algorithm: str = "ppo") -> str:
     try:
-        output_dir = parse_args(argv).run.output_dir
+        output_dir = parse_args(argv, algorithm).run.output_dir
     except ValueError:
         return "see the message above"
     checkpoints = ckpt.complete_checkpoints(output_dir)

@@ -1,4 +1,5 @@
-"""PPO math: masked statistics, stop-token truncation, KL estimators, per-token rewards, GAE and losses.
+"""PPO and GRPO math: masked statistics, stop-token truncation, KL estimators, per-token rewards, GAE, group
+advantages and losses.
 
 Everything here is pure torch: tensors in, tensors out, no models, no I/O, no globals.
 
@@ -10,8 +11,9 @@ Conventions (shapes in comments use these names):
   `torch.where` before doing arithmetic, so padding never reaches an output or a gradient.
 
 Sources: "The N Implementation Details of RLHF with PPO" (Huang et al., 2023), Schulman's note
-"Approximating KL Divergence" (2020), and "High-Dimensional Continuous Control Using Generalized Advantage
-Estimation" (Schulman et al., 2016).
+"Approximating KL Divergence" (2020), "High-Dimensional Continuous Control Using Generalized Advantage
+Estimation" (Schulman et al., 2016), "DeepSeekMath" (Shao et al., 2024: GRPO), "Understanding R1-Zero-Like
+Training: A Critical Perspective" (Liu et al., 2025: Dr. GRPO) and "DAPO" (Yu et al., 2025: token-level loss).
 """
 
 from collections.abc import Sequence
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("token", "sequence")
 
 
 def _select(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -36,6 +39,21 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = Non
     total = _select(values, mask).sum() if axis is None else _select(values, mask).sum(axis)
     count = mask.sum() if axis is None else mask.sum(axis)
     return total / count.clamp(min=1).to(values.dtype)
+
+
+def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """A per-token loss [batch, response_len] reduced to a scalar over the real tokens.
+
+    token: the mean over every real token of the batch, so each token weighs the same and a long response
+    weighs more than a short one (DAPO; PPO here always did this). sequence: the mean of each response's own
+    token mean, so each response weighs the same and a token of a long response weighs less (GRPO's
+    1/G sum_i 1/|o_i| sum_t; Dr. GRPO points out that this favours long wrong answers over short ones).
+    """
+    if aggregation == "token":
+        return masked_mean(values, mask)
+    if aggregation == "sequence":
+        return masked_mean(values, mask, axis=1).mean()
+    raise ValueError(f"Unknown loss aggregation {aggregation!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}.")
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
@@ -172,6 +190,39 @@ def compute_gae(
     return advantage, return_
 
 
+def group_advantages(
+    score: torch.Tensor, group: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's advantage of each response: its score against the other responses to the same prompt.
+
+    score: [batch] sequence scores; group: [batch] integer ids, equal for responses to the same prompt (they
+    need not be adjacent). A_i = (score_i - mean of its group) / (std of its group + eps) (DeepSeekMath,
+    section 4.1.2, outcome supervision; the std is the unbiased one, as in TRL and verl). With
+    std_normalize=False only the mean is subtracted (Dr. GRPO: dividing by the std weighs up prompts whose
+    answers are nearly all right or all wrong). A group whose scores are all equal gets advantage exactly 0
+    (found by comparing its scores, not from a std that rounding may leave at 1e-9): it carries no signal.
+    Returns (advantage [batch], group_std [num_groups], 0 for an all-equal group, in the order of the sorted ids).
+    """
+    ids, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
+    if bool((counts < 2).any()):
+        lone = ids[counts < 2].tolist()
+        raise ValueError(
+            f"group_advantages got group(s) {lone} with a single response; GRPO compares each response with the "
+            "others to its prompt, so every group needs at least 2 (--number_samples_per_prompt >= 2)."
+        )
+    score = score.float()
+    zeros = torch.zeros(len(ids), dtype=score.dtype, device=score.device)
+    mean = zeros.index_add(0, inverse, score) / counts
+    centered = score - mean[inverse]  # [batch]
+    std = (zeros.index_add(0, inverse, centered.pow(2)) / (counts - 1)).sqrt()  # [num_groups]
+    highest = zeros.scatter_reduce(0, inverse, score, "amax", include_self=False)
+    lowest = zeros.scatter_reduce(0, inverse, score, "amin", include_self=False)
+    all_equal = highest == lowest  # [num_groups]
+    std = torch.where(all_equal, 0.0, std)
+    advantage = centered / (std[inverse] + eps) if std_normalize else centered
+    return torch.where(all_equal[inverse], 0.0, advantage), std
+
+
 def policy_loss(
     new_logprob: torch.Tensor,
     old_logprob: torch.Tensor,
@@ -179,12 +230,14 @@ def policy_loss(
     response_mask: torch.Tensor,
     cliprange: float,
     token_weight: torch.Tensor | None = None,
+    aggregation: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate loss over real tokens. All inputs [batch, response_len].
 
     `token_weight` (optional, no gradient) multiplies each token's clipped surrogate, e.g. the truncated
     importance weight of `truncated_importance_weight`; the clipping itself is unchanged (a positive weight
-    scales both branches, so the same branch wins).
+    scales both branches, so the same branch wins). `aggregation` reduces the per-token losses to the loss
+    (`masked_aggregate`: token or sequence mean); the diagnostics are always means over tokens.
     Returns (loss, clipfrac, approxkl, ratio_mean): scalars; only `loss` carries a gradient.
     clipfrac is the fraction of tokens where the clipped term wins (its gradient is then zero);
     approxkl = 0.5 * mean(log_ratio**2), the k2 estimate of KL(old || new).
@@ -197,7 +250,7 @@ def policy_loss(
     token_loss = torch.max(unclipped_loss, clipped_loss)
     if token_weight is not None:
         token_loss = token_loss * _select(token_weight.detach(), response_mask)
-    loss = masked_mean(token_loss, response_mask)
+    loss = masked_aggregate(token_loss, response_mask, aggregation)
     with torch.no_grad():
         clipfrac = masked_mean((clipped_loss > unclipped_loss).float(), response_mask)
         approxkl = 0.5 * masked_mean(log_ratio.pow(2), response_mask)
@@ -249,12 +302,17 @@ def value_loss(
 
 
 def kl_penalty_loss(
-    logprob: torch.Tensor, ref_logprob: torch.Tensor, response_mask: torch.Tensor, estimator: str = "k3"
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    estimator: str = "k3",
+    aggregation: str = "token",
 ) -> torch.Tensor:
-    """Mean per-token KL estimate over real tokens, for putting the KL in the loss (GRPO style) instead of
-    the reward. Inputs [batch, response_len]; returns a scalar the trainer multiplies by beta."""
+    """Mean per-token KL estimate over real tokens (token or sequence mean, see `masked_aggregate`), for putting
+    the KL in the loss (GRPO style) instead of the reward. Inputs [batch, response_len]; returns a scalar the
+    trainer multiplies by beta."""
     kl = compute_kl(_select(logprob, response_mask), _select(ref_logprob, response_mask), estimator)
-    return masked_mean(kl, response_mask)
+    return masked_aggregate(kl, response_mask, aggregation)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ DEFAULT_PLOT_KEYS = (
     "debug/vllm_vs_learner_logprob_diff_mean",
     "debug/vllm_vs_learner_logprob_diff_max",
     "debug/vllm_vs_learner_ratio_mean",
+    "grpo/zero_std_groups_frac",
 )
 
 # Short labels for the one-line progress summary; a key not listed here shows its last path component.

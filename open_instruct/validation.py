@@ -146,6 +146,7 @@ def validate_flags(args: Args) -> None:
             "--old_logprobs_from vllm; pass --old_logprobs_from learner, or "
             "--truncated_importance_sampling_ratio_cap 0."
         )
+    validate_grpo_flags(args)
     if args.run.resume is not None and args.run.overwrite_output_dir:
         raise ConfigError("--resume continues the run in --output_dir and --overwrite_output_dir deletes it; pick one.")
     validate_engine_flags(args.dist)
@@ -153,6 +154,35 @@ def validate_flags(args: Args) -> None:
         raise ConfigError(
             "resumable checkpoints (--save_freq, --resume) are not supported with Ray learners yet "
             "(--num_learners_per_node); run without them, or with one learner in this process."
+        )
+
+
+def validate_grpo_flags(args: Args) -> None:
+    """GRPO compares the responses to a prompt with each other and trains no value model: the flags that cannot
+    work with that fail here rather than being ignored."""
+    ppo = args.ppo
+    if ppo.algorithm != "grpo":
+        return
+    if ppo.number_samples_per_prompt < 2:
+        raise ConfigError(
+            f"--number_samples_per_prompt {ppo.number_samples_per_prompt} is too few for GRPO, whose advantages "
+            "compare the responses to the same prompt with each other; pass --number_samples_per_prompt 2 or more "
+            "(e.g. 8)."
+        )
+    if ppo.beta != 0 and not ppo.kl_in_loss:
+        raise ConfigError(
+            f"GRPO takes its advantages from the scores alone, so --beta {ppo.beta:g} with --kl_in_loss false (a KL "
+            "penalty in the reward) would be ignored; pass --kl_in_loss true (the KL as a k3 loss term), or --beta 0."
+        )
+    value_flags = {
+        "--value_model_path": args.model.value_model_path is not None,
+        "--value_learning_rate": ppo.value_learning_rate is not None,
+        "--whiten_rewards": ppo.whiten_rewards,
+    }
+    if set_flags := [flag for flag, is_set in value_flags.items() if is_set]:
+        raise ConfigError(
+            f"{', '.join(set_flags)} configure PPO's value model and per-token rewards, which GRPO does not use; drop "
+            "them, or run PPO."
         )
 
 

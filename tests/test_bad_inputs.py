@@ -84,6 +84,11 @@ CASES = [
     Case("TIS with the engine's old logprobs",
          ["--truncated_importance_sampling_ratio_cap", "2", "--old_logprobs_from", "vllm"],
          "which is 1 with --old_logprobs_from vllm; pass --old_logprobs_from learner"),  # fmt: skip
+    Case("GRPO with one sample per prompt", ["--algorithm", "grpo", "--number_samples_per_prompt", "1",
+         "--local_rollout_batch_size", "8"], "--number_samples_per_prompt 1 is too few for GRPO"),  # fmt: skip
+    Case("GRPO with the KL in the reward", ["--algorithm", "grpo", "--kl_in_loss", "false"],
+         "GRPO takes its advantages from the scores alone"),  # fmt: skip
+    Case("unknown loss aggregation", ["--loss_aggregation", "sample"], "invalid choice: 'sample' (choose from 'token', 'sequence')"),
     Case("unknown old logprobs source", ["--old_logprobs_from", "engine"], "--old-logprobs-from: invalid choice: 'engine' (choose from 'learner', 'vllm')"),
     # ---- flag syntax ----
     Case("choice not allowed", ["--kl_estimator", "k4"], "argument --kl_estimator/--kl-estimator: invalid choice: 'k4'"),

@@ -358,7 +358,8 @@ def test_minibatches_must_split_evenly_over_the_learners():
 # ---- the single-process path stays free of ray and deepspeed ---------------------------------------------------------
 
 
-def test_single_process_trainer_imports_neither_ray_nor_deepspeed(tiny_model_dir):
+@pytest.mark.parametrize("algorithm, learner", [("ppo", "PPOLearner"), ("grpo", "GRPOLearner")])
+def test_single_process_trainer_imports_neither_ray_nor_deepspeed(algorithm, learner, tiny_model_dir):
     """Import the trainer and build its single-process learner in a fresh interpreter; then look at sys.modules."""
     script = f"""
 import sys
@@ -366,10 +367,10 @@ from open_instruct.model_utils import load_tokenizer, weights_sha256
 from open_instruct.ppo_args import compute_batch_sizes, parse_args
 from open_instruct.ppo_vllm_thread_ray_gtrl import build_learner
 
-args = parse_args(["--model_name_or_path", {tiny_model_dir!r}, "--total_episodes", "32"])
+args = parse_args(["--model_name_or_path", {tiny_model_dir!r}, "--total_episodes", "32"], algorithm={algorithm!r})
 learner = build_learner(args, compute_batch_sizes(args), load_tokenizer({tiny_model_dir!r}), {tiny_model_dir!r}, [])
 print(type(learner).__name__, sorted(m for m in ("ray", "deepspeed") if m in sys.modules))
 """
     process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, last_lines(process.stderr)
-    assert process.stdout.strip().splitlines()[-1] == "PPOLearner []"
+    assert process.stdout.strip().splitlines()[-1] == f"{learner} []"

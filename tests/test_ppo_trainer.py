@@ -497,7 +497,11 @@ def test_yaml_config_with_a_command_line_override(tmp_path):
     assert args.ppo.num_epochs == 4  # not in the file: the default
 
 
-@pytest.mark.parametrize("name", ["ppo_arithmetic_cpu.yaml", "ppo_arithmetic_gpu.yaml", "ppo_tulu3_8b.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    ["ppo_arithmetic_cpu.yaml", "ppo_arithmetic_gpu.yaml", "ppo_tulu3_8b.yaml", "grpo_arithmetic_cpu.yaml",
+     "grpo_arithmetic_gpu.yaml"],
+)  # fmt: skip
 def test_shipped_configs_parse_into_consistent_sizes(name):
     """The shipped recipes: a key the dataclasses do not know, or sizes that do not divide, fails here."""
     args = parse_args([str(TESTS_DIR.parent / "configs" / "train_configs" / name)])

@@ -92,6 +92,27 @@ def comparable(row: dict) -> dict:
     return {key: value for key, value in row.items() if not key.startswith("time/") and key != "run_id"}
 
 
+def assert_same_run(output_dir: Path, reference: Path) -> None:
+    """Every logged row (timings and run id aside) and the final model of a run equal the reference run's, to
+    float tolerance."""
+    expected = [comparable(row) for row in read_metrics(str(reference / "metrics.jsonl"))]
+    resumed = [comparable(row) for row in read_metrics(str(output_dir / "metrics.jsonl"))]
+    assert [row["step"] for row in resumed] == [row["step"] for row in expected]
+    for got, want in zip(resumed, expected):
+        assert got.keys() == want.keys(), f"step {want['step']}"
+        for key, value in want.items():
+            if isinstance(value, float):
+                assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-6), f"step {want['step']} {key}"
+            else:
+                assert got[key] == value, f"step {want['step']} {key}"
+
+    reference_weights = load_file(str(reference / "model" / "model.safetensors"))
+    resumed_weights = load_file(str(output_dir / "model" / "model.safetensors"))
+    assert reference_weights.keys() == resumed_weights.keys()
+    for name, tensor in reference_weights.items():
+        torch.testing.assert_close(resumed_weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @dataclass
 class Interrupted:
     output_dir: Path
@@ -174,24 +195,9 @@ def test_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(refer
     assert "resuming run" in interrupted.resume_stderr and "from " in interrupted.resume_stderr
     assert "dropped a cut-off last line" in interrupted.resume_stderr  # the torn line was repaired, with a warning
 
-    expected = [comparable(row) for row in read_metrics(str(reference / "metrics.jsonl"))]
     rows = read_metrics(str(interrupted.output_dir / "metrics.jsonl"))
     assert len({row["run_id"] for row in rows}) == 1, "a resumed run keeps its run id"
-    resumed = [comparable(row) for row in rows]
-    assert [row["step"] for row in resumed] == [row["step"] for row in expected]
-    for got, want in zip(resumed, expected):
-        assert got.keys() == want.keys(), f"step {want['step']}"
-        for key, value in want.items():
-            if isinstance(value, float):
-                assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-6), f"step {want['step']} {key}"
-            else:
-                assert got[key] == value, f"step {want['step']} {key}"
-
-    reference_weights = load_file(str(reference / "model" / "model.safetensors"))
-    resumed_weights = load_file(str(interrupted.output_dir / "model" / "model.safetensors"))
-    assert reference_weights.keys() == resumed_weights.keys()
-    for name, tensor in reference_weights.items():
-        torch.testing.assert_close(resumed_weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_run(interrupted.output_dir, reference)
     summary = json.loads((interrupted.output_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
     checkpoints = sorted(path.name for path in (interrupted.output_dir / "checkpoints").iterdir())

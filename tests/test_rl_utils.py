@@ -322,6 +322,78 @@ def test_policy_loss_on_policy_is_minus_mean_advantage():
     assert clipfrac.item() == 0.0 and approxkl.item() == 0.0 and ratio_mean.item() == 1.0
 
 
+# ---------------------------------------------------------------- GRPO: group advantages and loss aggregation
+
+# Three prompts with ids 7, 3, 5, their responses interleaved (a rollout need not keep a prompt's samples together).
+GROUP = torch.tensor([7, 3, 7, 3, 7, 7, 3, 5, 5])
+SCORE = torch.tensor([1.0, 0.9, 0.0, 0.9, 0.0, 1.0, 0.9, 2.0, 0.0])
+
+
+def test_group_advantages_hand_numbers_with_std():
+    advantage, group_std = rl_utils.group_advantages(SCORE, GROUP, std_normalize=True)
+    # id 7: scores 1, 0, 0, 1: mean 0.5, unbiased var (4 x 0.25) / 3 = 1/3, std 0.57735; A = +-0.5 / 0.57735 = +-0.86603
+    # id 3: 0.9 three times: all equal, so A = 0 exactly and std 0 (in float32 their mean is 0.9 - 6e-8, whose
+    # centred scores over a std of 7e-8 would give A = 0.055 without the all-equal check)
+    # id 5: scores 2, 0: mean 1, var (1 + 1) / 1 = 2, std 1.41421; A = +-1 / 1.41421 = +-0.70711
+    a7, a5 = 0.5 / math.sqrt(1 / 3), 1 / math.sqrt(2)
+    expected = torch.tensor([a7, 0.0, -a7, 0.0, -a7, a7, 0.0, a5, -a5])
+    torch.testing.assert_close(advantage, expected, atol=1e-5, rtol=0)
+    assert advantage[[1, 3, 6]].tolist() == [0.0, 0.0, 0.0]  # exactly: no 1e-9 / (1e-9 + eps) noise
+    # Sorted ids 3, 5, 7.
+    torch.testing.assert_close(group_std, torch.tensor([0.0, math.sqrt(2), math.sqrt(1 / 3)]))
+
+
+def test_group_advantages_without_std_only_subtract_the_group_mean():
+    advantage, group_std = rl_utils.group_advantages(SCORE, GROUP, std_normalize=False)
+    # Dr. GRPO: id 7: 1 - 0.5 = 0.5 and 0 - 0.5 = -0.5; id 3: 0; id 5: 2 - 1 = 1 and 0 - 1 = -1.
+    expected = torch.tensor([0.5, 0.0, -0.5, 0.0, -0.5, 0.5, 0.0, 1.0, -1.0])
+    torch.testing.assert_close(advantage, expected)
+    assert advantage[[1, 3, 6]].tolist() == [0.0, 0.0, 0.0]
+    assert group_std[0].item() == 0.0  # reported the same way with the std off
+
+
+def test_group_advantages_each_group_sums_to_zero_and_is_invariant_to_a_shift():
+    generator = torch.Generator().manual_seed(0)
+    score = torch.randint(0, 3, (32,), generator=generator).float()
+    group = torch.arange(32) % 8
+    for std_normalize in (True, False):
+        advantage, _ = rl_utils.group_advantages(score, group, std_normalize)
+        sums = torch.zeros(8).index_add(0, group, advantage)
+        torch.testing.assert_close(sums, torch.zeros(8), atol=1e-5, rtol=0)
+        shifted, _ = rl_utils.group_advantages(score + 5.0, group, std_normalize)
+        torch.testing.assert_close(shifted, advantage, atol=1e-5, rtol=0)
+
+
+def test_group_advantages_reject_a_group_of_one():
+    with pytest.raises(ValueError, match=r"group\(s\) \[4\] with a single response.*--number_samples_per_prompt >= 2"):
+        rl_utils.group_advantages(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([2, 2, 4]))
+
+
+def test_masked_aggregate_token_and_sequence_means():
+    values = torch.tensor([[1.0, 2.0, 3.0], [10.0, float("nan"), 1e9]])
+    mask = rl_utils.response_mask_from_lengths(torch.tensor([3, 1]), 3)
+    # token: (1 + 2 + 3 + 10) / 4 = 4; sequence: mean of the row means 2 and 10 = 6 (padding never read)
+    assert rl_utils.masked_aggregate(values, mask, "token").item() == pytest.approx(4.0)
+    assert rl_utils.masked_aggregate(values, mask, "sequence").item() == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="'sample'.*token, sequence"):
+        rl_utils.masked_aggregate(values, mask, "sample")
+
+
+def test_policy_loss_and_kl_loss_aggregate_by_token_or_by_sequence():
+    # On policy (ratio 1) the token loss is -A: row 0 has 3 tokens at A = 1, row 1 one token at A = -2.
+    advantage = torch.tensor([[1.0, 1.0, 1.0], [-2.0, 0.0, 0.0]])
+    logprob = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
+    mask = rl_utils.response_mask_from_lengths(torch.tensor([3, 1]), 3)
+    token, *_ = rl_utils.policy_loss(logprob, logprob, advantage, mask, 0.2)
+    sequence, *_ = rl_utils.policy_loss(logprob, logprob, advantage, mask, 0.2, aggregation="sequence")
+    assert token.item() == pytest.approx((-1 - 1 - 1 + 2) / 4)  # -0.25: the long response dominates
+    assert sequence.item() == pytest.approx((-1 + 2) / 2)  # 0.5: each response weighs the same
+    # k1 KL = logprob - ref: row 0 [1, 1, 1], row 1 [4]: token (3 + 4) / 4 = 1.75, sequence (1 + 4) / 2 = 2.5
+    ref = logprob - torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
+    assert rl_utils.kl_penalty_loss(logprob, ref, mask, "k1").item() == pytest.approx(1.75)
+    assert rl_utils.kl_penalty_loss(logprob, ref, mask, "k1", "sequence").item() == pytest.approx(2.5)
+
+
 def test_value_loss_clipping_branches_and_gradients():
     # cliprange_value 0.2, vf_coef 0.5; v_clipped = old + clamp(new - old, -0.2, 0.2)
     #   old 1, new 1.5, R 2: v_clipped 1.2; max((1.5-2)^2, (1.2-2)^2) = max(0.25, 0.64) = 0.64 clipped

@@ -9,17 +9,4 @@
 # configs/train_configs/ppo_arithmetic_cpu.yaml. Results: output/ppo_arithmetic_debug/
 # (metrics.jsonl, training_curves.png, summary.json, model/).
 set -euo pipefail
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
-cd "$REPO"
-bash scripts/install.sh ${OPEN_INSTRUCT_CURRENT_ENV:+--current-env}
-python="${OPEN_INSTRUCT_VENV:-$REPO/.venv}/bin/python"
-[[ -n "${OPEN_INSTRUCT_CURRENT_ENV:-}" ]] && python="$(command -v python3)"
-
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  config=configs/train_configs/ppo_arithmetic_gpu.yaml
-else
-  config=configs/train_configs/ppo_arithmetic_cpu.yaml
-fi
-export WANDB_MODE="${WANDB_MODE:-offline}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" PYTHONUNBUFFERED=1
-echo "[ppo.sh] $config $*"
-exec "$python" -m open_instruct.ppo_vllm_thread_ray_gtrl "$config" "$@"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/debug_run.sh" ppo "$@"
