@@ -38,7 +38,14 @@ from open_instruct.ground_truth_utils import RewardManager
 from open_instruct.model_utils import load_tokenizer
 from open_instruct.ppo_args import Args, BatchSizes, ConfigError, compute_batch_sizes, parse_args
 from open_instruct.ppo_learner import PromptBatch, SavedModel, check_engine_matches_learner, learner_class
-from open_instruct.tracking import MetricsLogger, format_progress, plot_training_curves, read_metrics, repair_jsonl
+from open_instruct.tracking import (
+    CORRECT_RATE_KEYS,
+    MetricsLogger,
+    format_progress,
+    plot_training_curves,
+    read_metrics,
+    repair_jsonl,
+)
 from open_instruct.validation import (
     as_config_errors,
     one_line,
@@ -371,6 +378,11 @@ def finish(args: Args, learner, logger: MetricsLogger, final_eval: dict) -> dict
     model_dir = saved.path
     metrics_path = os.path.join(args.run.output_dir, "metrics.jsonl")
     plot_path = plot_training_curves(metrics_path, os.path.join(args.run.output_dir, "training_curves.png"))
+    try:  # correct rates against wall-clock seconds; a run without verifiable rewards has none
+        plot_training_curves(metrics_path, os.path.join(args.run.output_dir, "correct_rate_vs_time.png"),
+                             keys=list(CORRECT_RATE_KEYS), x_key="time/from_scratch")  # fmt: skip
+    except ValueError:
+        pass
     summary = {
         "status": "completed",
         **summarize(metrics_path),

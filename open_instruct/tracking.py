@@ -22,6 +22,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+# Correct rates against wall-clock seconds (correct_rate_vs_time.png): what a run buys per hour of hardware.
+CORRECT_RATE_KEYS = ("objective/verifiable_correct_rate", "eval/correct_rate", "eval/sampled_correct_rate")
+
 DEFAULT_PLOT_KEYS = (
     "objective/verifiable_correct_rate",
     "objective/scores",
@@ -298,14 +301,18 @@ def read_metrics(metrics_jsonl: str) -> list[dict]:
     return records
 
 
-def training_curves(records: list[dict], keys: list[str]) -> tuple[str, dict[str, tuple[list, list]]]:
+def training_curves(
+    records: list[dict], keys: list[str], x_key: str | None = None
+) -> tuple[str, dict[str, tuple[list, list]]]:
     """The (x, y) points of each key in `keys` that has a logged value, and the name of the x axis.
 
-    x is `episode` when any row logged it, else `step`. A row without `episode` (e.g. eval metrics logged on their
-    own) takes the episode logged at its step. Non-finite values (null in the JSONL) become NaN: a gap in the line.
+    x is `x_key` when given (e.g. `time/from_scratch`: wall-clock seconds), else `episode` when any row logged it,
+    else `step`. A row without the x key (e.g. eval metrics logged on their own) takes the x logged at its step.
+    Non-finite values (null in the JSONL) become NaN: a gap in the line.
     """
-    episode_at_step = {r.get("step"): r["episode"] for r in records if r.get("episode") is not None}
-    x_key = "episode" if episode_at_step else "step"
+    if x_key is None:
+        x_key = "episode" if any(r.get("episode") is not None for r in records) else "step"
+    x_at_step = {r.get("step"): r[x_key] for r in records if r.get(x_key) is not None}
     curves = {}
     for key in keys:
         if key in curves or not any(record.get(key) is not None for record in records):
@@ -313,7 +320,7 @@ def training_curves(records: list[dict], keys: list[str]) -> tuple[str, dict[str
         xs, ys = [], []
         for record in records:
             step = record.get("step")
-            x = step if x_key == "step" else record.get("episode", episode_at_step.get(step))
+            x = step if x_key == "step" else record.get(x_key, x_at_step.get(step))
             if key in record and x is not None:
                 xs.append(x)
                 ys.append(math.nan if record[key] is None else record[key])
@@ -321,16 +328,18 @@ def training_curves(records: list[dict], keys: list[str]) -> tuple[str, dict[str
     return x_key, curves
 
 
-def plot_training_curves(metrics_jsonl: str, png_path: str, keys: list[str] | None = None) -> str:
+def plot_training_curves(
+    metrics_jsonl: str, png_path: str, keys: list[str] | None = None, x_key: str | None = None
+) -> str:
     """Plot one subplot per logged metric of `keys` (default DEFAULT_PLOT_KEYS) to a PNG; return png_path.
 
-    Keys that were never logged are skipped; see `training_curves` for the x axis and the gaps.
+    Keys that were never logged are skipped; see `training_curves` for the x axis (`x_key`) and the gaps.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     wanted = list(DEFAULT_PLOT_KEYS if keys is None else keys)
-    x_key, curves = training_curves(read_metrics(metrics_jsonl), wanted)
+    x_key, curves = training_curves(read_metrics(metrics_jsonl), wanted, x_key)
     if not curves:
         raise ValueError(
             f"{metrics_jsonl!r} has no logged value for any of {wanted}; pass keys= with metric names that appear in "

@@ -198,6 +198,8 @@ def test_every_step_logs_finite_metrics_and_the_expected_policy_versions(run_fix
     run = fixture.run if isinstance(fixture, SyncRun) else fixture
     lines = run.step_lines()
     assert [line["step"] for line in lines] == list(range(1, run.num_steps + 1))
+    for plot in ("training_curves.png", "correct_rate_vs_time.png"):  # the curves, and correct rates vs wall clock
+        assert (run.output_dir / plot).stat().st_size > 10_000, plot
     for line in lines:
         step = line["step"]
         missing = [key for key in STEP_METRICS if key not in line]

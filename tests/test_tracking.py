@@ -181,6 +181,20 @@ def test_training_curves_points():
     )
 
 
+def test_correct_rate_against_wall_clock_seconds_takes_an_eval_rows_time_from_its_step():
+    rows = [
+        {"step": 1, "episode": 64, "time/from_scratch": 30.5, "objective/verifiable_correct_rate": 0.25},
+        {"step": 2, "episode": 128, "time/from_scratch": 61.0, "objective/verifiable_correct_rate": 0.5},
+        {"step": 2, "eval/correct_rate": 0.75},  # the final eval, logged on its own
+    ]
+    x_key, curves = tracking.training_curves(rows, list(tracking.CORRECT_RATE_KEYS), x_key="time/from_scratch")
+    assert x_key == "time/from_scratch"
+    assert curves == {
+        "objective/verifiable_correct_rate": ([30.5, 61.0], [0.25, 0.5]),
+        "eval/correct_rate": ([61.0], [0.75]),
+    }
+
+
 def test_plot_chosen_keys_and_errors(tmp_path):
     write_metrics(tmp_path / "metrics.jsonl", [{"step": s, "a": s * 0.1, "b": math.sin(s)} for s in range(10)])
     one = tracking.plot_training_curves(str(tmp_path / "metrics.jsonl"), str(tmp_path / "one.png"), keys=["a"])
