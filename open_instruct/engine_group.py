@@ -18,12 +18,12 @@ import os
 import time
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from open_instruct import vllm_utils
-from open_instruct.learner_group import death_cause, first_line, node_address_with_free_port, start_ray
+from open_instruct.learner_group import node_address_with_free_port, start_ray, wait_for_actors
 from open_instruct.weight_sync import Bucket, resolve_backend, run_beside
 
 WORKER_EXTENSION = "open_instruct.weight_sync.WeightReceiverExtension"
@@ -145,29 +145,9 @@ class EngineGroup:
         return self._wait(refs, method, self.timeout_s if timeout_s is None else timeout_s)
 
     def _wait(self, refs: list, method: str, timeout_s: float) -> list:
-        name_of = dict(zip(refs, self.names))
-        results, pending = {}, list(refs)
-        deadline = time.time() + timeout_s
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
-            if not done:
-                waiting = ", ".join(name_of[ref] for ref in pending)
-                flag = "--vllm_sync_timeout_s" if method == "receive_weights" else "--queue_timeout_s"
-                raise EngineFailed(
-                    f"{waiting} did not finish {method} within {timeout_s:.0f}s; raise {flag} if the work is that slow, "
-                    f"else look for a stuck engine in the Ray logs."
-                )
-            ref = done[0]
-            try:
-                results[ref] = ray.get(ref)
-            except RayActorError as error:
-                raise EngineFailed(f"{name_of[ref]} died during {method}: {death_cause(error)}") from None
-            except RayTaskError as error:
-                cause = error.cause if error.cause is not None else error
-                raise EngineFailed(f"{name_of[ref]} failed in {method}: {type(cause).__name__}: {first_line(cause)}") from error
-            except RayError as error:
-                raise EngineFailed(f"{name_of[ref]} was lost during {method}: {type(error).__name__}: {first_line(error)}") from None
-        return [results[ref] for ref in refs]
+        flag = "--vllm_sync_timeout_s" if method == "receive_weights" else "--queue_timeout_s"
+        advice = f"raise {flag} if the work is that slow, else look for a stuck engine in the Ray logs"
+        return wait_for_actors(refs, self.names, method, timeout_s, EngineFailed, advice)
 
     # ---- what the generation thread calls ----
     def generate(self, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None):

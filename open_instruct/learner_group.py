@@ -171,33 +171,8 @@ class LearnerGroup:
         return self._wait(refs, self.names, method)
 
     def _wait(self, refs: list, names: list[str], method: str) -> list:
-        """All results, in order; the first rank to die or raise ends the wait, whatever the others are doing."""
-        name_of = dict(zip(refs, names))
-        results, pending = {}, list(refs)
-        deadline = time.time() + self.timeout_s
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
-            if not done:
-                waiting = ", ".join(name_of[ref] for ref in pending)
-                raise LearnerFailed(
-                    f"{waiting} did not finish {method} within {self.timeout_s:.0f}s; raise --learner_timeout_s if "
-                    f"the work is that slow, else look for a stuck rank in the Ray logs."
-                )
-            ref = done[0]
-            try:
-                results[ref] = ray.get(ref)
-            except RayActorError as error:
-                raise LearnerFailed(f"{name_of[ref]} died during {method}: {death_cause(error)}") from None
-            except RayTaskError as error:
-                cause = error.cause if error.cause is not None else error
-                raise LearnerFailed(
-                    f"{name_of[ref]} failed in {method}: {type(cause).__name__}: {first_line(cause)}"
-                ) from error
-            except RayError as error:  # e.g. OutOfMemoryError: Ray's memory monitor killed the rank's worker
-                raise LearnerFailed(
-                    f"{name_of[ref]} was lost during {method}: {type(error).__name__}: {first_line(error)}"
-                ) from None
-        return [results[ref] for ref in refs]
+        advice = "raise --learner_timeout_s if the work is that slow, else look for a stuck rank in the Ray logs"
+        return wait_for_actors(refs, names, method, self.timeout_s, LearnerFailed, advice)
 
     def make_experience(
         self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager
@@ -247,6 +222,31 @@ class LearnerGroup:
             ray.kill(rank, no_restart=True)
         self.ranks = []
         remove_placement_group(self.placement_group)
+
+
+def wait_for_actors(refs: list, names: list[str], method: str, timeout_s: float, failure: type[RuntimeError],
+                    timeout_advice: str) -> list:  # fmt: skip
+    """All results, in order; the first actor to die or raise ends the wait (as `failure`, naming it), whatever the
+    others are doing, and so does the deadline."""
+    name_of = dict(zip(refs, names))
+    results, pending = {}, list(refs)
+    deadline = time.time() + timeout_s
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.time()))
+        if not done:
+            waiting = ", ".join(name_of[ref] for ref in pending)
+            raise failure(f"{waiting} did not finish {method} within {timeout_s:.0f}s; {timeout_advice}.")
+        ref = done[0]
+        try:
+            results[ref] = ray.get(ref)
+        except RayActorError as error:
+            raise failure(f"{name_of[ref]} died during {method}: {death_cause(error)}") from None
+        except RayTaskError as error:
+            cause = error.cause if error.cause is not None else error
+            raise failure(f"{name_of[ref]} failed in {method}: {type(cause).__name__}: {first_line(cause)}") from error
+        except RayError as error:  # e.g. OutOfMemoryError: Ray's memory monitor killed the actor's worker
+            raise failure(f"{name_of[ref]} was lost during {method}: {type(error).__name__}: {first_line(error)}") from None
+    return [results[ref] for ref in refs]
 
 
 def death_cause(error: RayActorError) -> str:
