@@ -41,7 +41,9 @@ COMPLETE_MARKER = "COMPLETE"
 CHECKPOINTS = "checkpoints"
 LOCK_FILE = ".run.lock"
 # Files a run writes in output_dir: their presence means the folder already holds a run.
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "training_curves.png", "model", CHECKPOINTS)
+RUN_FILES = (
+    "metrics.jsonl", "samples.jsonl", "lengths.jsonl", "summary.json", "training_curves.png", "model", CHECKPOINTS,
+)  # fmt: skip
 # Flags that may change between a run and its resumption: none of them changes what is computed.
 RESUMABLE_CHANGES = {
     "resume", "overwrite_output_dir", "debug", "queue_timeout_s", "run_name", "output_dir", "with_tracking",

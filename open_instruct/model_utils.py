@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from contextlib import nullcontext
 
 import torch
@@ -28,15 +29,64 @@ def learner_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def autocast(device: torch.device):
-    """bf16 compute with fp32 master weights on GPUs; plain fp32 on CPUs.
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+BF16_MIN_SPEEDUP = 1.2  # below this the probe keeps fp32: bf16 loses precision for nothing
 
-    Measured on the 2-core CPU machines (SmolLM2-135M, 8 x 112 tokens): bf16 autocast made the
-    backward pass 40x slower (190 s vs 4.5 s in fp32), so the CPU learner stays in fp32.
+
+def native_bf16_cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> list[str]:
+    """The CPU flags among NATIVE_BF16_CPU_FLAGS this machine has (empty where /proc/cpuinfo is missing)."""
+    try:
+        with open(cpuinfo_path) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [flag for flag in NATIVE_BF16_CPU_FLAGS if flag in flags]
+
+
+def bf16_matmul_speedup(size: int = 1024, repeats: int = 3) -> float:
+    """fp32 time / bf16 time of a size x size matmul on the CPU, best of `repeats` each (~0.1 s in all)."""
+
+    def best_seconds(dtype: torch.dtype) -> float:
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        a @ b  # warm-up: oneDNN builds its kernel on the first call
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best_seconds(torch.float32) / best_seconds(torch.bfloat16)
+
+
+def learner_compute_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype the learner computes in under autocast (its weights stay fp32), and why.
+
+    GPUs: bf16 unless float32 is asked for. CPUs: `auto` takes bf16 only where the CPU has native bf16
+    (avx512_bf16 or AMX) *and* a short matmul probe finds it at least BF16_MIN_SPEEDUP x faster than fp32.
+    The probe decides because the flags alone do not: on a 2-core avx512_bf16 machine without AMX, bf16
+    matmuls measured 2x *slower* than fp32 (9.2 vs 4.8 ms for 800x576x1536) and SmolLM2-135M's
+    forward+backward 1.7x slower; on an AVX2-only machine bf16 backward was 40x slower (emulated).
     """
-    if device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return nullcontext()
+    if requested == "float32":
+        return torch.float32, "float32 asked for (--learner_compute_dtype)"
+    if requested == "bfloat16" or device.type == "cuda":
+        return torch.bfloat16, f"bfloat16 {'on a GPU' if requested == 'auto' else 'asked for'}"
+    flags = native_bf16_cpu_flags()
+    if not flags:
+        return torch.float32, "float32: this CPU has no native bf16 (avx512_bf16 / amx_bf16)"
+    speedup = bf16_matmul_speedup()
+    if speedup < BF16_MIN_SPEEDUP:
+        return torch.float32, f"float32: bf16 matmul only {speedup:.2f}x fp32 here despite {'/'.join(flags)}"
+    return torch.bfloat16, f"bfloat16: {'/'.join(flags)}, bf16 matmul {speedup:.2f}x fp32"
+
+
+def autocast(device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """Compute in `dtype` (bf16) with fp32 master weights; plain fp32 when `dtype` is float32.
+    `learner_compute_dtype` picks the dtype."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def inference_dtype(device: torch.device) -> torch.dtype:
@@ -222,10 +272,12 @@ def reward_model_scores(
     return scores.gather(1, last_index.unsqueeze(1)).squeeze(1)
 
 
-def no_grad_in_chunks(fn, chunk_size: int, *tensors: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Run `fn` over row chunks without gradients (bf16 autocast) and concatenate the float32 results."""
+def no_grad_in_chunks(
+    fn, chunk_size: int, *tensors: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Run `fn` over row chunks without gradients (autocast to `dtype`) and concatenate the float32 results."""
     outputs = []
-    with torch.no_grad(), autocast(device):
+    with torch.no_grad(), autocast(device, dtype):
         for start in range(0, tensors[0].shape[0], chunk_size):
             outputs.append(fn(*(t[start : start + chunk_size] for t in tensors)).float())
     return torch.cat(outputs)

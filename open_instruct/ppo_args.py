@@ -36,6 +36,13 @@ class ModelArgs:
     reward_model_revision: str | None = arg(None, "Hub revision of the reward model.")
     value_model_path: str | None = arg(None, "PPO's value model init; default: the reward model, else the policy.")
     gradient_checkpointing: bool = arg(False, "Trade compute for memory in the policy (and PPO's value model).")
+    learner_compute_dtype: str = arg(
+        "auto",
+        "dtype of the learner's forward and backward passes (autocast; the trained weights stay fp32). auto: bfloat16 "
+        "on GPUs; on CPUs bfloat16 only with native bf16 (avx512_bf16/AMX) that a short matmul probe finds faster, "
+        "else float32.",
+        choices=["auto", "bfloat16", "float32"],
+    )
 
 
 @dataclass

@@ -141,6 +141,9 @@ class PPOLearner:
         self.backend = backend or SingleProcess()
         self.device = self.backend.device
         model_args = args.model
+        self.compute_dtype, why = mu.learner_compute_dtype(model_args.learner_compute_dtype, self.device)
+        if self.backend.rank == 0:
+            print(f"[learner] computing in {why}")
         self.policy_path = policy_path
         self.policy = mu.load_policy(policy_path, self.device, model_args.model_revision, trainable=True)
         # --beta 0 puts no KL in the reward or the loss: no reference model is loaded, and none runs.
@@ -354,7 +357,9 @@ class PPOLearner:
         """`fn` (no grad, in micro-batches) on this rank's rows, gathered: every rank gets the whole batch's outputs."""
         rows = self.backend.local_rows(tensors[0].shape[0])
         chunk = self.args.ppo.per_device_train_batch_size
-        local = mu.no_grad_in_chunks(fn, chunk, *(t[rows] for t in tensors), device=self.device)
+        local = mu.no_grad_in_chunks(
+            fn, chunk, *(t[rows] for t in tensors), device=self.device, dtype=self.compute_dtype
+        )
         return self.backend.gather_rows(local)
 
     def compute_advantages(
@@ -399,7 +404,7 @@ class PPOLearner:
                 for micro in local_minibatch.split(micro_size):
                     mask = exp.response_mask[micro]
                     qr, am = exp.query_response[micro], exp.attention_mask[micro]
-                    with mu.autocast(self.device):
+                    with mu.autocast(self.device, self.compute_dtype):
                         new_logprob, logits = mu.response_logprobs(self.policy, qr, am, exp.context_length, temperature)
                     if check_agreement:
                         first_logprobs.append(new_logprob.detach())
@@ -416,7 +421,7 @@ class PPOLearner:
                     loss = policy_objective.detach()
                     self.policy_trainer.backward(policy_objective)
                     if self.value_model is not None:
-                        with mu.autocast(self.device):
+                        with mu.autocast(self.device, self.compute_dtype):
                             new_value = mu.response_values(self.value_model, qr, am, exp.context_length).float()
                         vf_loss, vf_clipfrac = rl.value_loss(
                             new_value, exp.value[micro], exp.return_[micro], mask, ppo.cliprange_value

@@ -42,6 +42,7 @@ from open_instruct.tracking import (
     CORRECT_RATE_KEYS,
     MetricsLogger,
     format_progress,
+    plot_length_histograms,
     plot_training_curves,
     read_metrics,
     repair_jsonl,
@@ -197,7 +198,7 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
     reward_manager = RewardManager(args.reward)
     stop_token_ids = stop_token_ids_for(tokenizer, args.gen.stop_token)
     if resume is not None:  # steps after the checkpoint are logged again
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        for name in ("metrics.jsonl", "samples.jsonl", "lengths.jsonl"):
             for warning in repair_jsonl(os.path.join(args.run.output_dir, name), keep_through_step=resume.step):
                 print(f"[ppo] warning: {warning}", flush=True)
     logger = MetricsLogger(
@@ -211,6 +212,8 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
         wandb_run_id=resume.trainer_state.get("wandb_run_id") if resume else None,
     )
     logger.set_summary("status", "running")
+    if resume is None:  # the dataset's prompt lengths (wandb histogram + length_histograms.png)
+        logger.log_histograms({"lengths/prompt_tokens": [len(ids) for ids in train_dataset["input_ids_prompt"]]}, 0)
     last_step = resume.step if resume else 0
     try:
         # ---- models and the generation thread (the engine starts while the learner loads) ----
@@ -300,6 +303,7 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
                 logger.log_samples(
                     sample_rows(request.prompts, rollout, samples["score"], args.run.num_samples_to_log), step
                 )
+                logger.log_histograms({"lengths/response_tokens": samples["response_length"]}, step)
                 progress.set_postfix_str(format_progress(metrics, PROGRESS_KEYS))
                 last_step = step
                 if sizes.save_freq > 0 and step % sizes.save_freq == 0:
@@ -383,6 +387,8 @@ def finish(args: Args, learner, logger: MetricsLogger, final_eval: dict) -> dict
                              keys=list(CORRECT_RATE_KEYS), x_key="time/from_scratch")  # fmt: skip
     except ValueError:
         pass
+    plot_length_histograms(os.path.join(args.run.output_dir, "lengths.jsonl"),
+                           os.path.join(args.run.output_dir, "length_histograms.png"))  # fmt: skip
     summary = {
         "status": "completed",
         **summarize(metrics_path),

@@ -6,6 +6,8 @@ line per call and flushed at once, so a crash keeps everything logged before it.
 Files written by `MetricsLogger` in `output_dir`:
 - `metrics.jsonl`: one line per `log()` call, `{"step": step, **metrics}`.
 - `samples.jsonl`: one line per sample row, `{"step": step, "table": name, **row}`.
+- `lengths.jsonl`: one line per histogram, `{"step": step, "name": name, "values": [...]}` (`log_histograms`:
+  prompt and response lengths in tokens; `plot_length_histograms` draws them).
 - `summary.json`: the final values set with `set_summary()`, rewritten atomically after each call.
 
 Non-finite numbers (NaN, +inf, -inf) are written as JSON `null`: Python's `json.dumps` would write the bare
@@ -172,9 +174,10 @@ class MetricsLogger:
         self.output_dir = output_dir
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
         self.samples_path = os.path.join(output_dir, "samples.jsonl")
+        self.lengths_path = os.path.join(output_dir, "lengths.jsonl")
         self.summary_path = os.path.join(output_dir, "summary.json")
         self.run_id = run_id
-        for path in (self.metrics_path, self.samples_path):
+        for path in (self.metrics_path, self.samples_path, self.lengths_path):
             for warning in repair_jsonl(path):
                 print(f"[tracking] warning: {warning}", flush=True)
         self._summary: dict[str, Any] = {}
@@ -229,6 +232,18 @@ class MetricsLogger:
                 columns = list(dict.fromkeys(key for row in rows for key in row))  # union of keys, first-seen order
                 table = wandb.Table(columns=columns, data=[[row.get(column) for column in columns] for row in rows])
                 self._run.log({name: table}, step=step)
+
+    def log_histograms(self, histograms: dict[str, list[float]], step: int) -> None:
+        """Record each list of values (e.g. the response lengths of a step) in lengths.jsonl and, when tracking, as a
+        wandb.Histogram at `step`."""
+        records = [_json_safe({"step": step, "name": name, "values": list(values)}, name) for name, values in
+                   histograms.items()]  # fmt: skip
+        with self._lock:
+            _append_json_lines(self.lengths_path, records)
+            if self._run is not None:
+                import wandb
+
+                self._run.log({name: wandb.Histogram(values) for name, values in histograms.items()}, step=step)
 
     def set_summary(self, key: str, value: Any) -> None:
         """Set a final value (best eval score, total time, ...) in the wandb summary and in summary.json."""
@@ -358,6 +373,49 @@ def plot_training_curves(
         axes.grid(alpha=0.3)
     run_name = os.path.basename(os.path.dirname(os.path.abspath(metrics_jsonl)))
     figure.suptitle(f"Training curves: {run_name}")
+
+    def write(tmp_path: str) -> None:
+        figure.savefig(tmp_path, format="png")
+
+    _replace_atomically(png_path, write)
+    return png_path
+
+
+def read_histograms(lengths_jsonl: str) -> dict[str, list[tuple[int, list[float]]]]:
+    """lengths.jsonl as {name: [(step, values), ...]} in the order logged."""
+    histograms: dict[str, list[tuple[int, list[float]]]] = {}
+    for record in read_metrics(lengths_jsonl):
+        histograms.setdefault(record["name"], []).append((record["step"], record["values"]))
+    return histograms
+
+
+def plot_length_histograms(lengths_jsonl: str, png_path: str) -> str:
+    """One subplot per histogram name in lengths.jsonl: its first and last logged step overlaid (e.g. the response
+    lengths at the first and the last training step; a name logged once, like the dataset's prompt lengths, shows
+    one), with each one's mean in the legend. Returns png_path."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    histograms = read_histograms(lengths_jsonl)
+    if not histograms:
+        raise ValueError(f"{lengths_jsonl!r} holds no histogram; MetricsLogger.log_histograms writes them.")
+    figure = Figure(figsize=(5 * len(histograms), 3.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    for index, (name, logged) in enumerate(histograms.items()):
+        axes = figure.add_subplot(1, len(histograms), index + 1)
+        shown = [logged[0], logged[-1]] if len(logged) > 1 else logged[:1]
+        low = min(min(values, default=0) for _, values in shown)
+        high = max(max(values, default=0) for _, values in shown)
+        bins = min(40, int(high - low) + 1)
+        for step, values in shown:
+            mean = sum(values) / max(len(values), 1)
+            axes.hist(values, bins=bins, range=(low, high + 1), alpha=0.55, label=f"step {step} (mean {mean:.1f})")
+        axes.set_title(name, fontsize=10)
+        axes.set_xlabel("tokens")
+        axes.set_ylabel("count")
+        axes.legend(fontsize=8)
+    run_name = os.path.basename(os.path.dirname(os.path.abspath(lengths_jsonl)))
+    figure.suptitle(f"Lengths: {run_name}")
 
     def write(tmp_path: str) -> None:
         figure.savefig(tmp_path, format="png")

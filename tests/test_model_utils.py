@@ -75,3 +75,40 @@ def test_a_save_that_rounds_most_of_the_update_away_warns_and_is_summarised(caps
     assert "rounded 90% of the changed weights back to their initial value" in capsys.readouterr().err
     assert report_save_rounding(SavedModel("out/model", "float32", "digest")) == {}
     assert capsys.readouterr().err == ""
+
+
+def test_native_bf16_flags_are_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n")
+    assert mu.native_bf16_cpu_flags(str(cpuinfo)) == ["avx512_bf16"]
+    cpuinfo.write_text("flags\t\t: fpu avx2 amx_bf16 amx_tile avx512_bf16\n")
+    assert mu.native_bf16_cpu_flags(str(cpuinfo)) == ["avx512_bf16", "amx_bf16"]
+    cpuinfo.write_text("flags\t\t: fpu sse avx2 fma\n")
+    assert mu.native_bf16_cpu_flags(str(cpuinfo)) == []
+    assert mu.native_bf16_cpu_flags(str(tmp_path / "missing")) == []
+
+
+def test_learner_compute_dtype_follows_the_flag_the_cpu_and_the_probe(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert mu.learner_compute_dtype("float32", cuda)[0] == torch.float32
+    assert mu.learner_compute_dtype("auto", cuda)[0] == torch.bfloat16
+    assert mu.learner_compute_dtype("bfloat16", cpu)[0] == torch.bfloat16
+    # auto on a CPU: the real probe on this machine decides, and the reason says what it measured.
+    dtype, why = mu.learner_compute_dtype("auto", cpu)
+    if not mu.native_bf16_cpu_flags():
+        assert dtype == torch.float32 and "no native bf16" in why
+    else:
+        assert (dtype == torch.bfloat16) == ("bfloat16" in why) and "x fp32" in why
+    # The decision on the machine kinds this project runs on (flags and probe results as measured on them).
+    for flags, speedup, expected in [
+        ([], None, torch.float32),  # AVX2 only: no probe at all
+        (["avx512_bf16"], 0.52, torch.float32),  # avx512_bf16 without AMX, measured 2x slower than fp32
+        (["avx512_bf16", "amx_bf16"], 3.0, torch.bfloat16),
+    ]:
+        monkeypatch.setattr(mu, "native_bf16_cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(mu, "bf16_matmul_speedup", lambda speedup=speedup: speedup)
+        assert mu.learner_compute_dtype("auto", cpu)[0] == expected, (flags, speedup)
+
+
+def test_bf16_probe_measures_a_positive_speedup():
+    assert 0.01 < mu.bf16_matmul_speedup(size=256, repeats=2) < 100

@@ -213,3 +213,31 @@ def test_truncated_importance_sampling_weights_the_policy_loss_by_hand(tiny_mode
     # Without TIS the same batch's loss is -mean(A) = 0 (whitened advantages): the weights are what changed it.
     assert plain.train(plain_exp)["loss/policy_avg"] == pytest.approx(0.0, abs=1e-5)
     assert abs(expected_loss) > 1e-3  # far outside the 1e-5 tolerances above
+
+
+def test_bf16_compute_on_cpu_trains_fp32_master_weights_close_to_fp32_compute(tiny_model_dir, rollout, tmp_path):
+    """--learner_compute_dtype bfloat16: autocast forwards, fp32 weights and a saved fp32 update near fp32's."""
+    prompts, completions = rollout
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        learner, reward_manager = build_learner(tiny_model_dir, "--learner_compute_dtype", dtype)
+        assert learner.compute_dtype == getattr(torch, dtype)
+        initial = {name: p.detach().clone() for name, p in learner.policy.named_parameters()}
+        exp, metrics, _ = learner.make_experience(prompts, completions, reward_manager)
+        learner.train(exp)
+        assert all(p.dtype == torch.float32 for p in learner.policy.parameters())
+        saved = learner.save(str(tmp_path / dtype))
+        assert saved.dtype == "float32"
+        reloaded = mu.load_policy(saved.path, torch.device("cpu"), trainable=True)
+        update = {name: p.detach() - initial[name] for name, p in reloaded.named_parameters()}
+        results[dtype] = (exp.logprob, update)
+    fp32_logprob, fp32_update = results["float32"]
+    bf16_logprob, bf16_update = results["bfloat16"]
+    mask = fp32_logprob != 0
+    # bf16 has 8 significant bits: logprobs move by ~1e-2, not by a different model's amount.
+    assert 0 < (fp32_logprob - bf16_logprob)[mask].abs().mean() < 0.1
+    # The saved update is there and points the way fp32's does.
+    flat32 = torch.cat([u.reshape(-1) for u in fp32_update.values()])
+    flat16 = torch.cat([bf16_update[name].reshape(-1) for name in fp32_update])
+    assert flat16.abs().max() > 0
+    assert torch.nn.functional.cosine_similarity(flat32, flat16, dim=0) > 0.5

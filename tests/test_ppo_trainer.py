@@ -32,7 +32,7 @@ from safetensors.torch import load_file as load_safetensors
 from open_instruct.model_utils import weights_sha256
 from open_instruct.ppo_args import compute_batch_sizes, parse_args
 from open_instruct.ppo_vllm_thread_ray_gtrl import main
-from open_instruct.tracking import read_metrics
+from open_instruct.tracking import read_histograms, read_metrics
 from open_instruct.vllm_utils import engine_dtype
 from tests.fake_hub import FakeHub
 
@@ -198,8 +198,13 @@ def test_every_step_logs_finite_metrics_and_the_expected_policy_versions(run_fix
     run = fixture.run if isinstance(fixture, SyncRun) else fixture
     lines = run.step_lines()
     assert [line["step"] for line in lines] == list(range(1, run.num_steps + 1))
-    for plot in ("training_curves.png", "correct_rate_vs_time.png"):  # the curves, and correct rates vs wall clock
+    for plot in ("training_curves.png", "correct_rate_vs_time.png", "length_histograms.png"):
         assert (run.output_dir / plot).stat().st_size > 10_000, plot
+    # Prompt lengths once (the dataset), response lengths at every step: one per response.
+    histograms = read_histograms(str(run.output_dir / "lengths.jsonl"))
+    assert [step for step, _ in histograms["lengths/prompt_tokens"]] == [0]
+    assert [step for step, _ in histograms["lengths/response_tokens"]] == list(range(1, run.num_steps + 1))
+    assert all(len(values) == ROLLOUT_BATCH_SIZE for _, values in histograms["lengths/response_tokens"])
     for line in lines:
         step = line["step"]
         missing = [key for key in STEP_METRICS if key not in line]

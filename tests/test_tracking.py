@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import os
+import re
 import struct
 
 import pytest
@@ -222,6 +223,7 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     for step in range(3):
         logger.log({"objective/kl": 0.01 * step, "objective/scores": float("nan") if step == 1 else 1.0}, step=step)
     logger.log_samples([{"prompt": "1 + 1", "response": "2", "score": 1.0}], step=2)
+    logger.log_histograms({"lengths/response_tokens": [3, 5, 5, 9]}, step=2)
     logger.set_summary("best", 1.0)
     assert logger.wandb_url is None  # an offline run has no page
     logger.finish()
@@ -232,6 +234,13 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     [table_file] = glob.glob(os.path.join(run_dir, "files", "media", "table", "sample_completions_*.table.json"))
     table = json.load(open(table_file))
     assert table["columns"] == ["prompt", "response", "score"] and table["data"] == [["1 + 1", "2", 1.0]]
+    # The lengths reached wandb as a histogram of all 4 values: wandb-core stores each history item's JSON in the
+    # .wandb protobuf as plain bytes (the Python reader for it is gone from wandb 0.2x).
+    [wandb_file] = glob.glob(os.path.join(run_dir, "*.wandb"))
+    data = open(wandb_file, "rb").read()
+    assert b'lengths/response_tokens\x12\x05_type\x82\x01\x0b"histogram"' in data
+    counts = re.search(rb"lengths/response_tokens\x12\x06values[^\[]*(\[[0-9,]+\])", data)
+    assert counts is not None and sum(json.loads(counts.group(1))) == 4
     # There is no reader for the .wandb file: what was logged is checked through the logger's own record.
     assert tracking.read_metrics(str(output_dir / "metrics.jsonl")) == [
         {"step": 0, "objective/kl": 0.0, "objective/scores": 1.0},
@@ -239,3 +248,20 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
         {"step": 2, "objective/kl": 0.02, "objective/scores": 1.0},
     ]
     assert json.loads((output_dir / "summary.json").read_text()) == {"best": 1.0}
+
+
+def test_length_histograms_are_logged_and_plotted_first_and_last_step(tmp_path):
+    logger = tracking.MetricsLogger(str(tmp_path))
+    logger.log_histograms({"lengths/prompt_tokens": [30, 31, 31, 33]}, step=0)
+    for step, lengths in [(1, [10, 32, 32]), (2, [8, 9, 32]), (3, [6, 7, 7])]:
+        logger.log_histograms({"lengths/response_tokens": lengths}, step=step)
+    histograms = tracking.read_histograms(str(tmp_path / "lengths.jsonl"))
+    assert histograms == {
+        "lengths/prompt_tokens": [(0, [30, 31, 31, 33])],
+        "lengths/response_tokens": [(1, [10, 32, 32]), (2, [8, 9, 32]), (3, [6, 7, 7])],
+    }
+    png = tracking.plot_length_histograms(str(tmp_path / "lengths.jsonl"), str(tmp_path / "lengths.png"))
+    assert os.path.getsize(png) > 10_000
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no histogram"):
+        tracking.plot_length_histograms(str(tmp_path / "empty.jsonl"), str(tmp_path / "x.png"))

@@ -1,0 +1,146 @@
+"""Learner seconds per response by phase, before and after each switch that cuts learner work, in one invocation.
+
+    python scripts/benchmark/learner_phases.py                      # the CPU (or GPU) debug config's batch
+    python scripts/benchmark/learner_phases.py --repeats 2 --json learner_phases.json
+
+One real rollout is sampled once with vLLM from the config's prompts (the CPU debug recipe: 8 prompts x 4
+samples, 32 response tokens at temperature 0.7, with the engine's logprobs). Then, for each row of the table, a
+fresh learner (the config plus that row's flags) runs `make_experience` and `train` on that same rollout, and
+the learner's own `time/*` metrics give the phases:
+
+- old_logprob: the policy's no-grad forward for the old logprobs (skipped with --old_logprobs_from vllm);
+- ref_logprob: the reference model's forward (skipped with --beta 0);
+- value: the value model's forward for the old values (PPO only);
+- experience: all of `make_experience` (the above plus scoring and advantages);
+- train: the PPO epochs (policy and value forward + backward and the optimizer steps).
+
+Rows are cumulative: each adds one switch to the row above. The last row is GRPO on the same rollout (no value
+model). Prints a table (seconds per response, and the ratio to the first row) and writes JSON.
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+ROWS = [
+    ("baseline: learner old logprobs, beta 0.05, fp32", ["--old_logprobs_from", "learner", "--beta", "0.05"]),
+    ("+ --old_logprobs_from vllm", ["--old_logprobs_from", "vllm", "--beta", "0.05"]),
+    ("+ --beta 0 (no reference model)", ["--old_logprobs_from", "vllm", "--beta", "0"]),
+    ("+ --learner_compute_dtype bfloat16", ["--old_logprobs_from", "vllm", "--beta", "0",
+                                            "--learner_compute_dtype", "bfloat16"]),  # fmt: skip
+    ("GRPO (no value model), as the row before", ["--algorithm", "grpo", "--old_logprobs_from", "vllm", "--beta", "0",
+                                                  "--learner_compute_dtype", "bfloat16"]),  # fmt: skip
+]
+PHASES = {
+    "old_logprob": "time/old_logprob_forward",
+    "ref_logprob": "time/ref_logprob_forward",
+    "value": "time/value_forward",
+    "experience": "experience",
+    "train": "train",
+}
+
+
+def default_config() -> str:
+    kind = "gpu" if torch.cuda.is_available() else "cpu"
+    return f"configs/train_configs/ppo_arithmetic_{kind}.yaml"
+
+
+def sample_rollout(args, sizes):
+    """One rollout of the config's first prompts, sampled by a fresh vLLM engine (freed before the learners load)."""
+    from open_instruct import vllm_utils
+    from open_instruct.dataset_transformation import build_prompt_datasets
+    from open_instruct.embedded_model import resolve_model_path
+    from open_instruct.model_utils import load_tokenizer
+    from open_instruct.ppo_vllm_thread_ray_gtrl import stop_token_ids_for
+    from open_instruct.rollout_requests import prompt_batch
+
+    path = resolve_model_path(args.model.model_name_or_path)
+    tokenizer = load_tokenizer(path)
+    train_dataset, _ = build_prompt_datasets(args.data, tokenizer)
+    prompts = prompt_batch(train_dataset, list(range(sizes.prompts_per_step)), tokenizer)
+    stop_token_ids = stop_token_ids_for(tokenizer, args.gen.stop_token)
+    llm = vllm_utils.create_engine(
+        vllm_utils.EngineConfig(path, max_model_len=args.gen.max_token_length, seed=args.run.seed)
+    )
+    params = vllm_utils.sampling_params(
+        n=args.ppo.number_samples_per_prompt,
+        temperature=args.gen.temperature,
+        max_tokens=args.gen.response_length,
+        stop_token_ids=stop_token_ids,
+        seed=args.run.seed,
+        with_logprobs=True,
+    )
+    completions = vllm_utils.generate(llm, prompts.token_ids, params)
+    del llm
+    gc.collect()
+    return path, tokenizer, prompts, completions, stop_token_ids
+
+
+def time_row(argv: list[str], path, tokenizer, prompts, completions, stop_token_ids) -> dict[str, float]:
+    from open_instruct.ground_truth_utils import RewardManager
+    from open_instruct.ppo_args import compute_batch_sizes, parse_args
+    from open_instruct.ppo_learner import learner_class
+
+    args = parse_args(argv)
+    torch.manual_seed(args.run.seed)
+    learner = learner_class(args.ppo.algorithm)(args, compute_batch_sizes(args), tokenizer, path, stop_token_ids)
+    start = time.perf_counter()
+    experience, metrics, _ = learner.make_experience(prompts, completions, RewardManager(args.reward))
+    metrics["experience"] = time.perf_counter() - start
+    start = time.perf_counter()
+    learner.train(experience)
+    metrics["train"] = time.perf_counter() - start
+    del learner, experience
+    gc.collect()
+    return {phase: metrics.get(key, 0.0) for phase, key in PHASES.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=default_config())
+    parser.add_argument("--repeats", type=int, default=1, help="learners per row (the median is reported)")
+    parser.add_argument("--json", default="learner_phases.json")
+    options, extra = parser.parse_known_args()
+
+    from open_instruct.ppo_args import compute_batch_sizes, parse_args
+
+    base_argv = [options.config, "--num_evals", "0", *extra]
+    base = parse_args(base_argv)
+    path, tokenizer, prompts, completions, stop_token_ids = sample_rollout(base, compute_batch_sizes(base))
+    responses = len(completions)
+    tokens = sum(len(c.token_ids) for c in completions)
+    print(f"[bench] rollout: {responses} responses, {tokens} response tokens; config {options.config}", flush=True)
+
+    results = {"config": options.config, "responses": responses, "response_tokens": tokens, "rows": []}
+    for name, flags in ROWS:
+        runs = []
+        for _ in range(options.repeats):
+            print(f"[bench] {name}", flush=True)
+            runs.append(time_row([*base_argv, *flags], path, tokenizer, prompts, completions, stop_token_ids))
+        seconds = {phase: statistics.median(run[phase] for run in runs) for phase in PHASES}
+        total = seconds["experience"] + seconds["train"]
+        results["rows"].append({"row": name, "flags": flags, "seconds": seconds, "total_seconds": total,
+                                "seconds_per_response": total / responses})  # fmt: skip
+
+    first = results["rows"][0]["total_seconds"]
+    header = f"{'learner, s per response':<44}" + "".join(f"{phase:>12}" for phase in PHASES)
+    print(f"\n{header}{'total':>10}{'speed-up':>10}")
+    for row in results["rows"]:
+        cells = "".join(f"{row['seconds'][phase] / responses:12.3f}" for phase in PHASES)
+        print(f"{row['row']:<44}{cells}{row['seconds_per_response']:10.3f}{first / row['total_seconds']:9.2f}x")
+    print(f"(torch threads: {torch.get_num_threads()}; one rollout of {responses} responses for every row)")
+    with open(options.json, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"[bench] wrote {options.json}")
+
+
+if __name__ == "__main__":
+    main()
