@@ -81,6 +81,7 @@ def start_generation_thread(
         dtype=args.gen.vllm_dtype,
         gpu_memory_utilization=args.gen.vllm_gpu_memory_utilization,
         enforce_eager=args.gen.vllm_enforce_eager,
+        cpu_weight_layout=args.gen.vllm_cpu_weight_layout,
     )
     engines = None
     if args.dist.vllm_num_engines > 0:

