@@ -52,6 +52,8 @@ def multinode_run(request, tiny_model_dir, eval_file, tmp_path_factory):  # noqa
         "--num_evals", "1",
         "--learning_rate", "1e-2",  # two steps change the tiny model's greedy output
         "--lr_scheduler_type", "constant",
+        # The CPU recipe skips both; here they run under ZeRO across the two nodes (objective/kl is a step metric).
+        "--beta", "0.05", "--old_logprobs_from", "learner",
         "--output_dir", str(workdir / "output"),
     ]  # fmt: skip
     process = run_to_completion(command, cwd=workdir)
