@@ -146,7 +146,9 @@ class DeepSpeedBackend:
         dist.all_reduce(on_device)
         return on_device.to(tensor.device)
 
-    def named_weights(self, model: nn.Module, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]] | None:
+    def named_weights(
+        self, model: nn.Module, dtype: torch.dtype, slot: int | None = None
+    ) -> list[tuple[str, torch.Tensor]] | None:
         """Rank 0 gets the full weights. Under ZeRO-3 every rank takes part in gathering them: the whole model
         at once with --gather_whole_model, else one parameter at a time (peak memory: the largest one)."""
         weights = list(self.iter_named_weights(model, dtype))

@@ -9,7 +9,8 @@ behind a backend with these members (`deepspeed_utils.DeepSpeedBackend` is the o
 - `local_rows(n)`: the rows of an n-row global batch this rank runs forward passes on (an equal share);
   `gather_rows(t)`: the ranks' row shares concatenated back into the global batch, in order;
   `all_sum(t)`: a tensor summed over ranks;
-- `named_weights(model, dtype)`: the full weights with HF names on rank 0 (None elsewhere);
+- `named_weights(model, dtype[, slot])`: the full weights with HF names on rank 0 (None elsewhere); `slot`: a
+  reusable buffer the single-process backend copies into (the DeepSpeed one ignores it: its copies travel by Ray);
   `full_model(model)`: a context giving rank 0 the complete HF model (to save it), None elsewhere.
 
 This module imports neither torch.distributed nor deepspeed: the single-process path never needs them.
@@ -88,8 +89,11 @@ class SingleProcess:
 
     rank, world_size = 0, 1
 
+    SNAPSHOT_SLOTS = 3  # at most two requests with weights are in flight (async), plus the one being written
+
     def __init__(self):
         self.device = mu.learner_device()
+        self.snapshots = mu.WeightSnapshots(self.SNAPSHOT_SLOTS)
 
     def trainable(self, model: nn.Module, settings: OptimizerSettings) -> AdamWTrainer:
         return AdamWTrainer(model, settings)
@@ -106,8 +110,14 @@ class SingleProcess:
     def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    def named_weights(self, model: nn.Module, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
-        return mu.named_weights_for_engine(model, dtype)
+    def named_weights(
+        self, model: nn.Module, dtype: torch.dtype, slot: int | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """A copy for the engine; on CPUs into reused buffer `slot` when given (mu.WeightSnapshots says why; GPUs
+        reuse memory through the CUDA caching allocator already)."""
+        if slot is None or self.device.type != "cpu" or slot >= self.SNAPSHOT_SLOTS:
+            return mu.named_weights_for_engine(model, dtype)
+        return self.snapshots.take(model, dtype, slot)
 
     def iter_named_weights(self, model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in model.named_parameters():

@@ -80,7 +80,7 @@ class LearnerRank:
         return metrics
 
     def weights_for_engine(self):
-        return self.learner.weights_for_engine()
+        return self.learner.weights_for_engine()  # no slot: the copy travels back through Ray
 
     def lr(self) -> float:
         return self.learner.lr
@@ -186,8 +186,8 @@ class LearnerGroup:
     def train(self, experience: ExperienceOnRanks) -> dict[str, float]:
         return self._call_all("train")[0]
 
-    def weights_for_engine(self) -> list[tuple[str, torch.Tensor]]:
-        return self._call_all("weights_for_engine")[0]
+    def weights_for_engine(self, slot: int | None = None) -> list[tuple[str, torch.Tensor]]:
+        return self._call_all("weights_for_engine")[0]  # `slot` unused: Ray hands over a copy in fresh memory
 
     @property
     def lr(self) -> float:

@@ -292,6 +292,36 @@ def named_weights_for_engine(model: nn.Module, dtype: torch.dtype) -> list[tuple
     return [(name, param.detach().to(dtype=dtype, copy=True)) for name, param in model.named_parameters()]
 
 
+class WeightSnapshots:
+    """Copies of a model's weights for the engine, written into `slots` flat buffers that are reused.
+
+    An async run copies the policy at every step, because the learner trains on while the engine has yet to load
+    the copy. Fresh memory for each copy costs page faults: for SmolLM2-135M in fp32 (540 MB) the copy measured
+    0.19 s into new memory against 0.046 s into memory already touched. The caller says which slot to write
+    (`take(model, dtype, slot)`) and must not reuse a slot whose copy the engine has not loaded yet
+    (rollout_requests.RolloutRequests picks a slot no request in flight holds). Views into the slot come back
+    with HF names, as `named_weights_for_engine` returns them.
+    """
+
+    def __init__(self, slots: int):
+        self.buffers: list[torch.Tensor | None] = [None] * slots
+
+    def take(self, model: nn.Module, dtype: torch.dtype, slot: int) -> list[tuple[str, torch.Tensor]]:
+        params = list(model.named_parameters())
+        numel = sum(param.numel() for _, param in params)
+        buffer = self.buffers[slot]
+        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != params[0][1].device:
+            buffer = self.buffers[slot] = torch.empty(numel, dtype=dtype, device=params[0][1].device)
+        named, offset = [], 0
+        with torch.no_grad():
+            for name, param in params:
+                view = buffer[offset : offset + param.numel()].view(param.shape)
+                view.copy_(param.detach())
+                named.append((name, view))
+                offset += param.numel()
+        return named
+
+
 def state_dict_for_saving(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The state dict on the CPU in `dtype`, each shared tensor once (a tied lm_head is not stored twice)."""
     state_dict, seen = {}, set()

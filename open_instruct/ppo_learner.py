@@ -203,9 +203,11 @@ class PPOLearner:
             micro_batch_size=ppo.per_device_train_batch_size,
         )
 
-    def weights_for_engine(self) -> list[tuple[str, torch.Tensor]] | None:
-        """The policy's weights, copied in the engine's dtype (on rank 0; None on the other ranks)."""
-        return self.backend.named_weights(self.policy, getattr(torch, engine_dtype(self.args.gen.vllm_dtype)))
+    def weights_for_engine(self, slot: int | None = None) -> list[tuple[str, torch.Tensor]] | None:
+        """The policy's weights, copied in the engine's dtype (on rank 0; None on the other ranks), into reusable
+        buffer `slot` where the backend keeps one (see learner_backend)."""
+        dtype = getattr(torch, engine_dtype(self.args.gen.vllm_dtype))
+        return self.backend.named_weights(self.policy, dtype, slot)
 
     # ---- the weight broadcast to vLLM engine actors (weight_sync.py) ----
     def weight_bucket_plan(self, bucket_bytes: int) -> list[ws.Bucket]:

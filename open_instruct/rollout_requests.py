@@ -42,6 +42,7 @@ class InFlight:
     rollout: Rollout | None = None
     eval_rollout: Rollout | None = None
     weights_sent: dict | None = None  # engine actors: what learner rank 0 broadcast before this request (its checksum)
+    snapshot_slot: int | None = None  # in-process engine: the learner's buffer holding this request's weights
 
     def receive(self, generator: GenerationThread) -> Rollout:
         if self.rollout is None:
@@ -94,17 +95,23 @@ class RolloutRequests:
         self.requests_sent += 1
         return ckpt.sampling_seed(self.seed, self.requests_sent - 1)
 
-    def send_weights_and(self, request: GenerationRequest) -> dict | None:
+    def free_snapshot_slot(self) -> int:
+        """A learner buffer for the next copy of the weights that no request in flight holds: the engine loads a
+        request's weights before it generates its rollout, so a received request's buffer is free again."""
+        busy = {request.snapshot_slot for request in self.in_flight}
+        return next(slot for slot in range(len(busy) + 1) if slot not in busy)
+
+    def send_weights_and(self, request: GenerationRequest, slot: int | None = None) -> dict | None:
         """Send `request` with the learner's weights of its policy version (version 0: the engine's initial ones).
 
-        In-process engine: the tensors travel in the request. Engine actors: the request tells them to receive, and
+        In-process engine: the tensors travel in the request (copied into the learner's buffer `slot`). Engine actors: the request tells them to receive, and
         learner rank 0 broadcasts now; returns what it sent (checksum, timings).
         """
         if request.policy_version == 0:
             self.generator.send(request)
             return None
         if not self.broadcast:
-            request.weights = self.learner.weights_for_engine()
+            request.weights = self.learner.weights_for_engine(slot)
             self.generator.send(request)
             return None
         request.broadcast = True
@@ -124,8 +131,10 @@ class RolloutRequests:
         if run_eval:
             self.evaluated_versions.add(version)
         seed = self.next_sampling_seed()
-        sent = self.send_weights_and(GenerationRequest(version, None, prompts.token_ids, run_eval, sampling_seed=seed))
-        self.in_flight.append(InFlight(prompts, indices, version, run_eval, weights_sent=sent))
+        slot = self.free_snapshot_slot() if version > 0 and not self.broadcast else None
+        request = GenerationRequest(version, None, prompts.token_ids, run_eval, sampling_seed=seed)
+        sent = self.send_weights_and(request, slot)
+        self.in_flight.append(InFlight(prompts, indices, version, run_eval, weights_sent=sent, snapshot_slot=slot))
 
     def send_final_eval(self, version: int) -> Rollout:
         """The eval of the final policy (this also syncs its weights into the engines)."""

