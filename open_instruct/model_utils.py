@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 from torch import nn
@@ -79,6 +80,17 @@ def learner_compute_dtype(requested: str, device: torch.device) -> tuple[torch.d
     if speedup < BF16_MIN_SPEEDUP:
         return torch.float32, f"float32: bf16 matmul only {speedup:.2f}x fp32 here despite {'/'.join(flags)}"
     return torch.bfloat16, f"bfloat16: {'/'.join(flags)}, bf16 matmul {speedup:.2f}x fp32"
+
+
+def compute_dtype_of_all_ranks(
+    dtype: torch.dtype, why: str, all_sum: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.dtype, str]:
+    """The compute dtype every learner rank uses: fp32 if any rank chose it (its CPU lacks fast bf16), else this
+    rank's choice. Every rank must call it (`all_sum` sums a tensor over the ranks)."""
+    ranks_on_fp32 = int(all_sum(torch.tensor([int(dtype == torch.float32)], dtype=torch.int64)).item())
+    if ranks_on_fp32 and dtype != torch.float32:
+        return torch.float32, f"float32: {ranks_on_fp32} other learner rank(s) chose it (this rank alone: {why})"
+    return dtype, why
 
 
 def autocast(device: torch.device, dtype: torch.dtype = torch.bfloat16):

@@ -70,6 +70,47 @@ def ray_cluster():
     cluster.shutdown()
 
 
+# ---- the compute dtype: one for all ranks ---------------------------------------------------------------------------
+
+
+def choose_dtype_on_rank(rank: int, port: int, choices: list[str], results) -> None:
+    """One learner rank (a spawned process) joins a real 2-rank gloo group on 127.0.0.1 and agrees on its dtype."""
+    from open_instruct import deepspeed_utils, model_utils
+
+    deepspeed_utils.init_process_group(rank, 2, "127.0.0.1", port, 60)
+    backend = deepspeed_utils.DeepSpeedBackend(stage=2, micro_batch_size=1, gather_whole_model=False)
+    dtype, why = model_utils.compute_dtype_of_all_ranks(getattr(torch, choices[rank]), "probe", backend.all_sum)
+    results[rank] = (str(dtype), why)
+
+
+@needs_loopback_namespace
+@pytest.mark.parametrize(
+    "choices, expected",
+    [
+        (["bfloat16", "float32"], "torch.float32"),  # rank 1's CPU has no fast bf16: both ranks compute in fp32
+        (["float32", "bfloat16"], "torch.float32"),
+        (["bfloat16", "bfloat16"], "torch.bfloat16"),
+        (["float32", "float32"], "torch.float32"),
+    ],
+)
+def test_learner_ranks_whose_cpus_choose_different_dtypes_all_compute_in_fp32(choices, expected):
+    """Each rank's `--learner_compute_dtype auto` probes its own CPU, and nodes can differ; ranks computing in
+    different dtypes would take different steps, so one fp32 rank makes every rank fp32."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(choose_dtype_on_rank, args=(port, choices, results), nprocs=2, join=True)
+    assert [results[rank][0] for rank in range(2)] == [expected, expected]
+    for rank in range(2):
+        overruled = choices[rank] == "bfloat16" and expected == "torch.float32"
+        assert ("other learner rank" in results[rank][1]) == overruled, results[rank]
+
+
 # ---- equivalence with the single-process learner ----------------------------------------------------------------------
 
 QUESTIONS = [(1, 2), (3, 4), (2, 2), (5, 1)]
@@ -92,6 +133,8 @@ EQUIVALENCE_FLAGS = [
     "--total_episodes", "16",
     "--response_length", "16",
     "--seed", "3",
+    # fp32 compute: the comparison is exact to 1e-4, which bf16 autocast (chosen on CPUs with fast bf16) is not.
+    "--learner_compute_dtype", "float32",
 ]  # fmt: skip
 
 

@@ -65,6 +65,9 @@ STEP_METRICS = [
 # In sync mode with an fp32 engine the learner computes the logprobs of the very weights that sampled: measured
 # ~4e-7 nats per token. A weight sync that misses a layer (the tied LM head did) gives 1e-2 to 1e-1.
 SYNC_MAX_LOGPROB_DIFF = 1e-3
+# ...when the learner computes in fp32 too. On a CPU with fast bf16, `--learner_compute_dtype auto` computes in bf16
+# (measured ~6e-4 nats per token off the fp32 engine on the tiny model), so the tests of that bound pin fp32.
+FP32_LEARNER = ["--learner_compute_dtype", "float32"]
 
 
 # ---- running the trainer --------------------------------------------------------------------------------------------
@@ -176,6 +179,7 @@ def sync_run(tiny_model_dir, eval_file, tmp_path_factory) -> SyncRun:
             "--dataset_mixer_eval_list", str(eval_file), "1.0",
             "--output_dir", str(workdir / "output"),
             "--max_vllm_logprob_diff", str(SYNC_MAX_LOGPROB_DIFF),
+            *FP32_LEARNER,
             "--with_tracking", "true",
             "--push_to_hub", "true",
             "--hf_endpoint", hub.endpoint,
@@ -412,7 +416,7 @@ def test_a_skipped_weight_sync_stops_the_run_before_it_trains_on_off_policy_data
         "skip_weight_sync", tiny_model_dir, tmp_path,
         "--async_mode", "false", "--total_episodes", "24", "--num_evals", "0",
         "--learning_rate", "1e-2", "--lr_scheduler_type", "constant",
-        "--max_vllm_logprob_diff", str(SYNC_MAX_LOGPROB_DIFF),
+        "--max_vllm_logprob_diff", str(SYNC_MAX_LOGPROB_DIFF), *FP32_LEARNER,
     )  # fmt: skip
     assert process.returncode != 0, "the run trained on rollouts from stale engine weights"
     assert "Step 2: vLLM and the learner disagree on the logprobs of the sampled tokens" in process.stderr, (
@@ -433,7 +437,7 @@ def test_with_the_engines_old_logprobs_and_no_reference_a_skipped_weight_sync_st
         "skip_weight_sync", tiny_model_dir, tmp_path,
         "--async_mode", "false", "--total_episodes", "24", "--num_evals", "0",
         "--learning_rate", "1e-2", "--lr_scheduler_type", "constant",
-        "--max_vllm_logprob_diff", str(SYNC_MAX_LOGPROB_DIFF),
+        "--max_vllm_logprob_diff", str(SYNC_MAX_LOGPROB_DIFF), *FP32_LEARNER,
         "--old_logprobs_from", "vllm", "--beta", "0",
     )  # fmt: skip
     assert process.returncode != 0, "the run trained on rollouts from stale engine weights"
