@@ -142,8 +142,8 @@ class PPOLearner:
         self.device = self.backend.device
         model_args = args.model
         self.compute_dtype, why = mu.learner_compute_dtype(model_args.learner_compute_dtype, self.device)
-        if self.backend.world_size > 1:  # each rank probed its own CPU; they must compute alike
-            self.compute_dtype, why = mu.compute_dtype_of_all_ranks(self.compute_dtype, why, self.backend.all_sum)
+        # Each rank probed its own CPU; they must compute alike (one process: the sum is its own choice).
+        self.compute_dtype, why = mu.compute_dtype_of_all_ranks(self.compute_dtype, why, self.backend.all_sum)
         if self.backend.rank == 0:
             print(f"[learner] computing in {why}")
         self.policy_path = policy_path

@@ -103,8 +103,10 @@ def test_learner_ranks_whose_cpus_choose_different_dtypes_all_compute_in_fp32(ch
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(choose_dtype_on_rank, args=(port, choices, results), nprocs=2, join=True)
+    with mp.Manager() as manager:
+        shared = manager.dict()
+        mp.spawn(choose_dtype_on_rank, args=(port, choices, shared), nprocs=2, join=True)
+        results = dict(shared)
     assert [results[rank][0] for rank in range(2)] == [expected, expected]
     for rank in range(2):
         overruled = choices[rank] == "bfloat16" and expected == "torch.float32"
