@@ -5,7 +5,7 @@ uninterrupted one would have (same metrics, same final model, up to float tolera
 
     output_dir/checkpoints/step_N/
         learner.pt          policy and value weights (fp32; GRPO: no value model), their AdamW states and LR
-                            schedulers, the minibatch shuffle generator, torch's global RNG
+                            schedulers, the minibatch shuffle generator, torch's global RNG, the compute dtype
         trainer_state.json  step, episode, policy version, run id, wandb run id, the prompt iterator's state,
                             the evals done, how many rollouts were requested, and the rollout in flight
         args.json           every flag of the run

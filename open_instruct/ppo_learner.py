@@ -134,14 +134,19 @@ class PPOLearner:
     uses_value_model = True  # a critic, trained beside the policy, that GAE takes its baseline from
 
     def __init__(
-        self, args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int], backend=None
-    ):
+        self, args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int], backend=None,
+        compute_dtype: tuple[torch.dtype, str] | None = None,
+    ):  # fmt: skip
+        """`compute_dtype`: (dtype, why) as `mu.learner_compute_dtype` chose it before the engine started loading
+        (its probe times matmuls: best on quiet cores); None: this learner chooses now."""
         self.args, self.sizes, self.tokenizer = args, sizes, tokenizer
         self.stop_token_ids = stop_token_ids
         self.backend = backend or SingleProcess()
         self.device = self.backend.device
         model_args = args.model
-        self.compute_dtype, why = mu.learner_compute_dtype(model_args.learner_compute_dtype, self.device)
+        if compute_dtype is None:
+            compute_dtype = mu.learner_compute_dtype(model_args.learner_compute_dtype, self.device)
+        self.compute_dtype, why = compute_dtype
         # Each rank probed its own CPU; they must compute alike (one process: the sum is its own choice).
         self.compute_dtype, why = mu.compute_dtype_of_all_ranks(self.compute_dtype, why, self.backend.all_sum)
         if self.backend.rank == 0:
@@ -494,6 +499,7 @@ class PPOLearner:
             "schedulers": [trainer.scheduler.state_dict() for trainer in self.trainers],
             "shuffle_generator": self.shuffle_generator.get_state(),
             "torch_rng": torch.get_rng_state(),
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -511,6 +517,15 @@ class PPOLearner:
             trainer.scheduler.load_state_dict(scheduler_state)
         self.shuffle_generator.set_state(state["shuffle_generator"])
         torch.set_rng_state(state["torch_rng"])
+        # `--learner_compute_dtype auto` decides by a timing probe, which a busy machine can tip the other way: a
+        # resumed run computes in the dtype the run computed in, so that it goes on as the uninterrupted one would.
+        run_dtype = state.get("compute_dtype")  # absent from checkpoints written before it was saved
+        if run_dtype is not None and getattr(torch, run_dtype) != self.compute_dtype:
+            chosen_now = str(self.compute_dtype).removeprefix("torch.")
+            if self.backend.rank == 0:
+                print(f"[learner] computing in {run_dtype}, as the run did before this checkpoint "
+                      f"(this start alone chose {chosen_now})", flush=True)  # fmt: skip
+            self.compute_dtype = getattr(torch, run_dtype)
 
     def initial_weights(self) -> dict[str, torch.Tensor]:
         """The run's initial policy weights: the reference model's, or (--beta 0: none loaded) read again, in fp32."""

@@ -35,7 +35,7 @@ from open_instruct.embedded_model import resolve_model_path
 from open_instruct.generation_thread import GenerationSettings, GenerationThread, Rollout
 from open_instruct.rollout_requests import RolloutRequests, broadcast_metrics, prompt_batch
 from open_instruct.ground_truth_utils import RewardManager
-from open_instruct.model_utils import load_tokenizer
+from open_instruct.model_utils import learner_compute_dtype, learner_device, load_tokenizer
 from open_instruct.ppo_args import Args, BatchSizes, ConfigError, compute_batch_sizes, parse_args
 from open_instruct.ppo_learner import PromptBatch, SavedModel, check_engine_matches_learner, learner_class
 from open_instruct.tracking import (
@@ -170,11 +170,14 @@ def expected_rollout_version(step: int, async_mode: bool) -> int:
     return max(0, step - 2) if async_mode else step - 1
 
 
-def build_learner(args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int], placement=None):
+def build_learner(args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int], placement=None,
+                  compute_dtype: tuple | None = None):  # fmt: skip
     """This process's learner (PPOLearner, or GRPOLearner with --algorithm grpo), or learner ranks of that class on
-    Ray + DeepSpeed behind the same methods."""
+    Ray + DeepSpeed behind the same methods. `compute_dtype`: this process's (dtype, why), chosen before the engine
+    started; Ray ranks choose on their own nodes."""
     if not args.dist.uses_ray:
-        return learner_class(args.ppo.algorithm)(args, sizes, tokenizer, policy_path, stop_token_ids)
+        return learner_class(args.ppo.algorithm)(args, sizes, tokenizer, policy_path, stop_token_ids,
+                                                 compute_dtype=compute_dtype)  # fmt: skip
     from open_instruct.learner_group import LearnerGroup  # imports ray; the single-process path never does
 
     return LearnerGroup(args, sizes, policy_path, stop_token_ids, placement)
@@ -223,11 +226,16 @@ def train(args: Args, sizes: BatchSizes, resume: ckpt.Checkpoint | None, stop: c
             from open_instruct.learner_group import reserve_learner_placement
 
             learner_placement = reserve_learner_placement(args.dist)
+        compute_dtype = None
+        if not args.dist.uses_ray:  # the dtype probe times matmuls: run it before the engine loads on the same cores
+            compute_dtype = learner_compute_dtype(args.model.learner_compute_dtype, learner_device())
         generator = start_generation_thread(args, policy_path, stop_token_ids, eval_prompts)
         try:
             if torch.cuda.is_available():
                 generator.wait_until_ready()  # vLLM sizes its KV cache from free GPU memory: let it measure first
-            learner = build_learner(args, sizes, tokenizer, policy_path, stop_token_ids, learner_placement)
+            learner = build_learner(
+                args, sizes, tokenizer, policy_path, stop_token_ids, learner_placement, compute_dtype
+            )
             if generator.engine is not None:  # engine actors: learner rank 0 will broadcast weights to them
                 from open_instruct.engine_group import connect_engines
 

@@ -291,6 +291,7 @@ def test_grpo_trainer_logs_every_step_saves_a_loadable_model_and_a_checkpoint_wi
     checkpoint = grpo_run / "checkpoints" / f"step_{NUM_STEPS}"
     state = torch.load(checkpoint / "learner.pt", weights_only=False)
     assert "value_model" not in state and len(state["optimizers"]) == 1
+    assert state["compute_dtype"] in ("float32", "bfloat16")  # a resumed run computes in it (auto: not re-probed)
     assert json.loads((checkpoint / "args.json").read_text())["algorithm"] == "grpo"
 
 

@@ -27,9 +27,12 @@ import torch
 from safetensors.torch import load_file
 
 from open_instruct.tracking import read_metrics
-from tests.test_ppo_trainer import RUN_TIMEOUT_S, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
+from tests.test_ppo_trainer import FP32_LEARNER, RUN_TIMEOUT_S, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
 
 NUM_STEPS = 8
+# The reference and the interrupted run are two runs: with `--learner_compute_dtype auto` each would time its own
+# probe, and a busy machine can tip one of them to the other dtype (a CI run failed so at step 5's KL). A resumed
+# run keeps its own run's dtype (test_a_resumed_learner_computes_in_the_dtype_its_run_computed_in).
 RUN_FLAGS = [
     "--model_name_or_path", "tiny",
     "--total_episodes", str(8 * NUM_STEPS),
@@ -37,6 +40,7 @@ RUN_FLAGS = [
     "--eval_samples_per_prompt", "2",
     "--save_freq", "2",
     "--keep_last_n", "2",
+    *FP32_LEARNER,
     *SMALL_RUN,
 ]  # fmt: skip
 SIGTERM_EXIT_BOUND_S = 60.0
@@ -253,6 +257,31 @@ def learner_and_batch(tiny_model_dir):
                                       text=text, finish_reason="stop"))  # fmt: skip
     experience, _, _ = learner.make_experience(prompts, completions, RewardManager(args.reward))
     return learner, experience
+
+
+def test_a_resumed_learner_computes_in_the_dtype_its_run_computed_in(learner_and_batch, tmp_path, capsys):
+    """`--learner_compute_dtype auto` times a probe at each start, and a busy machine can tip it: the checkpoint
+    keeps the dtype the run computed in, and a resumed learner computes in it whatever its own probe chose."""
+    from open_instruct.checkpoint import save_checkpoint
+
+    learner, experience = learner_and_batch
+    chosen_at_start = learner.compute_dtype
+    other = torch.bfloat16 if chosen_at_start == torch.float32 else torch.float32
+    learner.compute_dtype = other  # the run before the checkpoint computed in the other dtype
+    path = save_checkpoint(str(tmp_path), 1, learner.state_dict(), {"step": 1}, learner.args, keep_last_n=1)
+    learner.compute_dtype = chosen_at_start  # a new start: its probe chose otherwise
+
+    state = torch.load(Path(path) / "learner.pt", weights_only=False)
+    assert state["compute_dtype"] == str(other).removeprefix("torch.")
+    learner.load_state_dict(state)
+    assert learner.compute_dtype == other
+    assert f"computing in {state['compute_dtype']}, as the run did before this checkpoint" in capsys.readouterr().out
+    assert all(math.isfinite(value) for value in learner.train(experience).values())
+
+    del state["compute_dtype"]  # a checkpoint written before the dtype was saved: the start's choice stands
+    learner.compute_dtype = chosen_at_start
+    learner.load_state_dict(state)
+    assert learner.compute_dtype == chosen_at_start
 
 
 def nan_on_first_call(monkeypatch) -> None:
