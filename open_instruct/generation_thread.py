@@ -222,6 +222,12 @@ class GenerationThread(threading.Thread):
                 f"--- generation thread traceback ---\n{self.error_traceback}"
             ) from self.error
 
+    def raise_if_it_fails_within(self, seconds: float) -> None:
+        """Give the thread `seconds` to end with an error (then raise it, as raise_if_failed); a healthy thread
+        costs the whole wait. For the learner whose own call just failed in a way a dead engine would cause."""
+        self.join(timeout=seconds)
+        self.raise_if_failed()
+
     def shutdown(self) -> None:
         self._stop_requested.set()
         self.join(timeout=self.poll_s * 5)

@@ -246,10 +246,35 @@ def wait_for_actors(refs: list, names: list[str], method: str, timeout_s: float,
             raise failure(f"{name_of[ref]} died during {method}: {death_cause(error)}") from None
         except RayTaskError as error:
             cause = error.cause if error.cause is not None else error
-            raise failure(f"{name_of[ref]} failed in {method}: {type(cause).__name__}: {first_line(cause)}") from error
+            failed = f"{name_of[ref]} failed in {method}: {type(cause).__name__}: {first_line(cause)}"
+            death = first_death(pending, name_of, method, PEER_DEATH_GRACE_S)
+            if death is not None:  # it failed because a peer of its collective died: the death goes first
+                raise failure(f"{death} (then {failed})") from error
+            raise failure(failed) from error
         except RayError as error:  # e.g. OutOfMemoryError: Ray's memory monitor killed the actor's worker
             raise failure(f"{name_of[ref]} was lost during {method}: {type(error).__name__}: {first_line(error)}") from None
     return [results[ref] for ref in refs]
+
+
+# A collective (weight broadcast, ZeRO gather) fails on every peer of a process that dies, often before Ray has
+# noticed the death itself (it does within about a second): a failure waits this long for a death among the others.
+PEER_DEATH_GRACE_S = 5.0
+
+
+def first_death(refs: list, name_of: dict, method: str, grace_s: float) -> str | None:
+    """'<actor> died during <method>: <cause>' for the first of `refs` whose actor dies within `grace_s`, else None
+    (their other results and errors are dropped: the caller is already failing)."""
+    deadline = time.time() + grace_s
+    while refs and time.time() < deadline:
+        done, refs = ray.wait(refs, num_returns=1, timeout=max(0.0, deadline - time.time()))
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError as error:
+                return f"{name_of[ref]} died during {method}: {death_cause(error)}"
+            except RayError:
+                continue
+    return None
 
 
 def death_cause(error: RayActorError) -> str:

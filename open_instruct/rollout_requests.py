@@ -15,6 +15,10 @@ from open_instruct.generation_thread import GenerationRequest, GenerationThread,
 from open_instruct.ppo_learner import PromptBatch
 from open_instruct.weight_sync import checksum_mismatch, run_beside
 
+# How long a failed broadcast waits for news of a dead engine (Ray notices a death in about 1 s; the generation
+# thread's own wait may first spend learner_group.PEER_DEATH_GRACE_S on an engine that failed after it).
+PEER_DEATH_GRACE_S = 15.0
+
 
 def prompt_batch(dataset, indices: list[int], tokenizer) -> PromptBatch:
     rows = dataset[indices]
@@ -117,7 +121,14 @@ class RolloutRequests:
         request.broadcast = True
         self.generator.send(request)
         sending = run_beside(self.learner.broadcast_weights)
-        return sending.result(self.sync_timeout_s, "broadcast its weights", watch=self.generator.raise_if_failed)
+        try:
+            return sending.result(self.sync_timeout_s, "broadcast its weights", watch=self.generator.raise_if_failed)
+        except Exception:
+            # An engine that dies mid-broadcast breaks it at once on learner rank 0's side ("Connection reset by
+            # peer"); Ray tells the generation thread, which waits on the engines, of the death a moment later.
+            # The death is the cause the user must read, so it goes first if it comes.
+            self.generator.raise_if_it_fails_within(PEER_DEATH_GRACE_S)
+            raise
 
     def send(self, version: int) -> None:
         indices = next(self.prompt_order)

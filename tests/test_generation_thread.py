@@ -3,7 +3,9 @@ and a wait on the queues ends with a message instead of hanging.
 
 Only the first test starts the real engine (it fails at creation, after `import vllm`, ~10 s); the others need
 a thread that is alive but never produces anything, or one that ended, which `serve` overrides give without an
-engine. The full loop with a working engine runs in tests/test_ppo_trainer.py.
+engine. The last two put a thread whose engine "dies" beside a learner whose broadcast breaks: which error the
+learner reports does not depend on a race (tests/test_engine_group.py kills a real engine actor, where it does).
+The full loop with a working engine runs in tests/test_ppo_trainer.py.
 """
 
 import time
@@ -114,3 +116,55 @@ def test_shutdown_stops_an_idle_thread_promptly(idle_thread):
     idle_thread.shutdown()
     assert not idle_thread.is_alive()
     assert time.time() - start < 1.0
+
+
+# ---- a failed weight broadcast waits for news of a dead engine ----------------------------------------------------
+
+
+class EngineDiesWhileReceiving(GenerationThread):
+    """Takes the broadcast request and, `after_s` later, fails as EngineGroup.receive_weights does when Ray reports
+    that an engine actor died (a killed engine; tests/test_engine_group.py kills a real one)."""
+
+    after_s = 1.0
+
+    def serve(self) -> None:
+        request = self._wait(self.param_prompt_Q.get, "the broadcast request", stop_aware=True)
+        assert request.broadcast
+        time.sleep(self.after_s)
+        raise RuntimeError("vLLM engine 1 died during receive_weights: The actor died unexpectedly")
+
+
+class LearnerWhoseBroadcastBreaks:
+    """Learner rank 0's side of the same broadcast: gloo fails at once when a receiver's connection drops."""
+
+    def broadcast_weights(self):
+        raise RuntimeError("learner rank 0 failed in broadcast_weights: RuntimeError: Connection reset by peer")
+
+
+def send_broadcast(thread: GenerationThread):
+    from open_instruct.rollout_requests import RolloutRequests
+
+    thread.engine = "engine actors"  # what makes RolloutRequests broadcast instead of passing tensors
+    thread.start()
+    requests = RolloutRequests(thread, LearnerWhoseBroadcastBreaks(), None, None, None, None, 0, 0, sync_timeout_s=60)
+    return requests.send_weights_and(GenerationRequest(1, None, [[1, 2]]))
+
+
+def test_a_broadcast_broken_by_a_dead_engine_reports_the_engine():
+    thread = EngineDiesWhileReceiving(settings("unused"), poll_s=0.05, timeout_s=30.0)
+    with pytest.raises(GenerationThreadError, match="vLLM engine 1 died during receive_weights"):
+        send_broadcast(thread)
+
+
+def test_a_broadcast_that_fails_on_its_own_reports_the_learner_after_the_grace(monkeypatch):
+    from open_instruct import rollout_requests
+
+    monkeypatch.setattr(rollout_requests, "PEER_DEATH_GRACE_S", 1.0)
+    thread = IdleGenerationThread(settings("unused"), poll_s=0.05, timeout_s=30.0)
+    start = time.time()
+    try:
+        with pytest.raises(RuntimeError, match="^learner rank 0 failed in broadcast_weights"):
+            send_broadcast(thread)
+        assert 1.0 <= time.time() - start < 5.0
+    finally:
+        thread.shutdown()

@@ -368,6 +368,45 @@ def test_killing_a_learner_actor_ends_the_run_naming_it(ray_cluster, tiny_model_
     assert seconds < 60, f"the run took {seconds:.0f}s to end after its learner died"
 
 
+@needs_loopback_namespace
+def test_a_peer_failing_because_another_died_reports_the_death_first(ray_cluster):
+    """A killed engine breaks the broadcast on its peers at once, and Ray reports the death a moment later: the
+    error must still name the dead actor, and a plain failure must not wait long for a death that never comes."""
+    import ray
+
+    from open_instruct.learner_group import PEER_DEATH_GRACE_S, wait_for_actors
+
+    class CollectivePeer:  # defined here, so that Ray ships it by value to workers that cannot import tests/
+        """An actor in a collective: `fail` raises what a live peer sees when another drops out, `die` ends its
+        process as a kill would."""
+
+        def fail(self, after_s: float) -> None:
+            time.sleep(after_s)
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+
+        def die(self, after_s: float) -> None:
+            time.sleep(after_s)
+            os._exit(1)
+
+    peer = ray.remote(num_cpus=0, max_restarts=0)(CollectivePeer)
+    live, dying, hanging = peer.remote(), peer.remote(), peer.remote()
+    names = ["vLLM engine 0", "vLLM engine 1"]
+    with pytest.raises(RuntimeError) as raised:
+        refs = [live.fail.remote(0.2), dying.die.remote(1.5)]
+        wait_for_actors(refs, names, "receive_weights", 60, RuntimeError, "")
+    message = str(raised.value)
+    assert message.startswith("vLLM engine 1 died during receive_weights: "), message
+    assert "(then vLLM engine 0 failed in receive_weights: RuntimeError: " in message and "reset by peer" in message
+
+    started = time.time()
+    with pytest.raises(RuntimeError, match="^vLLM engine 0 failed in receive_weights: RuntimeError: .*reset by peer"):
+        refs = [live.fail.remote(0.2), hanging.fail.remote(60)]
+        wait_for_actors(refs, names, "receive_weights", 60, RuntimeError, "")
+    assert time.time() - started < 0.2 + PEER_DEATH_GRACE_S + 5
+    for actor in (live, hanging):
+        ray.kill(actor)
+
+
 def learner_pid(stdout: str, rank: int) -> int | None:
     prefix = f"[ppo] learner rank {rank}: pid "
     for line in stdout.splitlines():
