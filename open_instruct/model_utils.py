@@ -63,6 +63,11 @@ def bf16_matmul_speedup(size: int = 1024, repeats: int = 5) -> float:
     return best[torch.float32] / best[torch.bfloat16]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: as configs, flags and checkpoints spell it (`getattr(torch, name)` inverts it)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def learner_compute_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, str]:
     """The dtype the learner computes in under autocast (its weights stay fp32), and why.
 
@@ -414,7 +419,7 @@ def save_hf_folder(
     try:
         model.save_pretrained(tmp_dir, state_dict=state_dict)
         saved_dtype = next(iter(state_dict.values())).dtype
-        mark_config_dtype(os.path.join(tmp_dir, "config.json"), str(saved_dtype).removeprefix("torch."))
+        mark_config_dtype(os.path.join(tmp_dir, "config.json"), dtype_name(saved_dtype))
         tokenizer.save_pretrained(tmp_dir)
         for name, content in (extra_files or {}).items():
             with open(os.path.join(tmp_dir, name), "w") as f:

@@ -499,7 +499,7 @@ class PPOLearner:
             "schedulers": [trainer.scheduler.state_dict() for trainer in self.trainers],
             "shuffle_generator": self.shuffle_generator.get_state(),
             "torch_rng": torch.get_rng_state(),
-            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "compute_dtype": mu.dtype_name(self.compute_dtype),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -521,10 +521,9 @@ class PPOLearner:
         # resumed run computes in the dtype the run computed in, so that it goes on as the uninterrupted one would.
         run_dtype = state.get("compute_dtype")  # absent from checkpoints written before it was saved
         if run_dtype is not None and getattr(torch, run_dtype) != self.compute_dtype:
-            chosen_now = str(self.compute_dtype).removeprefix("torch.")
             if self.backend.rank == 0:
                 print(f"[learner] computing in {run_dtype}, as the run did before this checkpoint "
-                      f"(this start alone chose {chosen_now})", flush=True)  # fmt: skip
+                      f"(this start alone chose {mu.dtype_name(self.compute_dtype)})", flush=True)  # fmt: skip
             self.compute_dtype = getattr(torch, run_dtype)
 
     def initial_weights(self) -> dict[str, torch.Tensor]:

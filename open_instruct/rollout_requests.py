@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from open_instruct import checkpoint as ckpt
 from open_instruct.dataset_transformation import ShufflingIterator
-from open_instruct.generation_thread import GenerationRequest, GenerationThread, Rollout
+from open_instruct.generation_thread import GenerationRequest, GenerationThread, GenerationThreadError, Rollout
 from open_instruct.ppo_learner import PromptBatch
 from open_instruct.weight_sync import checksum_mismatch, run_beside
 
@@ -123,6 +123,8 @@ class RolloutRequests:
         sending = run_beside(self.learner.broadcast_weights)
         try:
             return sending.result(self.sync_timeout_s, "broadcast its weights", watch=self.generator.raise_if_failed)
+        except GenerationThreadError:
+            raise  # the engines' side failed first: that is already the cause
         except Exception:
             # An engine that dies mid-broadcast breaks it at once on learner rank 0's side ("Connection reset by
             # peer"); Ray tells the generation thread, which waits on the engines, of the death a moment later.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from open_instruct.model_utils import inference_dtype, learner_device
+from open_instruct.model_utils import dtype_name, inference_dtype, learner_device
 
 
 def configure_vllm_environment() -> None:
@@ -35,7 +35,7 @@ def engine_dtype(requested: str | None = "auto") -> str:
     """The engine's dtype name: `requested`, or for "auto"/None the project's inference dtype for this machine."""
     if requested not in (None, "auto"):
         return requested
-    return str(inference_dtype(learner_device())).removeprefix("torch.")
+    return dtype_name(inference_dtype(learner_device()))
 
 
 @dataclass
