@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
-from open_instruct.dataset_transformation import DatasetArgs, build_prompt_datasets
-from open_instruct.embedded_model import resolve_model_path
-from open_instruct.ground_truth_utils import RewardConfig, RewardManager
-from open_instruct.model_utils import load_tokenizer
-from open_instruct.ppo_learner import PromptBatch
-from open_instruct.ppo_vllm_thread_ray_gtrl import prompt_batch, stop_token_ids_for, verifiable_correct_rate
-from open_instruct.vllm_utils import EngineConfig, create_engine, generate, sampling_params
+from open_instruct.data.prompt_dataset import DatasetArgs, build_prompt_datasets
+from open_instruct.data.embedded import resolve_model_path
+from open_instruct.rl.rewards import RewardConfig, RewardManager
+from open_instruct.data.tokenizer import load_tokenizer
+from open_instruct.data.batches import PromptBatch
+from open_instruct.data.batches import prompt_batch
+from open_instruct.data.tokenizer import stop_token_ids_for
+from open_instruct.generation.evaluation import verifiable_correct_rate
+from open_instruct.generation.vllm_engine import EngineConfig, create_engine, generate, sampling_params
 
 
 @dataclass
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         argv = ["--models", *models, *argv[len(models) :]]
     args, data_args = HfArgumentParser((EvalArgs, DatasetArgs)).parse_args_into_dataclasses(args=argv)
     if not data_args.dataset_mixer_list:  # the embedded task: both splits, i.e. every question
-        from open_instruct.embedded_model import arithmetic_data_path
+        from open_instruct.data.embedded import arithmetic_data_path
 
         data_args.dataset_mixer_list = [arithmetic_data_path(), "1.0"]
         data_args.dataset_mixer_eval_list = data_args.dataset_mixer_eval_list or [arithmetic_data_path(), "1.0"]

@@ -15,7 +15,7 @@ python="${OPEN_INSTRUCT_VENV:-$REPO/.venv}/bin/python"
 
 export WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 # Build the embedded model once, with the network still there for nothing: it is all local.
-"$python" -c "from open_instruct.embedded_model import smollm2_path, tiny_model_path; smollm2_path(); tiny_model_path()"
+"$python" -c "from open_instruct.data.embedded import smollm2_path, tiny_model_path; smollm2_path(); tiny_model_path()"
 
 pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 "$@")
 status=0

@@ -7,7 +7,7 @@ in `dtype` with that CPU weight layout (plain or packed); when `load` is a folde
 (`vllm_utils.load_weights` with HF-named tensors in the engine's dtype). The last stdout line is
 {name: {"loads_in_place": bool, "before": logprobs, "after": logprobs}}, each [[logprob of token i given tokens < i, for i >= 1] per
 sequence], before and after the weights were loaded ("after" only when something was loaded). Prompt logprobs go
-through the LM head, so a head left on old weights shows up in every number. tests/test_weight_sync.py runs this
+through the LM head, so a head left on old weights shows up in every number. tests/test_weight_broadcast.py runs this
 as a subprocess.
 """
 
@@ -18,7 +18,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from open_instruct.vllm_utils import EngineConfig, create_engine, load_weights
+from open_instruct.generation.vllm_engine import EngineConfig, create_engine, load_weights
 
 
 def prompt_logprobs(llm, sequences: list[list[int]]) -> list[list[float]]:

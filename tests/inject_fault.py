@@ -3,11 +3,11 @@
     python tests/inject_fault.py FAULT [trainer flags ...]
 
 Faults:
-- `generation_crash`: the second call of `vllm_utils.generate` (made by the generation thread) raises
+- `generation_crash`: the second call of `vllm_engine.generate` (made by the generation thread) raises
   RuntimeError("injected generation failure").
 - `skip_weight_sync`: `vllm_utils.load_weights` returns without loading anything, so the engine keeps
   generating with its start weights while the learner moves on.
-- `nan_loss`: the third call of `rl_utils.policy_loss` (made by the learner) returns a NaN loss, still attached to
+- `nan_loss`: the third call of `rl.policy_loss` (made by the learner) returns a NaN loss, still attached to
   the graph, so backward sends NaN into every gradient.
 
 tests/test_ppo_trainer.py and tests/test_resume.py check that each ends the run (or, for `nan_loss` with
@@ -16,12 +16,14 @@ tests/test_ppo_trainer.py and tests/test_resume.py check that each ends the run 
 
 import sys
 
-from open_instruct import ppo_vllm_thread_ray_gtrl, rl_utils, vllm_utils
+from open_instruct import ppo_vllm_thread_ray_gtrl
+from open_instruct import rl
+from open_instruct.generation import vllm_engine
 
 INJECTED_MESSAGE = "injected generation failure"
 FAIL_ON_CALL = 2
 
-real_generate = vllm_utils.generate
+real_generate = vllm_engine.generate
 calls = 0
 
 
@@ -37,7 +39,7 @@ def load_nothing(llm, named_tensors) -> float:
     return 1e-3  # a plausible sync time, so nothing but the weights themselves gives the skip away
 
 
-real_policy_loss = rl_utils.policy_loss
+real_policy_loss = rl.policy_loss
 NAN_ON_CALL = 3
 policy_loss_calls = 0
 
@@ -52,9 +54,9 @@ def policy_loss_with_one_nan(*args, **kwargs):
 
 
 FAULTS = {
-    "generation_crash": (vllm_utils, "generate", generate_then_fail),
-    "skip_weight_sync": (vllm_utils, "load_weights", load_nothing),
-    "nan_loss": (rl_utils, "policy_loss", policy_loss_with_one_nan),
+    "generation_crash": (vllm_engine, "generate", generate_then_fail),
+    "skip_weight_sync": (vllm_engine, "load_weights", load_nothing),
+    "nan_loss": (rl, "policy_loss", policy_loss_with_one_nan),
 }
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 import pyarrow.parquet as pq
 import pytest
 
-from open_instruct.arithmetic_task import all_questions, make_arithmetic_rows, write_arithmetic_dataset
+from open_instruct.data.arithmetic_task import all_questions, make_arithmetic_rows, write_arithmetic_dataset
 
 
 def question_of(row: dict) -> str:

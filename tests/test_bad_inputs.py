@@ -157,7 +157,7 @@ def setup_empty_model(tmp: Path, out: Path) -> None:
 
 
 def setup_small_vocab_model(tmp: Path, out: Path) -> None:
-    from open_instruct.embedded_model import tiny_model_path
+    from open_instruct.data.embedded import tiny_model_path
 
     folder = tmp / "small_vocab_model"
     folder.mkdir()
@@ -183,8 +183,8 @@ def setup_half(tmp: Path, out: Path) -> None:
 
 
 def setup_checkpoint_at_lr_3e_6(tmp: Path, out: Path) -> None:
-    from open_instruct.checkpoint import save_checkpoint
-    from open_instruct.ppo_args import parse_args
+    from open_instruct.run.checkpoint import save_checkpoint
+    from open_instruct.run.args import parse_args
 
     args = parse_args(BASE + ["--dataset_mixer_list", str(tmp / "train.jsonl"), "1.0", "--output_dir", str(out)])
     state = {"policy": {}, "value_model": {}}

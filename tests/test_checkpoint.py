@@ -7,9 +7,11 @@ import signal
 import pytest
 import torch
 
-from open_instruct import checkpoint as ckpt
-from open_instruct.ppo_args import ConfigError, parse_args
-from open_instruct.tracking import MetricsLogger, read_metrics, repair_jsonl
+from open_instruct.run import checkpoint
+from open_instruct.run import preemption
+from open_instruct.run import run_directory
+from open_instruct.run.args import ConfigError, parse_args
+from open_instruct.run.tracking import MetricsLogger, read_metrics, repair_jsonl
 
 
 def make_args(output_dir, *flags: str):
@@ -26,8 +28,8 @@ def learner_state(value: float = 1.0) -> dict:
 def test_save_checkpoint_writes_a_complete_folder_and_keeps_the_newest(tmp_path):
     args = make_args(tmp_path)
     for step in (2, 4, 6):
-        ckpt.save_checkpoint(str(tmp_path), step, learner_state(step), {"step": step}, args, keep_last_n=2)
-    found = ckpt.complete_checkpoints(str(tmp_path))
+        checkpoint.save_checkpoint(str(tmp_path), step, learner_state(step), {"step": step}, args, keep_last_n=2)
+    found = checkpoint.complete_checkpoints(str(tmp_path))
     assert [os.path.basename(path) for path in found] == ["step_4", "step_6"]
     assert sorted(os.listdir(found[-1])) == ["COMPLETE", "args.json", "learner.pt", "trainer_state.json"]
     assert torch.load(os.path.join(found[-1], "learner.pt"))["policy"]["w"].tolist() == [6.0, 6.0]
@@ -35,25 +37,25 @@ def test_save_checkpoint_writes_a_complete_folder_and_keeps_the_newest(tmp_path)
 
 
 def test_non_finite_weights_are_never_saved(tmp_path):
-    with pytest.raises(ckpt.NonFiniteError, match="the policy's weight w holds NaN or inf"):
-        ckpt.save_checkpoint(str(tmp_path), 1, learner_state(float("nan")), {}, make_args(tmp_path), keep_last_n=1)
+    with pytest.raises(checkpoint.NonFiniteError, match="the policy's weight w holds NaN or inf"):
+        checkpoint.save_checkpoint(str(tmp_path), 1, learner_state(float("nan")), {}, make_args(tmp_path), keep_last_n=1)
     assert not (tmp_path / "checkpoints").exists()
 
 
 def test_resume_refuses_other_settings(tmp_path):
     args = make_args(tmp_path, "--learning_rate", "1e-4", "--resume")
     saved = make_args(tmp_path, "--learning_rate", "3e-6")
-    ckpt.save_checkpoint(str(tmp_path), 2, learner_state(), {"step": 2}, saved, keep_last_n=1)
+    checkpoint.save_checkpoint(str(tmp_path), 2, learner_state(), {"step": 2}, saved, keep_last_n=1)
     with pytest.raises(ConfigError, match=r"--learning_rate 0.0001 \(checkpoint: 3e-06\)"):
-        ckpt.load_checkpoint(args)
+        checkpoint.load_checkpoint(args)
 
 
 def test_resume_keeps_the_runs_name(tmp_path):
     saved = make_args(tmp_path, "--run_name", "first-run")
-    ckpt.save_checkpoint(str(tmp_path), 2, learner_state(), {"step": 2}, saved, keep_last_n=1)
+    checkpoint.save_checkpoint(str(tmp_path), 2, learner_state(), {"step": 2}, saved, keep_last_n=1)
     args = make_args(tmp_path, "--resume")
-    checkpoint = ckpt.load_checkpoint(args)
-    assert checkpoint.step == 2 and args.run.run_name == "first-run"
+    resumed = checkpoint.load_checkpoint(args)
+    assert resumed.step == 2 and args.run.run_name == "first-run"
 
 
 # ---- the output_dir --------------------------------------------------------------------------------------------------
@@ -66,9 +68,9 @@ def test_sweep_recovers_a_model_caught_between_two_renames_and_removes_leftovers
     (tmp_path / ".summary.json.x.tmp").write_text("")
     for name in ("step_2", "step_4", ".step_6-saving-x"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step_2" / ckpt.COMPLETE_MARKER).write_text("{}")
+    (tmp_path / "checkpoints" / "step_2" / checkpoint.COMPLETE_MARKER).write_text("{}")
 
-    messages = ckpt.sweep_leftovers(str(tmp_path))
+    messages = run_directory.sweep_leftovers(str(tmp_path))
 
     assert (tmp_path / "model" / "config.json").exists()
     assert sorted(os.listdir(tmp_path)) == ["checkpoints", "model"]
@@ -80,7 +82,7 @@ def test_overwrite_output_dir_deletes_only_the_earlier_runs_files(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "model").mkdir()
     (tmp_path / "notes.txt").write_text("mine")
-    with ckpt.RunDirectory(make_args(tmp_path, "--overwrite_output_dir", "true")):
+    with run_directory.RunDirectory(make_args(tmp_path, "--overwrite_output_dir", "true")):
         pass
     assert sorted(os.listdir(tmp_path)) == [".run.lock", "notes.txt"]
 
@@ -109,7 +111,7 @@ def test_repair_jsonl_drops_the_steps_after_a_checkpoint_and_leaves_a_clean_file
 
 
 def test_sigterm_sets_the_stop_flag_and_the_handler_is_restored(tmp_path):
-    stop = ckpt.StopRequest(str(tmp_path), timeout_s=60)
+    stop = preemption.StopRequest(str(tmp_path), timeout_s=60)
     previous = signal.getsignal(signal.SIGTERM)
     stop.install()
     try:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from open_instruct.dataset_transformation import load_prompt_dataset
+from open_instruct.data.prompt_dataset import load_prompt_dataset
 from scripts.data_preprocess import arithmetic, full_hh_rlhf, gsm8k, hellaswag
 from scripts.data_preprocess import math as math_converter
 from scripts.data_preprocess.common import last_boxed_content

@@ -4,7 +4,7 @@ and a wait on the queues ends with a message instead of hanging.
 Only the first test starts the real engine (it fails at creation, after `import vllm`, ~10 s); the others need
 a thread that is alive but never produces anything, or one that ended, which `serve` overrides give without an
 engine. The last two put a thread whose engine "dies" beside a learner whose broadcast breaks: which error the
-learner reports does not depend on a race (tests/test_engine_group.py kills a real engine actor, where it does).
+learner reports does not depend on a race (tests/test_engine_actors.py kills a real engine actor, where it does).
 The full loop with a working engine runs in tests/test_ppo_trainer.py.
 """
 
@@ -12,13 +12,8 @@ import time
 
 import pytest
 
-from open_instruct.generation_thread import (
-    GenerationRequest,
-    GenerationSettings,
-    GenerationThread,
-    GenerationThreadError,
-)
-from open_instruct.vllm_utils import EngineConfig
+from open_instruct.generation.generation_thread import GenerationRequest, GenerationSettings, GenerationThread, GenerationThreadError
+from open_instruct.generation.vllm_engine import EngineConfig
 
 
 def settings(model_path: str) -> GenerationSettings:
@@ -123,7 +118,7 @@ def test_shutdown_stops_an_idle_thread_promptly(idle_thread):
 
 class EngineDiesWhileReceiving(GenerationThread):
     """Takes the broadcast request and, `after_s` later, fails as EngineGroup.receive_weights does when Ray reports
-    that an engine actor died (a killed engine; tests/test_engine_group.py kills a real one)."""
+    that an engine actor died (a killed engine; tests/test_engine_actors.py kills a real one)."""
 
     after_s = 1.0
 
@@ -142,7 +137,7 @@ class LearnerWhoseBroadcastBreaks:
 
 
 def send_broadcast(thread: GenerationThread):
-    from open_instruct.rollout_requests import RolloutRequests
+    from open_instruct.generation.rollout_requests import RolloutRequests
 
     thread.engine = "engine actors"  # what makes RolloutRequests broadcast instead of passing tensors
     thread.start()
@@ -157,7 +152,7 @@ def test_a_broadcast_broken_by_a_dead_engine_reports_the_engine():
 
 
 def test_a_broadcast_that_fails_on_its_own_reports_the_learner_after_the_grace(monkeypatch):
-    from open_instruct import rollout_requests
+    from open_instruct.generation import rollout_requests
 
     monkeypatch.setattr(rollout_requests, "PEER_DEATH_GRACE_S", 1.0)
     thread = IdleGenerationThread(settings("unused"), poll_s=0.05, timeout_s=30.0)

@@ -1,6 +1,6 @@
 """GRPO: the learner on the tiny model and a fixed rollout, its flags, and the GRPO trainer end to end.
 
-The group-advantage math itself is tested in test_rl_utils.py. Here:
+The group-advantage math itself is tested in test_rl_math.py. Here:
 
 - GRPOLearner: no value model is loaded, trained or checkpointed; the advantages of the fixed rollout are its
   group-normalised scores worked out by hand (std on and off) on every real token; the policy loss of one pass
@@ -24,16 +24,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from open_instruct import grpo_vllm_thread_ray_gtrl
-from open_instruct import model_utils as mu
-from open_instruct.checkpoint import save_checkpoint
-from open_instruct.grpo_learner import GRPOLearner
-from open_instruct.ground_truth_utils import RewardManager
-from open_instruct.model_utils import load_tokenizer
-from open_instruct.ppo_args import compute_batch_sizes, parse_args
-from open_instruct.ppo_learner import PPOLearner, learner_class
-from open_instruct.ppo_vllm_thread_ray_gtrl import stop_token_ids_for
-from open_instruct.tracking import read_metrics
-from tests.test_learner_group import EQUIVALENCE_FLAGS, fixed_rollout
+from open_instruct.learner import models
+from open_instruct.run.checkpoint import save_checkpoint
+from open_instruct.learner.grpo import GRPOLearner
+from open_instruct.rl.rewards import RewardManager
+from open_instruct.data.tokenizer import load_tokenizer
+from open_instruct.run.args import compute_batch_sizes, parse_args
+from open_instruct.learner.ppo import PPOLearner
+from open_instruct.learner.algorithms import learner_class
+from open_instruct.data.tokenizer import stop_token_ids_for
+from open_instruct.run.tracking import read_metrics
+from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout
 from tests.test_ppo_trainer import (
     STEP_METRICS,
     assert_saved_weights_are_the_learners,
@@ -88,8 +89,8 @@ def test_grpo_learner_builds_no_value_model_and_its_advantages_are_the_group_nor
     tiny_model_dir, rollout, monkeypatch
 ):
     scalar_models = []
-    real_load = mu.load_scalar_model
-    monkeypatch.setattr(mu, "load_scalar_model", lambda *a, **k: scalar_models.append(a) or real_load(*a, **k))
+    real_load = models.load_scalar_model
+    monkeypatch.setattr(models, "load_scalar_model", lambda *a, **k: scalar_models.append(a) or real_load(*a, **k))
     prompts, completions = rollout
     learner, reward_manager = build_grpo_learner(tiny_model_dir)
     assert isinstance(learner, GRPOLearner) and learner.args.ppo.algorithm == "grpo"
@@ -162,12 +163,12 @@ def test_grpo_checkpoint_holds_no_value_model_and_resumes_only_into_grpo(tiny_mo
 def test_ray_learner_ranks_build_the_runs_learner_class(tiny_model_dir, monkeypatch):
     """LearnerRank.setup on the GRPO args builds a GRPOLearner (DeepSpeed's group and backend replaced by the
     single-process ones, so no Ray or process group starts)."""
-    from open_instruct import deepspeed_utils
-    from open_instruct.learner_backend import SingleProcess
-    from open_instruct.learner_group import LearnerRank
+    from open_instruct.learner import deepspeed_backend
+    from open_instruct.learner.ray_group import LearnerRank
+    from open_instruct.learner.single_process import SingleProcess
 
-    monkeypatch.setattr(deepspeed_utils, "init_process_group", lambda *args: None)
-    monkeypatch.setattr(deepspeed_utils, "DeepSpeedBackend", lambda *args: SingleProcess())
+    monkeypatch.setattr(deepspeed_backend, "init_process_group", lambda *args: None)
+    monkeypatch.setattr(deepspeed_backend, "DeepSpeedBackend", lambda *args: SingleProcess())
     args = parse_args(["--model_name_or_path", tiny_model_dir, *LEARNER_FLAGS, "--beta", "0"], algorithm="grpo")
     rank = LearnerRank(0)
     rank.setup(args, compute_batch_sizes(args), tiny_model_dir, [0], ("127.0.0.1", 0))
@@ -215,7 +216,7 @@ def test_algorithm_defaults_follow_the_entry_point_and_lose_to_given_flags():
 
 @pytest.mark.parametrize("name", ["grpo_arithmetic_cpu.yaml", "grpo_arithmetic_gpu.yaml"])
 def test_shipped_grpo_configs_are_grpo_and_pass_the_flag_checks(name):
-    from open_instruct.validation import validate_flags
+    from open_instruct.run.validation import validate_flags
 
     args = parse_args([str(Path(__file__).resolve().parents[1] / "configs" / "train_configs" / name)])
     assert args.ppo.algorithm == "grpo" and args.ppo.number_samples_per_prompt >= 2  # even under the PPO trainer

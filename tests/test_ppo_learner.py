@@ -17,14 +17,14 @@ import math
 import pytest
 import torch
 
-from open_instruct import model_utils as mu
-from open_instruct.ground_truth_utils import RewardManager
-from open_instruct.model_utils import load_tokenizer
-from open_instruct.ppo_args import compute_batch_sizes, parse_args
-from open_instruct.ppo_learner import PPOLearner
-from open_instruct.ppo_vllm_thread_ray_gtrl import stop_token_ids_for
-from open_instruct.vllm_utils import Completion
-from tests.test_learner_group import EQUIVALENCE_FLAGS, fixed_rollout
+from open_instruct.learner import models
+from open_instruct.rl.rewards import RewardManager
+from open_instruct.data.tokenizer import load_tokenizer
+from open_instruct.run.args import compute_batch_sizes, parse_args
+from open_instruct.learner.ppo import PPOLearner
+from open_instruct.data.tokenizer import stop_token_ids_for
+from open_instruct.generation.vllm_engine import Completion
+from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout
 
 
 def build_learner(model_dir: str, *flags: str) -> tuple[PPOLearner, RewardManager]:
@@ -46,17 +46,17 @@ def fabricated_logprobs(completions: list[Completion], seed: int = 0) -> list[li
 
 
 class ForwardLog:
-    """Which models `mu.response_logprobs` ran (the policy's and the reference's logprob forwards)."""
+    """Which models `models.response_logprobs` ran (the policy's and the reference's logprob forwards)."""
 
     def __init__(self, monkeypatch):
         self.models: list = []
-        real = mu.response_logprobs
+        real = models.response_logprobs
 
         def logged(model, *args, **kwargs):
             self.models.append(model)
             return real(model, *args, **kwargs)
 
-        monkeypatch.setattr(mu, "response_logprobs", logged)
+        monkeypatch.setattr(models, "response_logprobs", logged)
 
     def count(self, model) -> int:
         return sum(m is model for m in self.models)
@@ -97,7 +97,7 @@ def test_a_token_without_an_engine_logprob_takes_the_learners(tiny_model_dir, ro
     learner, reward_manager = build_learner(tiny_model_dir, "--old_logprobs_from", "vllm")
     exp, metrics, _ = learner.make_experience(prompts, with_engine_logprobs(completions, engine), reward_manager)
 
-    learner_logprob, _ = mu.response_logprobs(
+    learner_logprob, _ = models.response_logprobs(
         learner.policy, exp.query_response, exp.attention_mask, exp.context_length, learner.args.gen.temperature
     )
     last = len(engine[2]) - 1
@@ -146,13 +146,13 @@ def test_vllm_old_logprobs_far_from_the_learners_stop_before_any_update(tiny_mod
 def test_beta_0_loads_and_runs_no_reference_model(tiny_model_dir, rollout, monkeypatch, tmp_path):
     prompts, completions = rollout
     loaded = []  # the `trainable` flag of each model load_policy builds: the reference is the frozen one
-    real_load = mu.load_policy
+    real_load = models.load_policy
 
     def logged_load(*args, **kwargs):
         loaded.append(kwargs.get("trainable"))
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(mu, "load_policy", logged_load)
+    monkeypatch.setattr(models, "load_policy", logged_load)
     with_kl, reward_manager = build_learner(tiny_model_dir)
     assert loaded == [True, False] and with_kl.ref_policy is not None  # the default builds a reference
 
@@ -228,7 +228,7 @@ def test_bf16_compute_on_cpu_trains_fp32_master_weights_close_to_fp32_compute(ti
         assert all(p.dtype == torch.float32 for p in learner.policy.parameters())
         saved = learner.save(str(tmp_path / dtype))
         assert saved.dtype == "float32"
-        reloaded = mu.load_policy(saved.path, torch.device("cpu"), trainable=True)
+        reloaded = models.load_policy(saved.path, torch.device("cpu"), trainable=True)
         update = {name: p.detach() - initial[name] for name, p in reloaded.named_parameters()}
         results[dtype] = (exp.logprob, update)
     fp32_logprob, fp32_update = results["float32"]

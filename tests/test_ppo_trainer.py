@@ -29,11 +29,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from safetensors.torch import load_file as load_safetensors
 
-from open_instruct.model_utils import weights_sha256
-from open_instruct.ppo_args import compute_batch_sizes, parse_args
+from open_instruct.learner.saving import weights_sha256
+from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.ppo_vllm_thread_ray_gtrl import main
-from open_instruct.tracking import read_histograms, read_metrics
-from open_instruct.vllm_utils import engine_dtype
+from open_instruct.run.plots import read_histograms
+from open_instruct.run.tracking import read_metrics
+from open_instruct.generation.vllm_engine import engine_dtype
 from tests.fake_hub import FakeHub
 
 TESTS_DIR = Path(__file__).resolve().parent

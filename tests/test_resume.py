@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from open_instruct.tracking import read_metrics
+from open_instruct.run.tracking import read_metrics
 from tests.test_ppo_trainer import FP32_LEARNER, RUN_TIMEOUT_S, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
 
 NUM_STEPS = 8
@@ -238,11 +238,12 @@ def test_a_nan_loss_stops_the_run_and_no_nan_weight_reaches_disk(tmp_path):
 @pytest.fixture
 def learner_and_batch(tiny_model_dir):
     """A real PPOLearner on the tiny model (no vLLM) and one made-up rollout of 8 responses, half of them correct."""
-    from open_instruct.ground_truth_utils import RewardManager
-    from open_instruct.model_utils import load_tokenizer
-    from open_instruct.ppo_args import compute_batch_sizes, parse_args
-    from open_instruct.ppo_learner import PPOLearner, PromptBatch
-    from open_instruct.vllm_utils import Completion
+    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.data.tokenizer import load_tokenizer
+    from open_instruct.run.args import compute_batch_sizes, parse_args
+    from open_instruct.learner.ppo import PPOLearner
+    from open_instruct.data.batches import PromptBatch
+    from open_instruct.generation.vllm_engine import Completion
 
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--dataset_mixer_list", "unused.jsonl", "1.0",
                        *SMALL_RUN, "--num_mini_batches", "2", "--total_episodes", "16"])  # fmt: skip
@@ -262,7 +263,7 @@ def learner_and_batch(tiny_model_dir):
 def test_a_resumed_learner_computes_in_the_dtype_its_run_computed_in(learner_and_batch, tmp_path, capsys):
     """`--learner_compute_dtype auto` times a probe at each start, and a busy machine can tip it: the checkpoint
     keeps the dtype the run computed in, and a resumed learner computes in it whatever its own probe chose."""
-    from open_instruct.checkpoint import save_checkpoint
+    from open_instruct.run.checkpoint import save_checkpoint
 
     learner, experience = learner_and_batch
     chosen_at_start = learner.compute_dtype
@@ -285,16 +286,16 @@ def test_a_resumed_learner_computes_in_the_dtype_its_run_computed_in(learner_and
 
 
 def nan_on_first_call(monkeypatch) -> None:
-    from open_instruct import rl_utils
+    from open_instruct import rl
 
-    real_policy_loss, calls = rl_utils.policy_loss, []
+    real_policy_loss, calls = rl.policy_loss, []
 
     def policy_loss(*args, **kwargs):
         calls.append(1)
         pg_loss, *rest = real_policy_loss(*args, **kwargs)
         return (pg_loss * float("nan") if len(calls) == 1 else pg_loss, *rest)
 
-    monkeypatch.setattr(rl_utils, "policy_loss", policy_loss)
+    monkeypatch.setattr(rl, "policy_loss", policy_loss)
 
 
 def policy_weights(learner) -> dict[str, torch.Tensor]:
@@ -302,7 +303,7 @@ def policy_weights(learner) -> dict[str, torch.Tensor]:
 
 
 def test_a_nan_loss_leaves_the_weights_untouched(learner_and_batch, monkeypatch):
-    from open_instruct.checkpoint import NonFiniteError
+    from open_instruct.run.checkpoint import NonFiniteError
 
     learner, experience = learner_and_batch
     before = policy_weights(learner)

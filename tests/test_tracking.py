@@ -1,4 +1,4 @@
-"""Tests for open_instruct.tracking: the JSONL record, summary, progress line, plots, and wandb in offline mode."""
+"""Tests for open_instruct.run.tracking and run.plots: the JSONL record, summary, progress line, plots, and wandb in offline mode."""
 
 import glob
 import json
@@ -9,7 +9,8 @@ import struct
 
 import pytest
 
-from open_instruct import tracking
+from open_instruct.run import plots
+from open_instruct.run import tracking
 
 
 def read_jsonl(path) -> list[dict]:
@@ -155,7 +156,7 @@ def test_plot_default_keys_skips_unlogged_ones(tmp_path):
     ]
     rows.insert(3, {"step": 3, "eval/correct_rate": 0.5})  # eval logged on its own, without episode
     write_metrics(tmp_path / "metrics.jsonl", rows)
-    png = tracking.plot_training_curves(str(tmp_path / "metrics.jsonl"), str(tmp_path / "curves.png"))
+    png = plots.plot_training_curves(str(tmp_path / "metrics.jsonl"), str(tmp_path / "curves.png"))
     assert png == str(tmp_path / "curves.png")
     # 4 of the 8 default keys were logged: a 2 x 2 grid of 5 x 3 inch panels at 100 dpi.
     assert png_size(png) == (1000, 600)
@@ -170,13 +171,13 @@ def test_training_curves_points():
         {"step": 2, "eval/correct_rate": 0.75},
         {"step": 3, "episode": 192, "objective/kl": 0.3},
     ]
-    x_key, curves = tracking.training_curves(rows, ["objective/kl", "eval/correct_rate", "objective/kl", "never"])
+    x_key, curves = plots.training_curves(rows, ["objective/kl", "eval/correct_rate", "objective/kl", "never"])
     assert x_key == "episode"
     assert list(curves) == ["objective/kl", "eval/correct_rate"]
     xs, ys = curves["objective/kl"]
     assert xs == [64, 128, 192] and ys[0] == 0.1 and math.isnan(ys[1]) and ys[2] == 0.3
     assert curves["eval/correct_rate"] == ([128], [0.75])  # the episode logged at step 2
-    assert tracking.training_curves([{"step": 0, "a": 1.0}, {"step": 5, "a": 2.0}], ["a"]) == (
+    assert plots.training_curves([{"step": 0, "a": 1.0}, {"step": 5, "a": 2.0}], ["a"]) == (
         "step",
         {"a": ([0, 5], [1.0, 2.0])},
     )
@@ -188,7 +189,7 @@ def test_correct_rate_against_wall_clock_seconds_takes_an_eval_rows_time_from_it
         {"step": 2, "episode": 128, "time/from_scratch": 61.0, "objective/verifiable_correct_rate": 0.5},
         {"step": 2, "eval/correct_rate": 0.75},  # the final eval, logged on its own
     ]
-    x_key, curves = tracking.training_curves(rows, list(tracking.CORRECT_RATE_KEYS), x_key="time/from_scratch")
+    x_key, curves = plots.training_curves(rows, list(plots.CORRECT_RATE_KEYS), x_key="time/from_scratch")
     assert x_key == "time/from_scratch"
     assert curves == {
         "objective/verifiable_correct_rate": ([30.5, 61.0], [0.25, 0.5]),
@@ -198,14 +199,14 @@ def test_correct_rate_against_wall_clock_seconds_takes_an_eval_rows_time_from_it
 
 def test_plot_chosen_keys_and_errors(tmp_path):
     write_metrics(tmp_path / "metrics.jsonl", [{"step": s, "a": s * 0.1, "b": math.sin(s)} for s in range(10)])
-    one = tracking.plot_training_curves(str(tmp_path / "metrics.jsonl"), str(tmp_path / "one.png"), keys=["a"])
+    one = plots.plot_training_curves(str(tmp_path / "metrics.jsonl"), str(tmp_path / "one.png"), keys=["a"])
     assert png_size(one) == (500, 300)
-    two = tracking.plot_training_curves(
+    two = plots.plot_training_curves(
         str(tmp_path / "metrics.jsonl"), str(tmp_path / "two.png"), keys=["a", "b", "a", "zzz"]
     )
     assert png_size(two) == (1000, 300)  # a and b side by side; the repeated a and the unlogged zzz skipped
     with pytest.raises(ValueError, match="zzz"):
-        tracking.plot_training_curves(str(tmp_path / "metrics.jsonl"), str(tmp_path / "none.png"), keys=["zzz"])
+        plots.plot_training_curves(str(tmp_path / "metrics.jsonl"), str(tmp_path / "none.png"), keys=["zzz"])
     assert not (tmp_path / "none.png").exists()
 
 
@@ -255,13 +256,13 @@ def test_length_histograms_are_logged_and_plotted_first_and_last_step(tmp_path):
     logger.log_histograms({"lengths/prompt_tokens": [30, 31, 31, 33]}, step=0)
     for step, lengths in [(1, [10, 32, 32]), (2, [8, 9, 32]), (3, [6, 7, 7])]:
         logger.log_histograms({"lengths/response_tokens": lengths}, step=step)
-    histograms = tracking.read_histograms(str(tmp_path / "lengths.jsonl"))
+    histograms = plots.read_histograms(str(tmp_path / "lengths.jsonl"))
     assert histograms == {
         "lengths/prompt_tokens": [(0, [30, 31, 31, 33])],
         "lengths/response_tokens": [(1, [10, 32, 32]), (2, [8, 9, 32]), (3, [6, 7, 7])],
     }
-    png = tracking.plot_length_histograms(str(tmp_path / "lengths.jsonl"), str(tmp_path / "lengths.png"))
+    png = plots.plot_length_histograms(str(tmp_path / "lengths.jsonl"), str(tmp_path / "lengths.png"))
     assert os.path.getsize(png) > 10_000
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="no histogram"):
-        tracking.plot_length_histograms(str(tmp_path / "empty.jsonl"), str(tmp_path / "x.png"))
+        plots.plot_length_histograms(str(tmp_path / "empty.jsonl"), str(tmp_path / "x.png"))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from open_instruct.vllm_utils import EngineConfig, create_engine, engine_dtype, generate, load_weights, sampling_params
+from open_instruct.generation.vllm_engine import EngineConfig, create_engine, engine_dtype, generate, load_weights, sampling_params
 
 QUESTIONS = ["What is 3 + 4? Give the final answer as a number at the end.", "Name a colour of the sky."]
 
@@ -74,8 +74,8 @@ def test_learner_logprobs_match_the_engine_on_left_padded_batches(engine_and_mod
     """
     from vllm import SamplingParams
 
-    from open_instruct.dataset_transformation import left_pad
-    from open_instruct.model_utils import response_logprobs
+    from open_instruct.data.batches import left_pad
+    from open_instruct.learner.models import response_logprobs
 
     llm, model, tokenizer, prompts = engine_and_model
     params = SamplingParams(n=2, temperature=1.0, max_tokens=16, logprobs=0, seed=0)

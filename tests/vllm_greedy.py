@@ -11,8 +11,8 @@ EOS token as the stop token), so the same weights must give the same greedy toke
 import json
 import sys
 
-from open_instruct.model_utils import load_tokenizer
-from open_instruct.vllm_utils import EngineConfig, create_engine, generate, sampling_params
+from open_instruct.data.tokenizer import load_tokenizer
+from open_instruct.generation.vllm_engine import EngineConfig, create_engine, generate, sampling_params
 
 
 def greedy_completions(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str) -> list[list[int]]:

@@ -44,29 +44,29 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from open_instruct import vllm_utils
-    from open_instruct.dataset_transformation import DatasetArgs, build_prompt_datasets
-    from open_instruct.embedded_model import arithmetic_data_path, resolve_model_path
-    from open_instruct.model_utils import load_tokenizer
+    from open_instruct.generation import vllm_engine
+    from open_instruct.data.prompt_dataset import DatasetArgs, build_prompt_datasets
+    from open_instruct.data.embedded import arithmetic_data_path, resolve_model_path
+    from open_instruct.data.tokenizer import load_tokenizer
 
     path = resolve_model_path(options.model)
     tokenizer = load_tokenizer(path)
     dataset, _ = build_prompt_datasets(DatasetArgs(dataset_mixer_list=[arithmetic_data_path(), "1.0"]), tokenizer)
     prompts = dataset["input_ids_prompt"][: options.prompts]
-    dtype = vllm_utils.engine_dtype("auto")
+    dtype = vllm_engine.engine_dtype("auto")
     tokens = len(prompts) * options.samples * options.max_tokens
     results = {"model": path, "dtype": dtype, "prompts": len(prompts), "samples": options.samples,
                "max_tokens": options.max_tokens, "tokens": tokens}  # fmt: skip
     print(f"[bench] {path} in {dtype}: {len(prompts)} prompts x {options.samples} samples x {options.max_tokens} "
           f"tokens = {tokens} tokens per generation", flush=True)  # fmt: skip
 
-    llm = vllm_utils.create_engine(vllm_utils.EngineConfig(path, max_model_len=512, seed=0))
-    params = vllm_utils.sampling_params(n=options.samples, temperature=1.0, max_tokens=options.max_tokens,
+    llm = vllm_engine.create_engine(vllm_engine.EngineConfig(path, max_model_len=512, seed=0))
+    params = vllm_engine.sampling_params(n=options.samples, temperature=1.0, max_tokens=options.max_tokens,
                                         stop_token_ids=[], seed=0)  # fmt: skip
     params.ignore_eos = True
 
     def vllm_generate() -> None:
-        completions = vllm_utils.generate(llm, prompts, params)
+        completions = vllm_engine.generate(llm, prompts, params)
         assert sum(len(c.token_ids) for c in completions) == tokens
 
     results["vllm_seconds"] = median_seconds(vllm_generate, options.repeats)

@@ -62,22 +62,22 @@ def default_config() -> str:
 
 def sample_rollout(args, sizes):
     """One rollout of the config's first prompts, sampled by a fresh vLLM engine (freed before the learners load)."""
-    from open_instruct import vllm_utils
-    from open_instruct.dataset_transformation import build_prompt_datasets
-    from open_instruct.embedded_model import resolve_model_path
-    from open_instruct.model_utils import load_tokenizer
-    from open_instruct.ppo_vllm_thread_ray_gtrl import stop_token_ids_for
-    from open_instruct.rollout_requests import prompt_batch
+    from open_instruct.generation import vllm_engine
+    from open_instruct.data.prompt_dataset import build_prompt_datasets
+    from open_instruct.data.embedded import resolve_model_path
+    from open_instruct.data.tokenizer import load_tokenizer
+    from open_instruct.data.tokenizer import stop_token_ids_for
+    from open_instruct.data.batches import prompt_batch
 
     path = resolve_model_path(args.model.model_name_or_path)
     tokenizer = load_tokenizer(path)
     train_dataset, _ = build_prompt_datasets(args.data, tokenizer)
     prompts = prompt_batch(train_dataset, list(range(sizes.prompts_per_step)), tokenizer)
     stop_token_ids = stop_token_ids_for(tokenizer, args.gen.stop_token)
-    llm = vllm_utils.create_engine(
-        vllm_utils.EngineConfig(path, max_model_len=args.gen.max_token_length, seed=args.run.seed)
+    llm = vllm_engine.create_engine(
+        vllm_engine.EngineConfig(path, max_model_len=args.gen.max_token_length, seed=args.run.seed)
     )
-    params = vllm_utils.sampling_params(
+    params = vllm_engine.sampling_params(
         n=args.ppo.number_samples_per_prompt,
         temperature=args.gen.temperature,
         max_tokens=args.gen.response_length,
@@ -85,16 +85,16 @@ def sample_rollout(args, sizes):
         seed=args.run.seed,
         with_logprobs=True,
     )
-    completions = vllm_utils.generate(llm, prompts.token_ids, params)
+    completions = vllm_engine.generate(llm, prompts.token_ids, params)
     del llm
     gc.collect()
     return path, tokenizer, prompts, completions, stop_token_ids
 
 
 def time_row(argv: list[str], path, tokenizer, prompts, completions, stop_token_ids) -> dict[str, float]:
-    from open_instruct.ground_truth_utils import RewardManager
-    from open_instruct.ppo_args import compute_batch_sizes, parse_args
-    from open_instruct.ppo_learner import learner_class
+    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.run.args import compute_batch_sizes, parse_args
+    from open_instruct.learner.algorithms import learner_class
 
     args = parse_args(argv)
     torch.manual_seed(args.run.seed)
@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--json", default="learner_phases.json")
     options, extra = parser.parse_known_args()
 
-    from open_instruct.ppo_args import compute_batch_sizes, parse_args
+    from open_instruct.run.args import compute_batch_sizes, parse_args
 
     base_argv = [options.config, "--num_evals", "0", *extra]
     base = parse_args(base_argv)

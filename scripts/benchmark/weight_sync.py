@@ -49,12 +49,12 @@ def main() -> None:
     import ray
     from transformers import AutoModelForCausalLM
 
-    from open_instruct import weight_sync as ws
-    from open_instruct.embedded_model import resolve_model_path
-    from open_instruct.engine_group import EngineGroup
-    from open_instruct.learner_group import node_address_with_free_port
-    from open_instruct.model_utils import WeightSnapshots, named_weights_for_engine
-    from open_instruct.vllm_utils import EngineConfig, create_engine, engine_dtype, load_weights
+    from open_instruct.generation import weight_broadcast
+    from open_instruct.data.embedded import resolve_model_path
+    from open_instruct.generation.engine_actors import EngineGroup
+    from open_instruct.run.cluster import node_address_with_free_port
+    from open_instruct.learner.single_process import WeightSnapshots, named_weights_for_engine
+    from open_instruct.generation.vllm_engine import EngineConfig, create_engine, engine_dtype, load_weights
 
     path = resolve_model_path(options.model)
     dtype = getattr(torch, engine_dtype("auto"))
@@ -75,26 +75,26 @@ def main() -> None:
         started = time.time()
         ray.init(num_cpus=max(options.engines) + 1, include_dashboard=False)
         results["ray_start_seconds"] = time.time() - started
-    backend = ws.resolve_backend("auto")
+    backend = weight_broadcast.resolve_backend("auto")
     for num_engines in options.engines:
         engines = EngineGroup(EngineConfig(path, max_model_len=256), num_engines, timeout_s=600)
         engines.wait_until_ready()
         for bucket_mb in options.bucket_mb:
-            plan = ws.plan_buckets([(n, tuple(t.shape)) for n, t in named], dtype, int(bucket_mb * 2**20))
+            plan = weight_broadcast.plan_buckets([(n, tuple(t.shape)) for n, t in named], dtype, int(bucket_mb * 2**20))
             host, port = node_address_with_free_port()
-            joining = ws.run_beside(ws.init_group, host, port, 0, 1 + engines.num_workers, backend, 300)
+            joining = weight_broadcast.run_beside(weight_broadcast.init_group, host, port, 0, 1 + engines.num_workers, backend, 300)
             engines.join_weight_group(host, port, backend, plan)
             group = joining.result(300, "join the group")
             sends, syncs, copies = [], [], []
             for version in range(1, options.repeats + 1):
-                receiving = ws.run_beside(engines.receive_weights, version)
-                sent = ws.send_buckets(group, plan, iter(named), ws.buffer_device(backend, device))
+                receiving = weight_broadcast.run_beside(engines.receive_weights, version)
+                sent = weight_broadcast.send_buckets(group, plan, iter(named), weight_broadcast.buffer_device(backend, device))
                 received = receiving.result(300, "receive")
                 sends.append(sent["seconds"])
                 copies.append(sent["copy_seconds"])
                 syncs.append(max(r["seconds"] for r in received))
                 for r in received:
-                    assert all(ws.checksum_mismatch(sent["checksum"], c) is None for c in r["checksums"])
+                    assert all(weight_broadcast.checksum_mismatch(sent["checksum"], c) is None for c in r["checksums"])
             row = {
                 "engines": num_engines,
                 "bucket_mb": bucket_mb,
@@ -104,7 +104,7 @@ def main() -> None:
                 "sync_seconds": statistics.median(syncs),
             }
             results["rows"].append(row)
-            ws.stateless_destroy(group)
+            weight_broadcast.stateless_destroy(group)
         engines.shutdown()
     if options.engines:
         ray.shutdown()

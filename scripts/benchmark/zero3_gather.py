@@ -9,11 +9,11 @@ pass through. Ray listens on every interface: run it in a loopback-only network 
 import sys
 import time
 
-from open_instruct.embedded_model import resolve_model_path
-from open_instruct.learner_group import LearnerGroup
-from open_instruct.model_utils import load_tokenizer
-from open_instruct.ppo_args import compute_batch_sizes, parse_args
-from open_instruct.ppo_vllm_thread_ray_gtrl import stop_token_ids_for
+from open_instruct.data.embedded import resolve_model_path
+from open_instruct.learner.ray_group import LearnerGroup
+from open_instruct.data.tokenizer import load_tokenizer
+from open_instruct.run.args import compute_batch_sizes, parse_args
+from open_instruct.data.tokenizer import stop_token_ids_for
 
 
 def main(argv: list[str]) -> None:

@@ -5,7 +5,7 @@
 
 import argparse
 
-from open_instruct.arithmetic_task import make_arithmetic_rows, write_arithmetic_dataset
+from open_instruct.data.arithmetic_task import make_arithmetic_rows, write_arithmetic_dataset
 from scripts.data_preprocess.common import OUTPUT_FORMATS, PromptRow, format_row, write_split
 
 

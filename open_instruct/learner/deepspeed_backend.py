@@ -1,0 +1,189 @@
+"""The learner backend of one DeepSpeed rank (see learner_backend.py for the members PPOLearner uses).
+
+Policy and value model are DeepSpeed training engines at ZeRO stage 0, 2 or 3, with torch AdamW as the
+client optimizer (DeepSpeed's own Adam kernels JIT-compile for minutes on CPUs); the reference and reward
+models are ZeRO-3 inference engines at stage 3 (sharded like the policy) and plain replicated models
+otherwise. fp32 with gloo on CPUs, bf16 (fp32 master weights) with NCCL on GPUs, chosen at run time.
+The JSON configs live in configs/ds_configs/; batch sizes, clipping and precision are filled in here.
+
+Imported only by the Ray learner actors: the single-process trainer never loads deepspeed.
+"""
+
+import importlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch._dynamo  # noqa: F401  before any ZeRO-3 partitioning, else torch._dynamo fails with "Signature mismatch"
+import torch.distributed as dist
+from torch import nn
+
+from open_instruct.learner.single_process import OptimizerSettings, adamw, lr_scheduler
+from open_instruct.run import devices
+from open_instruct.run.checkpoint import NonFiniteError
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "ds_configs"
+
+
+def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float) -> None:
+    """Join the learner group: gloo on CPUs, NCCL on GPUs. Rank 0 listens on master_addr:master_port."""
+    os.environ.update(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",  # each rank sees only its own device (Ray sets CUDA_VISIBLE_DEVICES per actor)
+    )
+    if master_addr.startswith("127."):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU inference at init (minutes on 2 cores);
+    # training never uses it.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(
+        dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+        auto_mpi_discovery=False,
+        timeout=timedelta(seconds=timeout_s),
+        rank=rank,
+        world_size=world_size,
+    )
+
+
+def load_ds_config(name: str) -> dict:
+    path = DS_CONFIG_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config {path} is missing; run from a checkout that has configs/ds_configs/.")
+    with open(path) as f:
+        return json.load(f)
+
+
+class DeepSpeedTrainer:
+    """A DeepSpeed training engine: it averages gradients over ranks and micro-batches and clips by the global norm."""
+
+    def __init__(self, model: nn.Module, settings: OptimizerSettings, config: dict):
+        self.engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=adamw(model, settings),
+            lr_scheduler=lambda optimizer: lr_scheduler(optimizer, settings),
+            config=config,
+        )
+        self.model = self.engine
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss` is one micro-batch's mean. The engine divides it by gradient_accumulation_steps, and its step()
+        must follow every backward: it updates only after the last micro-batch of a minibatch. The engine would
+        apply a NaN update (fp32 has no loss scaler to skip it), so a non-finite loss stops this rank first; the
+        learner group then ends the run naming it."""
+        if not torch.isfinite(loss):
+            raise NonFiniteError(f"a non-finite loss ({loss.item()}) on this learner rank; lower the learning rate")
+        self.engine.backward(loss)
+        self.engine.step()
+
+    def step(self, apply: bool = True) -> bool:
+        if not self.engine.was_step_applied():
+            raise RuntimeError(
+                "DeepSpeed did not apply an optimizer step at the end of a minibatch; its gradient_accumulation_steps "
+                "must equal the micro-batches per minibatch on each rank."
+            )
+        return True  # a non-finite loss already stopped the rank in backward
+
+    @property
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+
+class DeepSpeedBackend:
+    def __init__(self, stage: int, micro_batch_size: int, gather_whole_model: bool, compute_dtype: str = "auto"):
+        self.stage, self.micro_batch_size, self.gather_whole_model = stage, micro_batch_size, gather_whole_model
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = devices.learner_device()
+        # DeepSpeed's bf16 mode (bf16 weights, fp32 master copy) on GPUs; on CPUs fp32 weights, and the learner's
+        # autocast computes in bf16 where mu.learner_compute_dtype chose it.
+        self.bf16 = self.device.type == "cuda" and compute_dtype != "float32"
+
+    def config(self, name: str, micro_batch_size: int, gradient_accumulation_steps: int, max_grad_norm: float) -> dict:
+        return {
+            **load_ds_config(name),
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "train_batch_size": micro_batch_size * gradient_accumulation_steps * self.world_size,
+            "gradient_clipping": max_grad_norm,
+            "bf16": {"enabled": self.bf16},
+        }
+
+    def trainable(self, model: nn.Module, settings: OptimizerSettings) -> DeepSpeedTrainer:
+        config = self.config(
+            f"zero{self.stage}_train.json",
+            settings.micro_batch_size,
+            settings.gradient_accumulation_steps,
+            settings.max_grad_norm,
+        )
+        return DeepSpeedTrainer(model, settings, config)
+
+    def frozen(self, model: nn.Module) -> nn.Module:
+        if self.stage != 3:
+            return model
+        config = self.config("zero3_inference.json", self.micro_batch_size, 1, 0.0)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()  # DeepSpeedEngine.eval returns None, not the engine
+        return engine
+
+    def local_rows(self, num_rows: int) -> slice:
+        share = num_rows // self.world_size  # compute_batch_sizes makes the rollout a multiple of the ranks
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        on_device = tensor.to(self.device)
+        dist.all_reduce(on_device)
+        return on_device.to(tensor.device)
+
+    def named_weights(
+        self, model: nn.Module, dtype: torch.dtype, slot: int | None = None
+    ) -> list[tuple[str, torch.Tensor]] | None:
+        """Rank 0 gets the full weights. Under ZeRO-3 every rank takes part in gathering them: the whole model
+        at once with --gather_whole_model, else one parameter at a time (peak memory: the largest one)."""
+        weights = list(self.iter_named_weights(model, dtype))
+        return weights if self.rank == 0 else None
+
+    def iter_named_weights(self, model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(name, copy in `dtype`) of each parameter in order; the tensor is None on ranks other than 0. Under ZeRO-3
+        every rank must run the iterator to the end: each step gathers a parameter (or, with --gather_whole_model,
+        the first step gathers all of them)."""
+        module = unwrap(model)
+        if self.stage != 3:
+            for name, param in module.named_parameters():
+                yield name, param.detach().to(dtype=dtype, copy=True) if self.rank == 0 else None
+            return
+        named_params = list(module.named_parameters())
+        groups = [named_params] if self.gather_whole_model else [[item] for item in named_params]
+        for group in groups:
+            with deepspeed.zero.GatheredParameters([param for _, param in group]):
+                for name, param in group:
+                    yield name, param.detach().to(dtype=dtype, copy=True) if self.rank == 0 else None
+
+    def weight_shapes(self, model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+        """The parameters' full shapes (ZeRO-3 keeps a partition; `ds_shape` is the whole)."""
+        return [(name, tuple(getattr(p, "ds_shape", p.shape))) for name, p in unwrap(model).named_parameters()]
+
+    @contextmanager
+    def full_model(self, model: nn.Module):
+        module = unwrap(model)
+        if self.stage == 3:
+            with deepspeed.zero.GatheredParameters(list(module.parameters())):
+                yield module if self.rank == 0 else None
+        else:
+            yield module if self.rank == 0 else None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The HF model inside a DeepSpeed engine (its parameter names carry no `module.` prefix)."""
+    return model.module if isinstance(model, deepspeed.DeepSpeedEngine) else model

@@ -1,0 +1,161 @@
+"""A rollout as the learner's tensors (`Experience`), and the checks between the engine and the learner.
+
+Layout of every learner batch (the PPO detail "left-pad the prompts"):
+
+    query_response = [pad pad q q q q | r r r r pad pad]    # [batch, context_length + response_len]
+                      ^ left-padded    ^ response, right-padded after its stop token
+
+so the response always starts at column `context_length`, and the logits that predict response
+token j sit at column `context_length - 1 + j`.
+"""
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from open_instruct import rl
+from open_instruct.data.batches import PromptBatch, left_pad
+from open_instruct.generation.vllm_engine import Completion
+
+
+@dataclass
+class RolloutTensors:
+    """A rollout laid out as the learner's tensors (the layout is in the module doc), on the learner's device."""
+
+    query_response: torch.Tensor  # [batch, context_length + response_len], left-padded queries
+    attention_mask: torch.Tensor  # [batch, context_length + response_len]
+    context_length: int
+    response_mask: torch.Tensor  # [batch, response_len]: real tokens, up to and including the first stop token
+    response_length: torch.Tensor  # [batch]
+    engine_logprob: torch.Tensor  # [batch, response_len]: the engine's logprob of each sampled token, NaN where none
+    stopped: list[bool]  # the response ended on a stop token or string (else it ran out of --response_length)
+
+    @property
+    def engine_scored(self) -> torch.Tensor:
+        """[batch, response_len]: the real tokens the engine gave a logprob for."""
+        return self.response_mask & torch.isfinite(self.engine_logprob)
+
+
+def layout_rollout(
+    prompts: PromptBatch, completions: list[Completion], pad_token_id: int, stop_token_ids: list[int], device
+) -> RolloutTensors:
+    """Each completion after its left-padded prompt, truncated at its first stop token (PPO detail), as tensors."""
+    query, query_mask = left_pad([prompts.token_ids[c.prompt_index] for c in completions], pad_token_id)
+    generated_length = torch.tensor([len(c.token_ids) for c in completions])
+    # As wide as the longest response in this batch, not --response_length: no compute on padding.
+    width = max(int(generated_length.max()), 1)
+    raw_response = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
+    for row, completion in enumerate(completions):
+        raw_response[row, : len(completion.token_ids)] = torch.tensor(completion.token_ids)
+    # PPO detail: truncate at the first stop token; the mask comes from lengths (pad may equal eos).
+    response, stop_length = rl.truncate_response(raw_response, stop_token_ids, pad_token_id)
+    response_length = torch.minimum(stop_length, generated_length)
+    response_mask = rl.response_mask_from_lengths(response_length, width)
+    return RolloutTensors(
+        query_response=torch.cat([query, response], dim=1).to(device),
+        attention_mask=torch.cat([query_mask, response_mask.long()], dim=1).to(device),
+        context_length=query.shape[1],
+        response_mask=response_mask.to(device),
+        response_length=response_length.to(device),
+        # Positions past the stop token (truncation) are padding: the engine's logprobs there are never read.
+        engine_logprob=engine_logprobs(completions, width).to(device),
+        stopped=[c.finish_reason == "stop" for c in completions],
+    )
+
+
+def old_logprobs(
+    rollout: RolloutTensors, learner_logprob: torch.Tensor | None, source: str
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's old (behaviour) logprobs, [batch, response_len], and where they came from: the learner's forward
+    (--old_logprobs_from learner), or the engine's where it gave one and the learner's where it did not (0 on
+    padding; 0 also where neither exists, which `needs_learner_logprobs` rules out)."""
+    if source == "learner":
+        return learner_logprob, {}
+    engine_scored, mask = rollout.engine_scored, rollout.response_mask
+    fallback = learner_logprob if learner_logprob is not None else torch.zeros_like(rollout.engine_logprob)
+    logprob = torch.where(engine_scored, rollout.engine_logprob, torch.where(mask, fallback, 0.0))
+    filled = (mask & ~engine_scored).float()
+    return logprob, {"debug/old_logprobs_from_learner_frac": rl.masked_mean(filled, mask).item()}
+
+
+def needs_learner_logprobs(rollout: RolloutTensors, source: str, tis_cap: float) -> bool:
+    """The learner's old-logprob forward runs when its logprobs are the old ones, when truncated importance sampling
+    weighs them against the engine's, or when the engine left a real token without a logprob."""
+    return source == "learner" or tis_cap > 0 or not bool(rollout.engine_scored[rollout.response_mask].all())
+
+
+@dataclass
+class Experience:
+    """Everything the PPO epochs need about one rollout batch (on the learner device)."""
+
+    query_response: torch.Tensor  # [batch, context_length + response_len], left-padded queries
+    attention_mask: torch.Tensor  # [batch, context_length + response_len]
+    context_length: int
+    response_mask: torch.Tensor  # [batch, response_len]
+    logprob: torch.Tensor  # [batch, response_len] "old" logprobs: the learner's, or the engine's (--old_logprobs_from)
+    ref_logprob: torch.Tensor | None  # [batch, response_len]; None with --beta 0 (no reference model)
+    # Set by `compute_advantages`: [batch, response_len] each; value and return_ stay None without a value model.
+    advantage: torch.Tensor | None = None
+    value: torch.Tensor | None = None  # "old" values
+    return_: torch.Tensor | None = None
+    # [batch, response_len] per-token weight of the policy-gradient term (truncated importance sampling), or None.
+    tis_weight: torch.Tensor | None = None
+    # [batch, response_len] the engine's logprobs (NaN where it gave none), kept when make_experience ran no learner
+    # forward to compare them with: `train` then compares them with the first minibatch's logprobs. Else None.
+    engine_logprob_to_check: torch.Tensor | None = None
+
+
+def engine_logprobs(completions: list[Completion], width: int) -> torch.Tensor:
+    """The engine's logprob of each sampled token, [batch, width]; NaN where it gave none (a stop token added back
+    after generation, logprobs not asked for) and on padding."""
+    engine_logprob = torch.full((len(completions), width), torch.nan)
+    for row, completion in enumerate(completions):
+        if completion.logprobs is not None:
+            logprobs = completion.logprobs[:width]
+            engine_logprob[row, : len(logprobs)] = torch.tensor([torch.nan if lp is None else lp for lp in logprobs])
+    return engine_logprob
+
+
+@contextmanager
+def timed(timings: dict[str, float], key: str):
+    """Seconds the block took, in timings[key]; on a GPU, until its kernels finished (they run asynchronously)."""
+    start = time.time()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    timings[key] = time.time() - start
+
+
+def check_engine_matches_learner(metrics: dict, max_diff: float, step: int | None = None) -> None:
+    """Stop before training on a rollout that the engine did not sample from the learner's weights.
+
+    The agreement is measured in `make_experience` when it runs the learner's old-logprob forward, else (with
+    --old_logprobs_from vllm) on the first minibatch in `train`, which checks it itself before its first update;
+    a call without the metric does nothing.
+    """
+    if "debug/vllm_vs_learner_logprob_diff_mean" not in metrics:
+        return
+    diff = metrics["debug/vllm_vs_learner_logprob_diff_mean"]
+    if max_diff > 0 and not diff <= max_diff:  # `not <=`: a NaN difference stops the run too
+        where = f"Step {step}" if step is not None else "This rollout (first minibatch)"
+        raise RuntimeError(
+            f"{where}: vLLM and the learner disagree on the logprobs of the sampled tokens by {diff:.4g} nats "
+            f"per token on average (limit --max_vllm_logprob_diff {max_diff:g}), so the engine is not sampling "
+            f"from the learner's weights (a failed or partial weight sync) and the rollouts are off-policy. "
+            f"Look at the debug/vllm_vs_learner_* metrics; if the gap is expected (a bf16 engine, async mode at a "
+            f"high learning rate), raise --max_vllm_logprob_diff."
+        )
+
+
+def agreement_metrics(learner_logprob: torch.Tensor, engine_logprob: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The `debug/vllm_vs_learner_*` metrics (rl.logprob_agreement); inputs [batch, response_len]."""
+    agreement = rl.logprob_agreement(learner_logprob, engine_logprob, mask)
+    return {
+        "debug/vllm_vs_learner_logprob_diff_mean": agreement["diff_mean"].item(),
+        "debug/vllm_vs_learner_logprob_diff_max": agreement["diff_max"].item(),
+        "debug/vllm_vs_learner_ratio_mean": agreement["ratio_mean"].item(),
+        "debug/vllm_vs_learner_ratio_min": agreement["ratio_min"].item(),
+        "debug/vllm_vs_learner_ratio_max": agreement["ratio_max"].item(),
+    }

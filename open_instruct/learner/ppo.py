@@ -1,0 +1,476 @@
+"""The PPO learner: turns a rollout into training tensors (`make_experience`) and runs the update (`train`).
+
+It holds the trainable policy and value model, the frozen reference policy, and the reward model
+when one is used. All the math it calls lives in `rl` (pure and tested); this module only
+arranges tensors and models around it. GRPO's learner (grpo.py) is this one without the value
+model and with its own `compute_advantages`.
+"""
+
+import logging
+
+import torch
+
+from open_instruct import rl
+from open_instruct.data.batches import PromptBatch
+from open_instruct.data.tokenizer import check_same_vocab, load_tokenizer
+from open_instruct.generation import weight_broadcast
+from open_instruct.generation.vllm_engine import Completion, engine_dtype
+from open_instruct.learner import models, saving
+from open_instruct.learner.experience import (
+    Experience,
+    RolloutTensors,
+    agreement_metrics,
+    check_engine_matches_learner,
+    layout_rollout,
+    needs_learner_logprobs,
+    old_logprobs,
+    timed,
+)
+from open_instruct.learner.saving import SavedModel
+from open_instruct.learner.single_process import OptimizerSettings, SingleProcess
+from open_instruct.rl.rewards import RewardManager
+from open_instruct.run import devices
+from open_instruct.run.args import Args, BatchSizes
+from open_instruct.run.checkpoint import NonFiniteError, assert_finite
+
+log = logging.getLogger(__name__)
+
+
+class PPOLearner:
+    """The learner of one process, or one rank of a DeepSpeed group (`backend`, see single_process.py).
+
+    Subclasses change the algorithm through `uses_value_model` and `compute_advantages` (GRPO: grpo.py).
+
+    Every rank holds the whole rollout, runs the forward passes of `make_experience` on its share of the
+    rows and gathers them, so advantages, their whitening and every metric are computed over the global
+    batch, identically on each rank. `train` draws the same minibatch order on every rank and gives each
+    rank an equal slice of each minibatch: with gradients averaged over ranks and micro-batches, the update
+    is the single-process one.
+    """
+
+    uses_value_model = True  # a critic, trained beside the policy, that GAE takes its baseline from
+
+    def __init__(
+        self, args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int], backend=None,
+        compute_dtype: tuple[torch.dtype, str] | None = None,
+    ):  # fmt: skip
+        """`compute_dtype`: (dtype, why) as `devices.learner_compute_dtype` chose it before the engine started loading
+        (its probe times matmuls: best on quiet cores); None: this learner chooses now."""
+        self.args, self.sizes, self.tokenizer = args, sizes, tokenizer
+        self.stop_token_ids = stop_token_ids
+        self.backend = backend or SingleProcess()
+        self.device = self.backend.device
+        model_args = args.model
+        if compute_dtype is None:
+            compute_dtype = devices.learner_compute_dtype(model_args.learner_compute_dtype, self.device)
+        self.compute_dtype, why = compute_dtype
+        # Each rank probed its own CPU; they must compute alike (one process: the sum is its own choice).
+        self.compute_dtype, why = devices.compute_dtype_of_all_ranks(self.compute_dtype, why, self.backend.all_sum)
+        self.compute_dtype_reason = why  # said by the driver (a Ray rank's own output goes to the Ray logs)
+        if self.backend.rank == 0:
+            log.info(f"[learner] {self.device.type}: computing in {why}")
+        self.policy_path = policy_path
+        self.policy = models.load_policy(policy_path, self.device, model_args.model_revision, trainable=True)
+        # --beta 0 puts no KL in the reward or the loss: no reference model is loaded, and none runs.
+        self.ref_policy = None
+        if args.ppo.beta != 0:
+            self.ref_policy = models.load_policy(policy_path, self.device, model_args.model_revision, trainable=False)
+        self.reward_model = None
+        if args.reward.reward_model_multiplier != 0:
+            if model_args.reward_model_path is None:
+                raise ValueError("--reward_model_multiplier is non-zero but no --reward_model_path was given.")
+            check_same_vocab(
+                tokenizer, load_tokenizer(model_args.reward_model_path), policy_path, model_args.reward_model_path
+            )
+            self.reward_model = models.load_scalar_model(
+                model_args.reward_model_path,
+                self.device,
+                trainable=False,
+                pad_token_id=tokenizer.pad_token_id,
+                revision=model_args.reward_model_revision,
+            )
+        self.value_model = self.value_trainer = None
+        if self.uses_value_model:
+            value_path = model_args.value_model_path or model_args.reward_model_path or policy_path
+            self.value_model = models.load_scalar_model(
+                value_path, self.device, trainable=True, pad_token_id=tokenizer.pad_token_id
+            )
+        if model_args.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+        self.policy.train()
+        self.policy_trainer = self.backend.trainable(self.policy, self.optimizer_settings(args.ppo.learning_rate))
+        # From here on forward passes go through what the backend built (a DeepSpeed engine, or the model itself).
+        self.policy = self.policy_trainer.model
+        if self.value_model is not None:
+            if model_args.gradient_checkpointing:
+                self.value_model.gradient_checkpointing_enable()
+            self.value_model.train()
+            value_lr = args.ppo.value_learning_rate or args.ppo.learning_rate
+            self.value_trainer = self.backend.trainable(self.value_model, self.optimizer_settings(value_lr))
+            self.value_model = self.value_trainer.model
+        if self.ref_policy is not None:
+            self.ref_policy = self.backend.frozen(self.ref_policy)
+        if self.reward_model is not None:
+            self.reward_model = self.backend.frozen(self.reward_model)
+        self.shuffle_generator = torch.Generator().manual_seed(args.run.seed)
+
+    def optimizer_settings(self, learning_rate: float) -> OptimizerSettings:
+        ppo = self.args.ppo
+        optimizer_steps = self.sizes.num_training_steps * ppo.num_epochs * ppo.num_mini_batches
+        return OptimizerSettings(
+            learning_rate=learning_rate,
+            weight_decay=ppo.weight_decay,
+            lr_scheduler_type=ppo.lr_scheduler_type,
+            warmup_steps=int(ppo.warmup_ratio * optimizer_steps),
+            optimizer_steps=optimizer_steps,
+            max_grad_norm=ppo.max_grad_norm,
+            gradient_accumulation_steps=self.sizes.gradient_accumulation_steps,
+            micro_batch_size=ppo.per_device_train_batch_size,
+        )
+
+    def weights_for_engine(self, slot: int | None = None) -> list[tuple[str, torch.Tensor]] | None:
+        """The policy's weights, copied in the engine's dtype (on rank 0; None on the other ranks), into reusable
+        buffer `slot` where the backend keeps one (see learner_backend)."""
+        dtype = getattr(torch, engine_dtype(self.args.gen.vllm_dtype))
+        return self.backend.named_weights(self.policy, dtype, slot)
+
+    # ---- the weight broadcast to vLLM engine actors (weight_sync.py) ----
+    def weight_bucket_plan(self, bucket_bytes: int) -> list[weight_broadcast.Bucket]:
+        """How the policy is cut into broadcast buckets (the same on every rank; the engines get it once)."""
+        dtype = getattr(torch, engine_dtype(self.args.gen.vllm_dtype))
+        self.weight_plan = weight_broadcast.plan_buckets(self.backend.weight_shapes(self.policy), dtype, bucket_bytes)
+        return self.weight_plan
+
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Rank 0 becomes rank 0 of the broadcast group (the engines' workers join at the same time)."""
+        self.weight_group, self.weight_device = None, weight_broadcast.buffer_device(backend, self.device)
+        if getattr(self.backend, "rank", 0) == 0:
+            self.weight_group = weight_broadcast.init_group(host, port, 0, world_size, backend, timeout_s)
+
+    def broadcast_weights(self) -> dict | None:
+        """Send the policy to the engines in buckets (rank 0); under ZeRO-3 every rank takes part in gathering it.
+        Returns, on rank 0, the checksum of what was sent, timings and sizes."""
+        dtype = getattr(torch, engine_dtype(self.args.gen.vllm_dtype))
+        named = self.backend.iter_named_weights(self.policy, dtype)
+        if self.weight_group is None:
+            for _ in named:  # gathers a parameter at each step under ZeRO-3
+                pass
+            return None
+        return weight_broadcast.send_buckets(self.weight_group, self.weight_plan, named, self.weight_device)
+
+    @property
+    def lr(self) -> float:
+        return self.policy_trainer.lr
+
+    def make_experience(
+        self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager
+    ) -> tuple[Experience, dict[str, float], dict]:
+        """Score a rollout and compute logprobs, values, KL-shaped rewards and advantages. Three parts: the rollout as
+        tensors (`layout_rollout`), the forward passes that give logprobs and scores (`forward_logprobs`, `score`),
+        and the rewards and advantages (`rewards_and_advantages`). Returns the experience for `train`, the step's
+        metrics, and per-response scores and lengths (for the samples log)."""
+        ppo = self.args.ppo
+        rollout = layout_rollout(prompts, completions, self.tokenizer.pad_token_id, self.stop_token_ids, self.device)
+        timings: dict[str, float] = {}
+        learner_logprob, ref_logprob = self.forward_logprobs(rollout, timings)
+        logprob, source_metrics = old_logprobs(rollout, learner_logprob, ppo.old_logprobs_from)
+        score, reward_metrics = self.score(rollout, prompts, completions, reward_manager, timings)
+        experience, metrics = self.rewards_and_advantages(rollout, logprob, ref_logprob, score, completions, timings)
+        tis_metrics = {}
+        if ppo.truncated_importance_sampling_ratio_cap > 0:
+            experience.tis_weight, tis_metrics = self.tis_weights(rollout, learner_logprob)
+        # Without the learner's old forward, `train` measures the engine-vs-learner agreement on its first minibatch.
+        if learner_logprob is None:
+            experience.engine_logprob_to_check = rollout.engine_logprob
+        else:
+            metrics.update(agreement_metrics(learner_logprob, rollout.engine_logprob, rollout.response_mask))
+        metrics.update({**source_metrics, **tis_metrics, **reward_metrics, **timings})
+        samples = {"score": score.tolist(), "response_length": rollout.response_length.tolist()}
+        return experience, metrics, samples
+
+    # ---- the parts of make_experience ----
+    def forward_logprobs(self, rollout: RolloutTensors, timings: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The learner's logprobs of the sampled tokens (only when `needs_learner_logprobs`) and the reference's (only
+        with --beta non-zero), [batch, response_len] each or None; their seconds go to `timings`."""
+        ppo, temperature = self.args.ppo, self.args.gen.temperature
+
+        def logprob_of(model):
+            return lambda qr, am: models.response_logprobs(model, qr, am, rollout.context_length, temperature)[0]
+
+        learner_logprob = ref_logprob = None
+        if needs_learner_logprobs(rollout, ppo.old_logprobs_from, ppo.truncated_importance_sampling_ratio_cap):
+            with timed(timings, "time/old_logprob_forward"):
+                learner_logprob = self.forward_on_all_rows(
+                    logprob_of(self.policy), rollout.query_response, rollout.attention_mask
+                )
+        if self.ref_policy is not None:
+            with timed(timings, "time/ref_logprob_forward"):
+                ref_logprob = self.forward_on_all_rows(
+                    logprob_of(self.ref_policy), rollout.query_response, rollout.attention_mask
+                )
+        return learner_logprob, ref_logprob
+
+    def score(
+        self, rollout: RolloutTensors, prompts: PromptBatch, completions: list[Completion],
+        reward_manager: RewardManager, timings: dict,
+    ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+        """Each response's score [batch] (on the learner's device): verifiers, the reward model's score (a forward
+        pass, only with --reward_model_multiplier non-zero), the format reward and the non-stop penalty."""
+        rm_score = None
+        if self.reward_model is not None:
+            with timed(timings, "time/reward_model_forward"):
+                rm_score = self.forward_on_all_rows(
+                    lambda qr, am, length: models.reward_model_scores(
+                        self.reward_model, qr, am, rollout.context_length, length
+                    ),
+                    rollout.query_response, rollout.attention_mask, rollout.response_length,
+                ).cpu()  # fmt: skip
+        score, reward_metrics = reward_manager.score(
+            [c.text for c in completions],
+            [prompts.ground_truths[c.prompt_index] for c in completions],
+            [prompts.verifier_names[c.prompt_index] for c in completions],
+            rollout.stopped,
+            rm_score,
+        )
+        score = score.to(self.device)
+        if not torch.isfinite(score).all():
+            raise NonFiniteError(f"a reward score is NaN or inf ({score.tolist()}); check the reward model")
+        return score, reward_metrics
+
+    def rewards_and_advantages(
+        self, rollout: RolloutTensors, logprob: torch.Tensor, ref_logprob: torch.Tensor | None, score: torch.Tensor,
+        completions: list[Completion], timings: dict,
+    ) -> tuple[Experience, dict[str, float]]:  # fmt: skip
+        """The KL to the reference, the per-token rewards (score on the last token, -beta * KL on each), the
+        advantages (`compute_advantages`, whitened over the batch when asked), and the step's objective metrics."""
+        ppo, response_mask = self.args.ppo, rollout.response_mask
+        if ref_logprob is not None:
+            kl = rl.compute_kl(logprob, ref_logprob, ppo.kl_estimator)
+        else:  # --beta 0: no reference to measure a KL against, and none is used
+            kl = torch.zeros_like(logprob)
+        reward_beta = 0.0 if ppo.kl_in_loss else ppo.beta  # with --kl_in_loss the KL is a loss term instead
+        reward, non_score_reward = rl.per_token_rewards(score, kl, response_mask, reward_beta)
+        experience = Experience(rollout.query_response, rollout.attention_mask, rollout.context_length, response_mask,
+                                logprob, ref_logprob)  # fmt: skip
+        advantage_metrics = self.compute_advantages(experience, score, reward, completions, timings)
+        if ppo.whiten_advantages:
+            experience.advantage = rl.masked_whiten(experience.advantage, response_mask)
+        if not torch.isfinite(torch.where(response_mask, experience.advantage, 0.0)).all():
+            raise NonFiniteError("an advantage is NaN or inf (from the logprobs, values or KL of this batch)")
+        masked_kl = torch.where(response_mask, kl, torch.zeros_like(kl))
+        metrics = {
+            # Absent with --beta 0: no reference model; policy/approxkl_avg still shows how far each update moves.
+            **({"objective/kl": masked_kl.sum(1).mean().item()} if ref_logprob is not None else {}),
+            "objective/entropy": (-torch.where(response_mask, logprob, torch.zeros_like(logprob))).sum(1).mean().item(),
+            "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
+            "objective/rlhf_reward": (non_score_reward.sum(1) + score).mean().item(),
+            "objective/scores": score.mean().item(),
+            "val/sequence_lengths": rollout.response_length.float().mean().item(),
+            "val/num_stop_token_ids": float(sum(rollout.stopped)),
+            "val/advantage_mean": rl.masked_mean(experience.advantage, response_mask).item(),
+            **advantage_metrics,
+        }
+        return experience, metrics
+
+    def tis_weights(self, rollout: RolloutTensors, learner_logprob: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Truncated importance sampling: each token's policy-gradient weight min(pi_learner / pi_engine, cap)."""
+        cap, mask = self.args.ppo.truncated_importance_sampling_ratio_cap, rollout.response_mask
+        weight = rl.truncated_importance_weight(learner_logprob, rollout.engine_logprob, mask, cap)
+        return weight, {
+            "policy/tis_weight_mean": rl.masked_mean(weight, mask).item(),
+            "policy/tis_capped_frac": rl.masked_mean((weight >= cap).float(), mask).item(),
+        }
+
+    def forward_on_all_rows(self, fn, *tensors: torch.Tensor) -> torch.Tensor:
+        """`fn` (no grad, in micro-batches) on this rank's rows, gathered: every rank gets the whole batch's outputs."""
+        rows = self.backend.local_rows(tensors[0].shape[0])
+        chunk = self.args.ppo.per_device_train_batch_size
+        local = models.no_grad_in_chunks(
+            fn, chunk, *(t[rows] for t in tensors), device=self.device, dtype=self.compute_dtype
+        )
+        return self.backend.gather_rows(local)
+
+    def compute_advantages(
+        self, exp: Experience, score: torch.Tensor, reward: torch.Tensor, completions: list[Completion], timings: dict
+    ) -> dict[str, float]:
+        """PPO: the value model's values of the rollout, then GAE over the per-token rewards `reward` (the score on
+        the last real token, and -beta * KL on every token unless --kl_in_loss). Sets exp.value, exp.advantage and
+        exp.return_; returns metrics. `score` [batch] and `completions` are what other algorithms use instead."""
+        ppo = self.args.ppo
+        with timed(timings, "time/value_forward"):
+            exp.value = self.forward_on_all_rows(
+                lambda qr, am: models.response_values(self.value_model, qr, am, exp.context_length),
+                exp.query_response, exp.attention_mask,
+            )  # fmt: skip
+        if ppo.whiten_rewards:
+            reward = rl.masked_whiten(reward, exp.response_mask, shift_mean=False)
+        exp.advantage, exp.return_ = rl.compute_gae(reward, exp.value, exp.response_mask, ppo.gamma, ppo.lam)
+        return {"val/value_mean": rl.masked_mean(exp.value, exp.response_mask).item()}
+
+    def train(self, exp: Experience) -> dict[str, float]:
+        """`num_epochs` PPO epochs over shuffled minibatches; one optimizer step per minibatch."""
+        ppo, temperature = self.args.ppo, self.args.gen.temperature
+        micro_size = ppo.per_device_train_batch_size
+        stats: dict[str, list[float]] = {}
+        skipped_updates = 0
+        agreement: dict[str, float] = {}
+
+        def record(**values: torch.Tensor) -> None:
+            for key, value in values.items():
+                stats.setdefault(key, []).append(value.item())
+
+        for epoch in range(ppo.num_epochs):
+            # The same order on every rank (same seed); each rank trains on its equal slice of each minibatch.
+            order = torch.randperm(exp.query_response.shape[0], generator=self.shuffle_generator)
+            for index, minibatch in enumerate(order.split(self.sizes.mini_batch_size)):
+                finite_losses = True
+                # Before the first update the policy is still the one the batch was made with: its logprobs here are
+                # the learner's old ones, which make_experience did not compute with --old_logprobs_from vllm.
+                check_agreement = epoch == 0 and index == 0 and exp.engine_logprob_to_check is not None
+                first_logprobs = []
+                local_minibatch = minibatch.tensor_split(self.backend.world_size)[self.backend.rank]
+                for micro in local_minibatch.split(micro_size):
+                    mask = exp.response_mask[micro]
+                    qr, am = exp.query_response[micro], exp.attention_mask[micro]
+                    with devices.autocast(self.device, self.compute_dtype):
+                        new_logprob, logits = models.response_logprobs(self.policy, qr, am, exp.context_length, temperature)
+                    if check_agreement:
+                        first_logprobs.append(new_logprob.detach())
+                    tis_weight = exp.tis_weight[micro] if exp.tis_weight is not None else None
+                    pg_loss, pg_clipfrac, approxkl, ratio = rl.policy_loss(
+                        new_logprob, exp.logprob[micro], exp.advantage[micro], mask, ppo.cliprange, tis_weight,
+                        ppo.loss_aggregation,
+                    )  # fmt: skip
+                    policy_objective = pg_loss
+                    if ppo.kl_in_loss and exp.ref_logprob is not None:  # --beta 0: no KL term
+                        policy_objective = policy_objective + ppo.beta * rl.kl_penalty_loss(
+                            new_logprob, exp.ref_logprob[micro], mask, "k3", ppo.loss_aggregation
+                        )
+                    loss = policy_objective.detach()
+                    self.policy_trainer.backward(policy_objective)
+                    if self.value_model is not None:
+                        with devices.autocast(self.device, self.compute_dtype):
+                            new_value = models.response_values(self.value_model, qr, am, exp.context_length).float()
+                        vf_loss, vf_clipfrac = rl.value_loss(
+                            new_value, exp.value[micro], exp.return_[micro], mask, ppo.cliprange_value
+                        )
+                        # The two models share no parameter: separate backward passes give the gradients of the sum.
+                        self.value_trainer.backward(ppo.vf_coef * vf_loss)
+                        loss = loss + ppo.vf_coef * vf_loss.detach()  # vf_loss is logged unweighted
+                        record(vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
+                    finite_losses &= bool(torch.isfinite(loss))
+                    with torch.no_grad():
+                        entropy = rl.masked_mean(rl.entropy_from_logits(logits.float() / temperature), mask)
+                    record(
+                        pg_loss=pg_loss, loss=loss, pg_clipfrac=pg_clipfrac, approxkl=approxkl, ratio=ratio,
+                        entropy=entropy,
+                    )
+                if check_agreement:  # gathered over ranks: the minibatch's rows in `minibatch` order
+                    learner_logprob = self.backend.gather_rows(torch.cat(first_logprobs))
+                    agreement = agreement_metrics(
+                        learner_logprob, exp.engine_logprob_to_check[minibatch], exp.response_mask[minibatch]
+                    )
+                    check_engine_matches_learner(agreement, self.args.gen.max_vllm_logprob_diff)  # before the update
+                # A non-finite loss or gradient norm is never applied to the weights (see AdamWTrainer.step).
+                applied = [trainer.step(apply=finite_losses) for trainer in self.trainers]
+                if not all(applied) and not self.args.run.skip_nonfinite_updates:
+                    raise NonFiniteError(
+                        f"non-finite {'loss' if not finite_losses else 'gradient'} in a PPO minibatch; the update was "
+                        "not applied. Lower the learning rate, or pass --skip_nonfinite_updates true to skip such updates."
+                    )
+                skipped_updates += not all(applied)
+
+        # Means over every micro-batch of every rank: [key, (sum, count)] summed over ranks.
+        totals = self.backend.all_sum(
+            torch.tensor([[sum(values), len(values)] for values in stats.values()], dtype=torch.float64)
+        )
+        global_mean = {key: (total / count).item() for key, (total, count) in zip(stats, totals)}
+
+        def mean(key: str) -> float:
+            return global_mean[key]
+
+        value_metrics = {}
+        if self.value_model is not None:
+            value_metrics = {"loss/value_avg": mean("vf_loss"), "val/clipfrac_avg": mean("vf_clipfrac")}
+        return {
+            "train/skipped_updates": float(skipped_updates),
+            "loss/policy_avg": mean("pg_loss"),
+            "objective/loss": mean("loss"),
+            "policy/approxkl_avg": mean("approxkl"),
+            "policy/clipfrac_avg": mean("pg_clipfrac"),
+            "policy/entropy_avg": mean("entropy"),
+            "val/ratio": mean("ratio"),
+            **value_metrics,
+            **agreement,
+        }
+
+    def state_dict(self) -> dict:
+        """Everything of the learner a resumed run needs; the frozen reference (and reward) model are reloaded from
+        their original paths instead, so the KL reference stays the run's initial policy (with --beta 0 there is
+        none, in the run and in its resumption: --beta must match the checkpoint's). Without a value model (GRPO)
+        there is no "value_model" entry, and one optimizer and scheduler."""
+        state = {"policy": self.policy.state_dict()}
+        if self.value_model is not None:
+            state["value_model"] = self.value_model.state_dict()
+        return {
+            **state,
+            "optimizers": [trainer.optimizer.state_dict() for trainer in self.trainers],
+            "schedulers": [trainer.scheduler.state_dict() for trainer in self.trainers],
+            "shuffle_generator": self.shuffle_generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "compute_dtype": devices.dtype_name(self.compute_dtype),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if ("value_model" in state) != (self.value_model is not None):
+            held, wanted = ("a", "no") if "value_model" in state else ("no", "a")
+            raise ValueError(
+                f"the checkpoint holds {held} value model but this {type(self).__name__} trains {wanted} value model "
+                "(a PPO checkpoint resumed by GRPO, or the reverse); resume with the trainer that wrote it."
+            )
+        self.policy.load_state_dict(state["policy"])
+        if self.value_model is not None:
+            self.value_model.load_state_dict(state["value_model"])
+        for trainer, optimizer_state, scheduler_state in zip(self.trainers, state["optimizers"], state["schedulers"]):
+            trainer.optimizer.load_state_dict(optimizer_state)
+            trainer.scheduler.load_state_dict(scheduler_state)
+        self.shuffle_generator.set_state(state["shuffle_generator"])
+        torch.set_rng_state(state["torch_rng"])
+        # `--learner_compute_dtype auto` decides by a timing probe, which a busy machine can tip the other way: a
+        # resumed run computes in the dtype the run computed in, so that it goes on as the uninterrupted one would.
+        run_dtype = state.get("compute_dtype")  # absent from checkpoints written before it was saved
+        if run_dtype is not None and getattr(torch, run_dtype) != self.compute_dtype:
+            if self.backend.rank == 0:
+                log.info(f"[learner] computing in {run_dtype}, as the run did before this checkpoint "
+                         f"(this start alone chose {devices.dtype_name(self.compute_dtype)})")  # fmt: skip
+            self.compute_dtype = getattr(torch, run_dtype)
+
+    def initial_weights(self) -> dict[str, torch.Tensor]:
+        """The run's initial policy weights: the reference model's, or (--beta 0: none loaded) read again, in fp32."""
+        if self.ref_policy is not None:
+            return dict(self.ref_policy.named_parameters())
+        initial = models.load_policy(self.policy_path, torch.device("cpu"), self.args.model.model_revision, trainable=True)
+        return dict(initial.named_parameters())
+
+    @property
+    def trainers(self) -> tuple:
+        return (self.policy_trainer,) if self.value_trainer is None else (self.policy_trainer, self.value_trainer)
+
+    def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel | None:
+        """Save the policy as an HF folder in `--save_dtype` (default fp32: exactly the trained weights).
+
+        Rank 0 writes the full policy (gathered under ZeRO-3); other ranks only help gather and return None.
+        Non-finite weights are never written.
+        """
+        dtype = getattr(torch, self.args.run.save_dtype)
+        with self.backend.full_model(self.policy) as policy:
+            if policy is None:
+                return None
+            assert_finite(policy.state_dict(), "the policy")
+            state_dict = saving.state_dict_for_saving(policy, dtype)
+            path = saving.save_hf_folder(policy, self.tokenizer, output_dir, state_dict, extra_files)
+            rounding = None
+            # Measured against the initial policy, which the reference model holds whole in one process only.
+            if dtype.itemsize < 4 and self.backend.world_size == 1:
+                rounding = saving.rounding_report(dict(policy.named_parameters()), self.initial_weights(), dtype)
+            return SavedModel(path, self.args.run.save_dtype, saving.weights_sha256(state_dict), rounding)

@@ -1,0 +1,116 @@
+"""From scores to advantages: KL estimators, per-token rewards, GAE (PPO) and group advantages (GRPO).
+
+Sources: Schulman's note "Approximating KL Divergence" (2020), "High-Dimensional Continuous Control Using
+Generalized Advantage Estimation" (Schulman et al., 2016), "DeepSeekMath" (Shao et al., 2024: GRPO) and
+"Understanding R1-Zero-Like Training" (Liu et al., 2025: Dr. GRPO, no std normalisation).
+"""
+
+import torch
+
+from open_instruct.rl.masked import zero_padding
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def compute_kl(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman, 2020).
+
+    With log_ratio = logprob - ref_logprob:
+    k1 = log_ratio (unbiased, high variance, can be negative);
+    k2 = log_ratio**2 / 2 (biased, low variance, >= 0);
+    k3 = exp(-log_ratio) - 1 + log_ratio (unbiased, low variance, >= 0).
+    """
+    log_ratio = logprob - ref_logprob
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.pow(2)
+    if estimator == "k3":
+        # expm1 keeps precision when the policy is close to the reference (log_ratio near 0).
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"Unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}.")
+
+
+def per_token_rewards(
+    score: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense per-token reward: a KL penalty on every real token plus the sequence score on the last one.
+
+    score: [batch]; kl, response_mask: [batch, response_len]. Returns (reward, non_score_reward), both
+    [batch, response_len] and 0 on padding.
+
+    The score goes on the LAST REAL token (index response_length - 1): that is the last action the policy
+    took, the one that completed the text the score judges. open-instruct places it one position later when
+    there is room, but that position is padding: its value and logprob carry no meaning and it is masked out
+    of GAE and the losses, so a score placed there would be lost or would depend on garbage.
+    """
+    response_length = response_mask.bool().sum(dim=1)  # [batch]
+    if bool((response_length == 0).any()):
+        empty_rows = torch.nonzero(response_length == 0).flatten().tolist()
+        raise ValueError(
+            f"per_token_rewards got response rows {empty_rows} with no valid token; every response needs at "
+            f"least one token to carry its score (build the mask with truncate_response/response_mask_from_lengths)."
+        )
+    non_score_reward = zero_padding(-beta * kl, response_mask)
+    last_index = (response_length - 1).unsqueeze(1)  # [batch, 1]
+    reward = non_score_reward.scatter_add(1, last_index, score.to(non_score_reward.dtype).unsqueeze(1))
+    return reward, non_score_reward
+
+
+def compute_gae(
+    reward: torch.Tensor, value: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al., 2016) over each response, run backwards in time.
+
+    reward, value, response_mask: [batch, response_len]. The value after the last real token is 0 (the
+    episode ends there), so delta_t = r_t + gamma * V_{t+1} - V_t with V = 0 beyond the response, and
+    A_t = delta_t + gamma * lam * A_{t+1}. Returns (advantage, return_), both [batch, response_len],
+    with return_ = advantage + value on real tokens and 0 on padding.
+    """
+    mask = response_mask.bool()
+    reward = zero_padding(reward, mask)
+    value = zero_padding(value, mask)  # a zero value on padding is the bootstrap 0 at the end of each response
+    response_len = reward.size(1)
+    next_advantage = torch.zeros_like(reward[:, 0])  # [batch]
+    advantage_reversed = []
+    for t in reversed(range(response_len)):
+        next_value = value[:, t + 1] if t + 1 < response_len else torch.zeros_like(value[:, t])
+        delta = reward[:, t] + gamma * next_value - value[:, t]
+        next_advantage = zero_padding(delta + gamma * lam * next_advantage, mask[:, t])
+        advantage_reversed.append(next_advantage)
+    advantage = torch.stack(advantage_reversed[::-1], dim=1)  # [batch, response_len]
+    return_ = advantage + value  # both are already 0 on padding
+    return advantage, return_
+
+
+def group_advantages(
+    score: torch.Tensor, group: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's advantage of each response: its score against the other responses to the same prompt.
+
+    score: [batch] sequence scores; group: [batch] integer ids, equal for responses to the same prompt (they
+    need not be adjacent). A_i = (score_i - mean of its group) / (std of its group + eps) (DeepSeekMath,
+    section 4.1.2, outcome supervision; the std is the unbiased one, as in TRL and verl). With
+    std_normalize=False only the mean is subtracted (Dr. GRPO: dividing by the std weighs up prompts whose
+    answers are nearly all right or all wrong). A group whose scores are all equal gets advantage exactly 0
+    (found by comparing its scores, not from a std that rounding may leave at 1e-9): it carries no signal.
+    Returns (advantage [batch], group_std [num_groups], 0 for an all-equal group, in the order of the sorted ids).
+    """
+    ids, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
+    if bool((counts < 2).any()):
+        lone = ids[counts < 2].tolist()
+        raise ValueError(
+            f"group_advantages got group(s) {lone} with a single response; GRPO compares each response with the "
+            "others to its prompt, so every group needs at least 2 (--number_samples_per_prompt >= 2)."
+        )
+    score = score.float()
+    zeros = torch.zeros(len(ids), dtype=score.dtype, device=score.device)
+    mean = zeros.index_add(0, inverse, score) / counts
+    centered = score - mean[inverse]  # [batch]
+    std = (zeros.index_add(0, inverse, centered.pow(2)) / (counts - 1)).sqrt()  # [num_groups]
+    highest = zeros.scatter_reduce(0, inverse, score, "amax", include_self=False)
+    lowest = zeros.scatter_reduce(0, inverse, score, "amin", include_self=False)
+    all_equal = highest == lowest  # [num_groups]
+    std = torch.where(all_equal, 0.0, std)
+    advantage = centered / (std[inverse] + eps) if std_normalize else centered
+    return torch.where(all_equal[inverse], 0.0, advantage), std

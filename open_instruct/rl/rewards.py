@@ -1,0 +1,115 @@
+"""Rewards: `RewardManager.score` turns responses into one scalar score each, from each row's verifier (see
+`verifiers`), an optional reward model's score and an optional R1-style format reward, then applies the non-stop
+penalty ("The N Implementation Details of RLHF with PPO").
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from open_instruct.rl.verifiers import VERIFIER_ALIASES, VERIFIERS, r1_format, resolve_verifier_name
+
+
+def _option(default, help: str):
+    """A dataclass field whose help text `--help` shows (HfArgumentParser reads `metadata["help"]`)."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class RewardConfig:
+    apply_verifiable_reward: bool = _option(True, "Score responses with each row's verifier against its ground truth.")
+    verification_reward: float = _option(1.0, "Reward for a correct answer (times the verifier's score in [0, 1]).")
+    reward_model_multiplier: float = _option(0.0, "Weight of the reward model's score; 0 turns the reward model off.")
+    add_r1_style_format_reward: bool = _option(False, "Reward `<think>...</think><answer>...</answer>` responses.")
+    r1_style_format_reward: float = _option(1.0, "Reward for a correctly formatted response, when that is on.")
+    non_stop_penalty: bool = _option(False, "Replace the score of a response that never produced a stop token.")
+    penalty_reward_value: float = _option(-1.0, "The score of a non-stopping response under --non_stop_penalty.")
+
+
+class RewardManager:
+    """Turns responses into one scalar score each, following a RewardConfig."""
+
+    def __init__(self, config: RewardConfig):
+        self.config = config
+
+    def validate(self, verifier_names: Iterable[str | None]) -> None:
+        """Fail at start-up, not mid-run: some reward must be on, and every dataset name must have a verifier."""
+        if not self.config.apply_verifiable_reward and self.config.reward_model_multiplier == 0:
+            raise ValueError(
+                "No reward is enabled (apply_verifiable_reward is false and reward_model_multiplier is 0); "
+                "pass `--apply_verifiable_reward true` or a non-zero `--reward_model_multiplier`."
+            )
+        if self.config.apply_verifiable_reward:
+            for name in set(verifier_names):
+                if name is not None:
+                    resolve_verifier_name(name)
+
+    def score(
+        self,
+        responses: list[str],
+        ground_truths: list[str | None],
+        verifier_names: list[str | None],
+        stopped: list[bool],
+        rm_scores: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Score each response; returns (score float32 [batch], metrics).
+
+        score = reward_model_multiplier * rm_score + verification_reward * verifier_score
+        + r1_style_format_reward * format_score (each term when enabled), then replaced by
+        penalty_reward_value for responses that did not stop when non_stop_penalty is on
+        (N implementation details, "non-stop penalty").
+        """
+        config = self.config
+        batch = len(responses)
+        lengths = {"ground_truths": len(ground_truths), "verifier_names": len(verifier_names), "stopped": len(stopped)}
+        if rm_scores is not None:
+            lengths["rm_scores"] = rm_scores.numel()
+        mismatched = {name: length for name, length in lengths.items() if length != batch}
+        if mismatched:
+            raise ValueError(
+                f"RewardManager.score got {batch} responses but lengths {mismatched}; pass one entry per response."
+            )
+        use_reward_model = rm_scores is not None and config.reward_model_multiplier != 0
+
+        score = torch.zeros(batch, dtype=torch.float32)
+        if use_reward_model:
+            score += config.reward_model_multiplier * rm_scores.detach().float().cpu().flatten()
+        correct_by_verifier: dict[str, list[float]] = {}
+        format_scores = []
+        for i, (response, ground_truth, name) in enumerate(zip(responses, ground_truths, verifier_names)):
+            verified = config.apply_verifiable_reward and ground_truth is not None
+            if not verified and not use_reward_model:
+                raise ValueError(
+                    f"Row {i} has no reward source (ground truth {ground_truth!r} with apply_verifiable_reward="
+                    f"{config.apply_verifiable_reward}, and no reward model); give it a ground truth or enable "
+                    f"`--reward_model_multiplier`."
+                )
+            if verified:
+                if name is None:
+                    raise ValueError(
+                        f"Row {i} has a ground truth but no verifier name; set its `dataset`/`data_source` to one "
+                        f"of {', '.join(sorted(VERIFIER_ALIASES))}."
+                    )
+                canonical = resolve_verifier_name(name)
+                correct = VERIFIERS[canonical](response, ground_truth)
+                correct_by_verifier.setdefault(canonical, []).append(correct)
+                score[i] += config.verification_reward * correct
+            if config.add_r1_style_format_reward:
+                format_score = r1_format(response)
+                format_scores.append(format_score)
+                score[i] += config.r1_style_format_reward * format_score
+
+        not_stopped = torch.tensor([not s for s in stopped], dtype=torch.bool)
+        if config.non_stop_penalty:
+            score = torch.where(not_stopped, torch.tensor(config.penalty_reward_value, dtype=torch.float32), score)
+
+        metrics: dict[str, float] = {"val/num_non_stop": float(not_stopped.sum())}
+        all_correct = [c for values in correct_by_verifier.values() for c in values]
+        if all_correct:
+            metrics["objective/verifiable_correct_rate"] = sum(all_correct) / len(all_correct)
+        for canonical, values in sorted(correct_by_verifier.items()):
+            metrics[f"objective/{canonical}_correct_rate"] = sum(values) / len(values)
+        if format_scores:
+            metrics["objective/format_reward"] = sum(format_scores) / len(format_scores)
+        return score, metrics

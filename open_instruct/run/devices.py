@@ -1,0 +1,104 @@
+"""Where and in which dtype each part of a run computes: the learner's device, the learner's compute dtype (bf16 only
+where the device computes it fast: a short probe on CPUs), agreement between ranks, and the inference dtype of the
+models that only run forward (reference, reward model, vLLM engine).
+"""
+
+import math
+import time
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+
+
+def learner_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+BF16_MIN_SPEEDUP = 1.2  # below this the probe keeps fp32: bf16 loses precision for nothing
+
+
+def native_bf16_cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> list[str]:
+    """The CPU flags among NATIVE_BF16_CPU_FLAGS this machine has (empty where /proc/cpuinfo is missing)."""
+    try:
+        with open(cpuinfo_path) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [flag for flag in NATIVE_BF16_CPU_FLAGS if flag in flags]
+
+
+def bf16_matmul_speedup(size: int = 1024, repeats: int = 5) -> float:
+    """fp32 time / bf16 time of a size x size matmul on the CPU, best of `repeats` each (0.1 s on a 2-core EPYC).
+
+    The two dtypes are timed in turns, so a load that starts or stops during the probe (another process, the
+    engine loading) slows both alike instead of only the one measured second: on 2 busy cores the old
+    all-fp32-then-all-bf16 probe gave anything from 2.2x to 9.7x on a machine that measures 4.3x when quiet."""
+    matrices = {dtype: (torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype))
+                for dtype in (torch.float32, torch.bfloat16)}  # fmt: skip
+    for a, b in matrices.values():
+        a @ b  # warm-up: oneDNN builds its kernel on the first call
+    best = {dtype: math.inf for dtype in matrices}
+    for _ in range(repeats):
+        for dtype, (a, b) in matrices.items():
+            start = time.perf_counter()
+            a @ b
+            best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: as configs, flags and checkpoints spell it (`getattr(torch, name)` inverts it)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def learner_compute_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype the learner computes in under autocast (its weights stay fp32), and why.
+
+    GPUs: bf16 unless float32 is asked for. CPUs: `auto` takes bf16 only where the CPU has native bf16
+    (avx512_bf16 or AMX) *and* a short matmul probe finds it at least BF16_MIN_SPEEDUP x faster than fp32.
+    The probe decides because the flags alone do not: on a 2-core avx512_bf16 machine without AMX, bf16
+    matmuls measured 2x *slower* than fp32 (9.2 vs 4.8 ms for 800x576x1536) and SmolLM2-135M's
+    forward+backward 1.7x slower; on an AVX2-only machine bf16 backward was 40x slower (emulated).
+    """
+    if requested == "float32":
+        return torch.float32, "float32 asked for (--learner_compute_dtype)"
+    if requested == "bfloat16" or device.type == "cuda":
+        return torch.bfloat16, f"bfloat16 {'on a GPU' if requested == 'auto' else 'asked for'}"
+    flags = native_bf16_cpu_flags()
+    if not flags:
+        return torch.float32, "float32: this CPU has no native bf16 (avx512_bf16 / amx_bf16)"
+    speedup = bf16_matmul_speedup()
+    if speedup < BF16_MIN_SPEEDUP:
+        return torch.float32, f"float32: bf16 matmul only {speedup:.2f}x fp32 here despite {'/'.join(flags)}"
+    return torch.bfloat16, f"bfloat16: {'/'.join(flags)}, bf16 matmul {speedup:.2f}x fp32"
+
+
+def compute_dtype_of_all_ranks(
+    dtype: torch.dtype, why: str, all_sum: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.dtype, str]:
+    """The compute dtype every learner rank uses: fp32 if any rank chose it (its CPU lacks fast bf16), else this
+    rank's choice. Every rank must call it (`all_sum` sums a tensor over the ranks)."""
+    ranks_on_fp32 = int(all_sum(torch.tensor([int(dtype == torch.float32)], dtype=torch.int64)).item())
+    if ranks_on_fp32 and dtype != torch.float32:
+        return torch.float32, f"float32: {ranks_on_fp32} other learner rank(s) chose it (this rank alone: {why})"
+    return dtype, why
+
+
+def autocast(device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """Compute in `dtype` (bf16) with fp32 master weights; plain fp32 when `dtype` is float32.
+    `learner_compute_dtype` picks the dtype."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def inference_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of everything that only runs forward: the reference and reward models, and the vLLM engine.
+
+    bf16 on GPUs. fp32 on CPUs: the 2-core CI machines have AVX2 but no native bf16, so plain bf16
+    forwards in torch ran 6x slower, and vLLM generated 3x slower in bf16 (16 responses of up to
+    48 tokens: 17 s vs 5.5 s). fp32 also lets the engine hold exactly the learner's weights.
+    """
+    return torch.bfloat16 if device.type == "cuda" else torch.float32

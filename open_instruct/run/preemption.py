@@ -1,0 +1,81 @@
+"""Preemption: SIGTERM or SIGINT asks the training loop to stop between steps, write a checkpoint and exit with
+128 + signal; a deadline (--preemption_timeout_s) or a second signal exits at once, naming the newest checkpoint.
+"""
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+from open_instruct.run.checkpoint import complete_checkpoints
+from open_instruct.run.console import say
+
+
+@dataclass
+class StopRequest:
+    """SIGTERM/SIGINT set a flag that the training loop reads between steps: it then writes a checkpoint and stops.
+
+    The step in progress finishes first (a half-done update cannot be saved). If that and the checkpoint take
+    longer than `timeout_s`, or a second signal comes, the process exits at once, naming the newest complete
+    checkpoint (the kernel releases the output_dir lock).
+    """
+
+    output_dir: str
+    timeout_s: float
+    signum: int | None = None
+    received_at: float | None = None
+    _previous: dict = field(default_factory=dict)
+    _deadline: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread (e.g. when called from a test's thread)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            self._exit_now(f"a second {signal.Signals(signum).name} came")
+        self.signum, self.received_at = signum, time.time()
+        say(
+            f"[ppo] {self.name} received: finishing this step, writing a checkpoint, then stopping "
+            f"(at most {self.timeout_s:.0f}s; a second signal stops at once)",
+            error=True,
+        )
+        too_late = f"no checkpoint within {self.timeout_s:.0f}s of {self.name} (--preemption_timeout_s)"
+        self._deadline = threading.Timer(self.timeout_s, self._exit_now, args=(too_late,))
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def _exit_now(self, why: str) -> None:
+        found = complete_checkpoints(self.output_dir)
+        where = f"the newest complete checkpoint is {found[-1]}" if found else "there is no complete checkpoint"
+        say(f"error: {why}: stopped without a new checkpoint; {where} (resume with --resume)", error=True)
+        os._exit(128 + (self.signum or signal.SIGTERM))
+
+
+class Preempted(Exception):
+    """The run stopped on SIGTERM/SIGINT after writing a checkpoint."""
+
+    def __init__(self, signum: int, step: int, checkpoint_path: str):
+        self.signum, self.step, self.checkpoint_path = signum, step, checkpoint_path
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved in {checkpoint_path}; "
+            "resume with the same command plus --resume"
+        )

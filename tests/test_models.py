@@ -1,0 +1,158 @@
+"""model_utils: what is saved (dtype, digest, rounding report) and dropout off in every forward."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file as load_safetensors
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from open_instruct.run import devices
+from open_instruct.learner import models
+from open_instruct.learner import saving
+from open_instruct.learner import single_process
+
+
+def test_rounding_report_counts_updates_that_bf16_rounds_back_to_the_initial_value():
+    initial = {"w": torch.tensor([1.0, 1.0, 1.0, 0.5])}
+    # bf16 has 8 significant bits: near 1.0 its step is 2**-7 = 0.0078125.
+    trained = {"w": torch.tensor([1.0 + 1e-4, 1.0 + 0.02, 1.0, 0.5 - 1e-5]), "not_in_initial": torch.ones(3)}
+    report = saving.rounding_report(trained, initial, torch.bfloat16)
+    assert report == {"changed": 3.0, "rounded_away": 2.0, "fraction_rounded_away": pytest.approx(2 / 3)}
+    assert saving.rounding_report(trained, initial, torch.float32)["rounded_away"] == 0.0
+    assert saving.rounding_report(initial, initial, torch.bfloat16)["fraction_rounded_away"] == 0.0
+
+
+def test_weights_sha256_sees_names_dtypes_and_every_bit():
+    weights = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])}
+    digest = saving.weights_sha256(weights)
+    assert saving.weights_sha256(dict(reversed(weights.items()))) == digest  # order of the dict does not matter
+    assert saving.weights_sha256({**weights, "a": torch.tensor([1.0, 2.0 + 2e-7])}) != digest
+    assert saving.weights_sha256({**weights, "a": weights["a"].double()}) != digest
+    assert saving.weights_sha256({"c": weights["a"], "b": weights["b"]}) != digest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_folder_holds_the_weights_in_the_asked_dtype_with_a_matching_config(tiny_model_dir, tmp_path, dtype):
+    model = models.load_policy(tiny_model_dir, torch.device("cpu"))
+    with torch.no_grad():
+        model.model.norm.weight.add_(1e-5)  # an fp32 update below bf16's resolution
+    state_dict = saving.state_dict_for_saving(model, dtype)
+    folder = saving.save_hf_folder(model, AutoTokenizer.from_pretrained(tiny_model_dir), str(tmp_path / "model"), state_dict)
+    saved = load_safetensors(f"{folder}/model.safetensors")
+    assert "lm_head.weight" not in saved  # tied: stored once
+    assert saving.weights_sha256(saved) == saving.weights_sha256(state_dict)
+    assert AutoConfig.from_pretrained(folder).dtype == dtype
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    kept_update = torch.equal(reloaded.model.norm.weight, model.model.norm.weight)
+    assert kept_update == (dtype == torch.float32), "fp32 keeps the exact update; bf16 rounds it away"
+
+
+def test_attention_dropout_in_the_checkpoint_is_off_in_train_mode(tiny_model_dir, tmp_path):
+    """Attention modules copy config.attention_dropout when built; zeroing it afterwards left it on."""
+    with open(f"{tiny_model_dir}/config.json") as f:
+        config = json.load(f)
+    folder = tmp_path / "dropout_model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    for name in ("model.safetensors", "generation_config.json"):
+        shutil.copy(f"{tiny_model_dir}/{name}", folder / name)
+    input_ids = torch.tensor([[1, 5, 9, 14, 3, 8]])
+    for load in (
+        lambda: models.load_policy(str(folder), torch.device("cpu")),
+        lambda: models.load_scalar_model(str(folder), torch.device("cpu"), trainable=True, pad_token_id=0),
+    ):
+        model = load().train()
+        with torch.no_grad():
+            first, second = (model(input_ids=input_ids).logits for _ in range(2))
+        assert torch.equal(first, second), "two train-mode forwards differ: dropout is still on"
+
+
+def test_a_save_that_rounds_most_of_the_update_away_warns_and_is_summarised(capsys):
+    from open_instruct.learner.saving import SavedModel
+    from open_instruct.run.summary import report_save_rounding
+
+    lossy = SavedModel("out/model", "bfloat16", "digest", {"changed": 10.0, "rounded_away": 9.0, "fraction_rounded_away": 0.9})
+    assert report_save_rounding(lossy) == {"save/fraction_of_changed_weights_rounded_away": 0.9}
+    assert "rounded 90% of the changed weights back to their initial value" in capsys.readouterr().err
+    assert report_save_rounding(SavedModel("out/model", "float32", "digest")) == {}
+    assert capsys.readouterr().err == ""
+
+
+def test_native_bf16_flags_are_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n")
+    assert devices.native_bf16_cpu_flags(str(cpuinfo)) == ["avx512_bf16"]
+    cpuinfo.write_text("flags\t\t: fpu avx2 amx_bf16 amx_tile avx512_bf16\n")
+    assert devices.native_bf16_cpu_flags(str(cpuinfo)) == ["avx512_bf16", "amx_bf16"]
+    cpuinfo.write_text("flags\t\t: fpu sse avx2 fma\n")
+    assert devices.native_bf16_cpu_flags(str(cpuinfo)) == []
+    assert devices.native_bf16_cpu_flags(str(tmp_path / "missing")) == []
+
+
+def test_learner_compute_dtype_follows_the_flag_the_cpu_and_the_probe(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert devices.learner_compute_dtype("float32", cuda)[0] == torch.float32
+    assert devices.learner_compute_dtype("auto", cuda)[0] == torch.bfloat16
+    assert devices.learner_compute_dtype("bfloat16", cpu)[0] == torch.bfloat16
+    # auto on a CPU: the real probe on this machine decides, and the reason says what it measured.
+    dtype, why = devices.learner_compute_dtype("auto", cpu)
+    if not devices.native_bf16_cpu_flags():
+        assert dtype == torch.float32 and "no native bf16" in why
+    else:
+        assert (dtype == torch.bfloat16) == ("bfloat16" in why) and "x fp32" in why
+    # The decision on the machine kinds this project runs on (flags and probe results as measured on them).
+    for flags, speedup, expected in [
+        ([], None, torch.float32),  # AVX2 only: no probe at all
+        (["avx512_bf16"], 0.52, torch.float32),  # Intel Xeon, avx512_bf16 without AMX: measured 2x slower than fp32
+        (["avx512_bf16"], 3.5, torch.bfloat16),  # AMD EPYC with avx512_bf16: measured 2.7-7x faster than fp32
+        (["avx512_bf16", "amx_bf16"], 3.0, torch.bfloat16),
+    ]:
+        monkeypatch.setattr(devices, "native_bf16_cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(devices, "bf16_matmul_speedup", lambda speedup=speedup: speedup)
+        assert devices.learner_compute_dtype("auto", cpu)[0] == expected, (flags, speedup)
+
+
+def test_bf16_probe_measures_a_positive_speedup():
+    assert 0.01 < devices.bf16_matmul_speedup(size=256, repeats=2) < 100
+
+
+def test_weight_snapshots_copy_into_reused_buffers_one_per_slot():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    snapshots = single_process.WeightSnapshots(slots=2)
+    first = snapshots.take(model, torch.float32, slot=0)
+    assert [name for name, _ in first] == [name for name, _ in model.named_parameters()]
+    assert all(torch.equal(view, param) for (_, view), param in zip(first, model.parameters()))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    second = snapshots.take(model, torch.float32, slot=1)
+    # Slot 0 still holds the first copy (the engine may not have loaded it yet); slot 1 the new weights.
+    assert all(torch.equal(view + 1.0, param) for (_, view), param in zip(first, model.parameters()))
+    assert all(torch.equal(view, param) for (_, view), param in zip(second, model.parameters()))
+    assert first[0][1].untyped_storage().data_ptr() != second[0][1].untyped_storage().data_ptr()
+    # Taking slot 0 again writes into the same memory (no new allocation), in the dtype asked for.
+    again = snapshots.take(model, torch.float32, slot=0)
+    assert again[0][1].untyped_storage().data_ptr() == first[0][1].untyped_storage().data_ptr()
+    assert all(torch.equal(view, param) for (_, view), param in zip(again, model.parameters()))
+    halves = snapshots.take(model, torch.bfloat16, slot=0)
+    assert all(view.dtype == torch.bfloat16 for _, view in halves)
+
+
+def test_a_checkpoint_missing_weights_is_said_in_one_line_of_ours(tiny_model_dir, tmp_path, capsys):
+    """transformers' own load report goes to the library log; a weight the checkpoint lacks (other than a new score
+    head) is restated on the console, because it starts from random values."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    models.load_policy(str(broken), torch.device("cpu"))
+    err = capsys.readouterr().err
+    assert "the policy checkpoint" in err and "lacks 1 weight(s) (model.layers.1.mlp.down_proj.weight)" in err
+    models.load_scalar_model(str(tiny_model_dir), torch.device("cpu"), trainable=True, pad_token_id=0)
+    assert "lacks" not in capsys.readouterr().err  # the value model's new score head is expected to be missing

@@ -1,0 +1,465 @@
+"""Learner ranks as Ray actors on DeepSpeed (real Ray, real DeepSpeed on CPU with gloo, tiny model).
+
+One two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`, one logical CPU per node) serves the
+whole module. Ray listens on every interface, so these tests run only inside the loopback-only network
+namespace scripts/test.sh makes (OPEN_INSTRUCT_LOOPBACK_ONLY=1); elsewhere they skip with that reason.
+
+- Equivalence: 2 ranks at ZeRO-2 and at ZeRO-3 take the same PPO step on a fixed rollout as the single-process
+  PPOLearner: same parameters (1e-5) and metrics (1e-4). The proof that the distributed learner is the same
+  algorithm.
+- End to end: the trainer with `--num_learners_per_node 1 1` on the two nodes, async (ZeRO-3) and sync (ZeRO-2).
+- A learner actor killed mid-run ends the run within 60 s, naming the actor.
+- The single-process trainer imports neither ray nor deepspeed.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file as load_safetensors
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from open_instruct.rl.rewards import RewardManager
+from open_instruct.data.tokenizer import load_tokenizer
+from open_instruct.learner.saving import weights_sha256
+from open_instruct.run.args import compute_batch_sizes, parse_args
+from open_instruct.learner.ppo import PPOLearner
+from open_instruct.data.batches import PromptBatch
+from open_instruct.data.tokenizer import stop_token_ids_for
+from open_instruct.generation.vllm_engine import Completion, engine_dtype
+from tests.test_ppo_trainer import (
+    EVAL_QUESTIONS,
+    RESPONSE_LENGTH,
+    RUN_TIMEOUT_S,
+    STEP_METRICS,
+    Run,
+    assert_saved_weights_are_the_learners,
+    eval_file,  # noqa: F401  (a module fixture: the eval prompts file)
+    explain_mismatch,
+    fresh_engine_greedy,
+    hf_greedy,
+    is_finite_number,
+    last_lines,
+    run_to_completion,
+)
+
+TESTS_DIR = Path(__file__).resolve().parent
+TRAINER = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]
+
+needs_loopback_namespace = pytest.mark.skipif(
+    os.environ.get("OPEN_INSTRUCT_LOOPBACK_ONLY") != "1",
+    reason="Ray listens on every interface: run through scripts/test.sh, which uses a loopback-only namespace",
+)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Two Ray nodes on this machine, one logical CPU each; the test process is connected as a driver."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+# ---- the compute dtype: one for all ranks ---------------------------------------------------------------------------
+
+
+def choose_dtype_on_rank(rank: int, port: int, choices: list[str], results) -> None:
+    """One learner rank (a spawned process) joins a real 2-rank gloo group on 127.0.0.1 and agrees on its dtype."""
+    from open_instruct.learner import deepspeed_backend
+    from open_instruct.run import devices
+
+    deepspeed_backend.init_process_group(rank, 2, "127.0.0.1", port, 60)
+    backend = deepspeed_backend.DeepSpeedBackend(stage=2, micro_batch_size=1, gather_whole_model=False)
+    dtype, why = devices.compute_dtype_of_all_ranks(getattr(torch, choices[rank]), "probe", backend.all_sum)
+    results[rank] = (str(dtype), why)
+
+
+@needs_loopback_namespace
+@pytest.mark.parametrize(
+    "choices, expected",
+    [
+        (["bfloat16", "float32"], "torch.float32"),  # rank 1's CPU has no fast bf16: both ranks compute in fp32
+        (["float32", "bfloat16"], "torch.float32"),
+        (["bfloat16", "bfloat16"], "torch.bfloat16"),
+        (["float32", "float32"], "torch.float32"),
+    ],
+)
+def test_learner_ranks_whose_cpus_choose_different_dtypes_all_compute_in_fp32(choices, expected):
+    """Each rank's `--learner_compute_dtype auto` probes its own CPU, and nodes can differ; ranks computing in
+    different dtypes would take different steps, so one fp32 rank makes every rank fp32."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with mp.Manager() as manager:
+        shared = manager.dict()
+        mp.spawn(choose_dtype_on_rank, args=(port, choices, shared), nprocs=2, join=True)
+        results = dict(shared)
+    assert [results[rank][0] for rank in range(2)] == [expected, expected]
+    for rank in range(2):
+        overruled = choices[rank] == "bfloat16" and expected == "torch.float32"
+        assert ("other learner rank" in results[rank][1]) == overruled, results[rank]
+
+
+# ---- equivalence with the single-process learner ----------------------------------------------------------------------
+
+QUESTIONS = [(1, 2), (3, 4), (2, 2), (5, 1)]
+# Two responses per prompt, of different lengths, right and wrong, one cut off without a stop token.
+RESPONSES = [
+    ("The answer is 3.", "stop"), ("1 + 2 = 4", "stop"),
+    ("3 + 4 = 7. So the answer is 7", "stop"), ("It is 8", "length"),
+    ("4", "stop"), ("2 + 2 is 5, I think", "stop"),
+    ("The sum of 5 and 1 is 6.", "stop"), ("6", "length"),
+]  # fmt: skip
+EQUIVALENCE_FLAGS = [
+    "--local_rollout_batch_size", "4",
+    "--number_samples_per_prompt", "2",
+    "--per_device_train_batch_size", "2",
+    "--num_mini_batches", "2",
+    "--num_epochs", "2",
+    "--learning_rate", "1e-3",  # far above a real run's, so that the step moves every weight visibly
+    "--value_learning_rate", "3e-3",
+    "--lr_scheduler_type", "linear",
+    "--total_episodes", "16",
+    "--response_length", "16",
+    "--seed", "3",
+    # fp32 compute: the comparison is exact to 1e-4, which bf16 autocast (chosen on CPUs with fast bf16) is not.
+    "--learner_compute_dtype", "float32",
+]  # fmt: skip
+
+
+def fixed_rollout(tokenizer) -> tuple[PromptBatch, list[Completion]]:
+    chats = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in QUESTIONS]
+    token_ids = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False) for chat in chats]
+    prompts = PromptBatch(
+        token_ids=token_ids,
+        ground_truths=[str(a + b) for a, b in QUESTIONS],
+        verifier_names=["arithmetic"] * len(QUESTIONS),
+        texts=[tokenizer.decode(ids) for ids in token_ids],
+    )
+    completions = []
+    for row, (text, finish_reason) in enumerate(RESPONSES):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if finish_reason == "stop":
+            ids.append(tokenizer.eos_token_id)
+        completions.append(Completion(prompt_index=row // 2, token_ids=ids, text=text, finish_reason=finish_reason))
+    return prompts, completions
+
+
+def one_ppo_step(learner, prompts, completions, reward_manager) -> dict[str, float]:
+    experience, metrics, _ = learner.make_experience(prompts, completions, reward_manager)
+    metrics.update(learner.train(experience))
+    metrics["lr"] = learner.lr
+    return metrics
+
+
+def single_process_ppo_step(tiny_model_dir, completions: list[Completion] | None = None, *flags: str):
+    """The reference: today's PPOLearner in this process, one step on the fixed rollout (or these completions)."""
+    args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, *flags])
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompts, fixed_completions = fixed_rollout(tokenizer)
+    torch.manual_seed(args.run.seed)
+    learner = PPOLearner(args, compute_batch_sizes(args), tokenizer, tiny_model_dir, stop_token_ids_for(tokenizer, "eos"))
+    initial = {name: p.detach().clone() for name, p in learner.policy.named_parameters()}
+    metrics = one_ppo_step(learner, prompts, completions or fixed_completions, RewardManager(args.reward))
+    params = {name: p.detach().clone() for name, p in learner.policy.named_parameters()}
+    return initial, params, metrics
+
+
+@pytest.fixture(scope="module")
+def single_process_step(tiny_model_dir):
+    return single_process_ppo_step(tiny_model_dir)
+
+
+@needs_loopback_namespace
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_take_the_single_process_ppo_step(stage, ray_cluster, single_process_step, tiny_model_dir, tmp_path):
+    assert_two_ranks_take_the_step(single_process_step, stage, ray_cluster, tiny_model_dir, tmp_path)
+
+
+@needs_loopback_namespace
+def test_two_ranks_with_engine_old_logprobs_and_no_reference_take_the_single_process_step(
+    ray_cluster, tiny_model_dir, tmp_path
+):
+    """`--old_logprobs_from vllm --beta 0`: no old-logprob or reference forward; the engine-vs-learner agreement is
+    measured on the first minibatch, gathered over the ranks in the minibatch's row order (a wrong order would
+    compare rows with other rows' engine logprobs and change the debug metrics)."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompts, completions = fixed_rollout(tokenizer)
+    args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS])
+    torch.manual_seed(args.run.seed)
+    learner = PPOLearner(args, compute_batch_sizes(args), tokenizer, tiny_model_dir, stop_token_ids_for(tokenizer, "eos"))
+    exp, _, _ = learner.make_experience(prompts, completions, RewardManager(args.reward))
+    # An engine off the learner by up to 0.05 nats per token, differently on every row.
+    noise = 0.1 * torch.rand(exp.logprob.shape, generator=torch.Generator().manual_seed(0)) - 0.05
+    engine = [(exp.logprob[row] + noise[row])[: len(c.token_ids)].tolist() for row, c in enumerate(completions)]
+    completions = [
+        Completion(c.prompt_index, c.token_ids, c.text, c.finish_reason, logprobs) for c, logprobs in zip(completions, engine)
+    ]
+    switches = ["--old_logprobs_from", "vllm", "--beta", "0"]
+    expected = single_process_ppo_step(tiny_model_dir, completions, *switches)
+    assert expected[2]["debug/vllm_vs_learner_logprob_diff_mean"] == pytest.approx(0.025, abs=0.01)
+    assert_two_ranks_take_the_step(expected, 2, ray_cluster, tiny_model_dir, tmp_path, completions, *switches)
+
+
+def assert_two_ranks_take_the_step(
+    single_process_step, stage, ray_cluster, tiny_model_dir, tmp_path, completions=None, *switches: str
+):
+    from open_instruct.learner.ray_group import LearnerGroup
+
+    initial, expected_params, expected_metrics = single_process_step
+    flags = ["--num_learners_per_node", "1", "1", "--deepspeed_stage", str(stage), "--ray_address", ray_cluster.address]
+    args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, *flags, *switches])
+    sizes = compute_batch_sizes(args)
+    assert (sizes.num_learners, sizes.gradient_accumulation_steps) == (2, 1)  # the single process accumulates 2
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompts, fixed_completions = fixed_rollout(tokenizer)
+    group = LearnerGroup(args, sizes, tiny_model_dir, stop_token_ids_for(tokenizer, "eos"))
+    try:
+        metrics = one_ppo_step(group, prompts, completions or fixed_completions, RewardManager(args.reward))
+        params = dict(group.weights_for_engine())  # fp32 on CPU: exactly the learner's weights
+        saved = group.save(str(tmp_path / "model"))
+    finally:
+        group.shutdown()
+
+    assert metrics.keys() == expected_metrics.keys()
+    differing = {
+        key: (metrics[key], expected)
+        for key, expected in expected_metrics.items()
+        if not key.startswith("time/") and metrics[key] != pytest.approx(expected, abs=1e-4, rel=1e-4)
+    }
+    assert not differing, f"metrics (ZeRO-{stage}, single process): {differing}"
+    assert params.keys() == expected_params.keys()
+    for name, expected in expected_params.items():
+        assert params[name].dtype == torch.float32
+        moved = (expected - initial[name]).abs().max().item()
+        assert moved > 1e-4, f"{name} hardly moved ({moved}): the comparison would prove nothing"
+        torch.testing.assert_close(params[name], expected, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+    # The saved folder (fp32 by default) holds exactly the ranks' gathered weights, which match the single process.
+    saved_weights = load_safetensors(f"{saved.path}/model.safetensors")
+    assert saved.dtype == "float32" and weights_sha256(saved_weights) == saved.weights_sha256
+    for name, param in AutoModelForCausalLM.from_pretrained(saved.path, dtype=torch.float32).named_parameters():
+        assert torch.equal(param, params[name]), f"saved {name} differs from the ranks' weights"
+
+
+# ---- end to end: the trainer on two Ray nodes ----------------------------------------------------------------------
+
+
+def ray_trainer_command(tiny_model_dir, ray_cluster, eval_file, output_dir: Path, *flags: str) -> list[str]:
+    return TRAINER + [
+        "--model_name_or_path", tiny_model_dir,
+        "--ray_address", ray_cluster.address,
+        "--num_learners_per_node", "1", "1",
+        "--local_rollout_batch_size", "4",
+        "--number_samples_per_prompt", "2",
+        "--per_device_train_batch_size", "2",
+        "--num_epochs", "1",
+        "--response_length", str(RESPONSE_LENGTH),
+        "--dataset_mixer_eval_list", str(eval_file), "1.0",
+        "--output_dir", str(output_dir),
+        *flags,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=[("async", 3), ("sync", 2)], ids=["async-zero3", "sync-zero2"])
+def ray_run(request, ray_cluster, tiny_model_dir, eval_file, tmp_path_factory) -> Run:
+    mode, stage = request.param
+    workdir = tmp_path_factory.mktemp(f"ray_{mode}")
+    command = ray_trainer_command(
+        tiny_model_dir, ray_cluster, eval_file, workdir / "output",
+        "--deepspeed_stage", str(stage),
+        "--async_mode", str(mode == "async").lower(),
+        "--total_episodes", "16",
+        "--num_evals", "1",
+        # High enough that two steps change the tiny model's greedy output; the saved folder is bf16 and an engine
+        # in bf16 holds exactly those weights.
+        "--learning_rate", "1e-2",
+        "--lr_scheduler_type", "constant",
+        "--vllm_dtype", "bfloat16",
+    )  # fmt: skip
+    run_to_completion(command, cwd=workdir)
+    return Run(workdir / "output", num_steps=2, async_mode=mode == "async")
+
+
+@needs_loopback_namespace
+def test_ray_run_logs_every_metric_and_the_expected_policy_versions(ray_run):
+    lines = ray_run.step_lines()
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        step = line["step"]
+        missing = [key for key in STEP_METRICS if key not in line]
+        assert not missing, f"step {step} did not log {missing}"
+        assert all(is_finite_number(line[key]) for key in STEP_METRICS), line
+        assert line["policy_version/learner"] == step - 1
+        assert line["policy_version/rollout"] == (max(0, step - 2) if ray_run.async_mode else step - 1)
+        assert line["episode"] == step * 8
+    evals = [line for line in ray_run.metrics() if "eval/policy_version" in line]
+    assert [e["eval/policy_version"] for e in evals] == [0, 2]
+
+
+@needs_loopback_namespace
+def test_ray_run_final_model_loads_and_a_fresh_vllm_engine_reproduces_the_final_eval(ray_run, eval_file, tmp_path):
+    """The final eval ran in the trainer's vLLM right after it loaded the gathered final weights; the saved folder
+    (gathered on rank 0 under ZeRO-3) must load in transformers and give a fresh engine exactly the same output."""
+    model_dir = ray_run.model_dir
+    _, loading_info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert not loading_info["missing_keys"] and not loading_info["unexpected_keys"], loading_info
+    final_rows = ray_run.eval_rows(policy_version=ray_run.num_steps)
+    initial_rows = {row["ground_truth"]: row for row in ray_run.eval_rows(policy_version=0)}
+    assert len(final_rows) == len(EVAL_QUESTIONS)
+    assert any(row["token_ids"] != initial_rows[row["ground_truth"]]["token_ids"] for row in final_rows), (
+        "training did not change any greedy output; the comparison would prove nothing"
+    )
+    assert_saved_weights_are_the_learners(ray_run.output_dir)
+    prompts, fresh_engine_ids = fresh_engine_greedy(model_dir, eval_file, final_rows, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    saved_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, engine_dtype()))
+    for prompt, fresh_ids in zip(prompts, fresh_engine_ids):  # the saved folder means the same in both libraries
+        saved_model_ids = hf_greedy(saved_model, tokenizer, prompt)
+        assert fresh_ids == saved_model_ids, explain_mismatch(saved_model, tokenizer, prompt, fresh_ids, saved_model_ids)
+    # The trainer's engine made the final eval right after loading the gathered final weights by sync.
+    assert fresh_engine_ids == [row["token_ids"] for row in final_rows]
+
+
+# ---- a dead learner ends the run -------------------------------------------------------------------------------------
+
+
+@needs_loopback_namespace
+def test_killing_a_learner_actor_ends_the_run_naming_it(ray_cluster, tiny_model_dir, eval_file, tmp_path):
+    output_dir = tmp_path / "output"
+    command = ray_trainer_command(
+        tiny_model_dir, ray_cluster, eval_file, output_dir, "--total_episodes", "400", "--num_evals", "0"
+    )
+    stdout_path, stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
+        process = subprocess.Popen(command, cwd=tmp_path, stdout=stdout, stderr=stderr)
+    try:
+        def trainer_output() -> str:
+            return last_lines(stdout_path.read_text()) + "\n" + last_lines(stderr_path.read_text())
+
+        pid = wait_for(lambda: learner_pid(stdout_path.read_text(), rank=1), "rank 1's pid", trainer_output)
+        wait_for(lambda: (output_dir / "metrics.jsonl").exists(), "the first training step", trainer_output)
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.time()
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run still runs 120 s after its learner rank 1 was killed:\n{last_lines(stderr_path.read_text())}")
+        seconds = time.time() - killed_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+    stderr_text = stderr_path.read_text()
+    assert process.returncode != 0
+    assert "LearnerFailed: learner rank 1 died during" in stderr_text, last_lines(stderr_text)
+    assert seconds < 60, f"the run took {seconds:.0f}s to end after its learner died"
+
+
+@needs_loopback_namespace
+def test_a_peer_failing_because_another_died_reports_the_death_first(ray_cluster):
+    """A killed engine breaks the broadcast on its peers at once, and Ray reports the death a moment later: the
+    error must still name the dead actor, and a plain failure must not wait long for a death that never comes."""
+    import ray
+
+    from open_instruct.run.cluster import PEER_DEATH_GRACE_S, wait_for_actors
+
+    class CollectivePeer:  # defined here, so that Ray ships it by value to workers that cannot import tests/
+        """An actor in a collective: `fail` raises what a live peer sees when another drops out, `die` ends its
+        process as a kill would."""
+
+        def fail(self, after_s: float) -> None:
+            time.sleep(after_s)
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+
+        def die(self, after_s: float) -> None:
+            time.sleep(after_s)
+            os._exit(1)
+
+    peer = ray.remote(num_cpus=0, max_restarts=0)(CollectivePeer)
+    live, dying, hanging = peer.remote(), peer.remote(), peer.remote()
+    names = ["vLLM engine 0", "vLLM engine 1"]
+    with pytest.raises(RuntimeError) as raised:
+        refs = [live.fail.remote(0.2), dying.die.remote(1.5)]
+        wait_for_actors(refs, names, "receive_weights", 60, RuntimeError, "")
+    message = str(raised.value)
+    assert message.startswith("vLLM engine 1 died during receive_weights: "), message
+    assert "(then vLLM engine 0 failed in receive_weights: RuntimeError: " in message and "reset by peer" in message
+
+    started = time.time()
+    with pytest.raises(RuntimeError, match="^vLLM engine 0 failed in receive_weights: RuntimeError: .*reset by peer"):
+        refs = [live.fail.remote(0.2), hanging.fail.remote(60)]
+        wait_for_actors(refs, names, "receive_weights", 60, RuntimeError, "")
+    assert time.time() - started < 0.2 + PEER_DEATH_GRACE_S + 5
+    for actor in (live, hanging):
+        ray.kill(actor)
+
+
+def learner_pid(stdout: str, rank: int) -> int | None:
+    prefix = f"[ppo] learner rank {rank}: pid "
+    for line in stdout.splitlines():
+        if line.startswith(prefix):
+            return int(line.removeprefix(prefix).split()[0])
+    return None
+
+
+def wait_for(condition, what: str, describe_process, timeout_s: float = RUN_TIMEOUT_S, poll_s: float = 0.5):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(poll_s)
+    pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}; the trainer's output:\n{describe_process()}")
+
+
+def test_minibatches_must_split_evenly_over_the_learners():
+    args = parse_args(
+        ["--dataset_mixer_list", "data/prompts.jsonl", "1.0", "--local_rollout_batch_size", "4",
+         "--number_samples_per_prompt", "2", "--per_device_train_batch_size", "8", "--num_learners_per_node", "1", "1"]
+    )  # fmt: skip
+    assert args.dist.uses_ray and args.dist.num_learners == 2
+    with pytest.raises(ValueError) as error:
+        compute_batch_sizes(args)
+    assert str(error.value) == (
+        "The minibatch of 8 responses does not split into --per_device_train_batch_size 8 micro-batches evenly over "
+        "2 learners; make the minibatch a multiple of 16."
+    )
+
+
+# ---- the single-process path stays free of ray and deepspeed ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm, learner", [("ppo", "PPOLearner"), ("grpo", "GRPOLearner")])
+def test_single_process_trainer_imports_neither_ray_nor_deepspeed(algorithm, learner, tiny_model_dir):
+    """Import the trainer and build its single-process learner in a fresh interpreter; then look at sys.modules."""
+    script = f"""
+import sys
+from open_instruct.data.tokenizer import load_tokenizer
+from open_instruct.learner.saving import weights_sha256
+from open_instruct.ppo_vllm_thread_ray_gtrl import RunData, build_learner
+from open_instruct.run.args import compute_batch_sizes, parse_args
+
+args = parse_args(["--model_name_or_path", {tiny_model_dir!r}, "--total_episodes", "32"], algorithm={algorithm!r})
+data = RunData({tiny_model_dir!r}, load_tokenizer({tiny_model_dir!r}), [], None, None)
+learner = build_learner(args, compute_batch_sizes(args), data)
+print(type(learner).__name__, sorted(m for m in ("ray", "deepspeed") if m in sys.modules))
+"""
+    process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, last_lines(process.stderr)
+    assert process.stdout.strip().splitlines()[-1] == f"{learner} []"
