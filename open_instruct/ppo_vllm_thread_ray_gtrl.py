@@ -178,7 +178,7 @@ def train_step(run: "Run", step: int) -> None:
     run.logger.log_samples(sample_rows(request.prompts, rollout, samples["score"], args.run.num_samples_to_log), step)
     run.logger.log_histograms({"lengths/response_tokens": samples["response_length"]}, step)
     run.progress.set_postfix_str(format_progress(metrics, PROGRESS_KEYS))
-    check_divergence(metrics, step, metrics["lr"])  # logged, so metrics.jsonl shows it; never checkpointed
+    check_divergence(metrics, step, args.ppo.learning_rate)  # after logging (metrics.jsonl shows it), before saving
     if sizes.save_freq > 0 and step % sizes.save_freq == 0:
         save_checkpoint(run, step)
 

@@ -272,3 +272,35 @@ def test_a_checkpoint_on_a_full_disk_says_so_and_keeps_the_newest_complete_one(t
     assert report["hidden_size"].startswith(f"checkpoint step_5 not written: no space left on {root} ("), report
     assert report["left"] == ["step_2", "step_3"], "no staging folder left, the newest two complete ones kept"
     assert report["newest_w"] == 3.0
+
+
+# ---- the divergence guard --------------------------------------------------------------------------------------------
+
+WORKING_STEP = {"policy/weight_norm_vs_start": 1.02, "objective/kl": 3.0, "val/sequence_lengths": 30.0,
+                "policy/approxkl_avg": 0.02}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes, cause",
+    [
+        ({}, None),
+        ({"objective/kl": None, "policy/weight_norm_vs_start": None}, None),  # --beta 0, ZeRO-3: not measured
+        ({"policy/weight_norm_vs_start": 8.9}, "the policy's weight norm is 8.9x the initial policy's (bound 4x)"),
+        ({"policy/weight_norm_vs_start": 0.1}, "the policy's weight norm is 0.1x"),
+        ({"policy/weight_norm_vs_start": float("nan")}, "the policy's weights hold NaN or inf"),
+        ({"objective/kl": 900.0}, "the KL to the reference is 30 nats per token (bound 20)"),
+        ({"objective/kl": -900.0}, "the KL to the reference is -30 nats per token"),
+        ({"policy/approxkl_avg": 12.0}, "PPO's approximate KL is 12 per token (bound 10)"),
+    ],
+)
+def test_the_divergence_guard_names_what_is_out_of_bounds(changes, cause):
+    from open_instruct.run.divergence import DivergedError, check_divergence
+
+    metrics = {key: value for key, value in {**WORKING_STEP, **changes}.items() if value is not None}
+    if cause is None:
+        check_divergence(metrics, step=3, learning_rate=1e-6)
+        return
+    with pytest.raises(DivergedError) as error:
+        check_divergence(metrics, step=3, learning_rate=10.0)
+    assert str(error.value).startswith("the policy diverged at step 3: ") and cause in str(error.value)
+    assert str(error.value).endswith("Lower --learning_rate (now 10)")

@@ -53,6 +53,7 @@ PROBABILITY = (lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1]")
 FRACTION = (lambda v: _finite(v) and 0 < v <= 1, "a fraction in (0, 1]")
 FINITE = (lambda v: _finite(v), "a finite number")
 NAME = (lambda v: bool(v) and "/" not in v, "a name without '/'")
+FOLDER = (lambda v: bool(v) and not os.path.isfile(v), "a folder, not a file")
 
 
 def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
@@ -97,14 +98,14 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("seed", run.seed, NON_NEGATIVE_INT),
         ("save_freq", run.save_freq, (lambda v: v == -1 or v >= 1, "-1 (no checkpoints) or steps >= 1")),
         ("keep_last_n", run.keep_last_n, AT_LEAST_1),
-        ("fallback_save_dir", run.fallback_save_dir, (lambda v: bool(v) and not os.path.isfile(v), "a folder, not a file")),
+        ("fallback_save_dir", run.fallback_save_dir, FOLDER),
         ("num_evals", run.num_evals, (lambda v: v >= 0, "an integer >= 0 (0: no evals)")),
         ("eval_samples_per_prompt", run.eval_samples_per_prompt, NON_NEGATIVE_INT),
         ("num_samples_to_log", run.num_samples_to_log, NON_NEGATIVE_INT),
         ("preemption_timeout_s", run.preemption_timeout_s, POSITIVE),
         ("exp_name", run.exp_name, NAME),
         ("run_name", run.run_name, NAME),
-        ("output_dir", run.output_dir, (lambda v: bool(v) and not os.path.isfile(v), "a folder, not a file")),
+        ("output_dir", run.output_dir, FOLDER),
         ("verification_reward", reward.verification_reward, FINITE),
         ("reward_model_multiplier", reward.reward_model_multiplier, FINITE),
         ("penalty_reward_value", reward.penalty_reward_value, FINITE),
