@@ -49,6 +49,11 @@ def report_seconds(name: str, seconds: float) -> None:
     print(f"\n[timing] {name}: {seconds:.1f}s")
 
 
+def report_line(name: str, line: str) -> None:
+    """What the user saw (pytest -s prints it; README's table quotes these)."""
+    print(f"[line] {name}: {line}")
+
+
 # ---- overwrite and reproducibility: the same command twice on a fresh cache ----------------------------------------
 
 
@@ -107,6 +112,7 @@ def same_command_twice(smollm2_dir, tmp_path_factory) -> TwoRuns:
 def test_a_failed_start_with_overwrite_output_dir_keeps_the_earlier_run(same_command_twice):
     runs = same_command_twice
     report_seconds("start with a broken model folder", runs.seconds["start with a broken model folder"])
+    report_line("start with a broken model folder", last_line(runs.broken_stderr))
     assert runs.broken_exit_code == 1, last_lines(runs.broken_stderr)
     assert last_line(runs.broken_stderr).startswith("error: the run failed: "), last_lines(runs.broken_stderr)
     assert "put the earlier run back in" in runs.broken_stderr
@@ -149,6 +155,7 @@ def test_a_checkpoint_that_does_not_fit_stops_the_run_and_keeps_the_newest_compl
     report_seconds("checkpoint on a full disk", time.time() - start)
     assert process.returncode == 1, last_lines(process.stderr)
     line = last_line(process.stderr)
+    report_line("checkpoint on a full disk", line)
     assert re.fullmatch(
         rf"error: checkpoint step_2 not written: no space left on {out}/checkpoints \(needs ~0\.1\d+ GB, "
         rf"0\.\d+ GB free\); the newest checkpoint is {out}/checkpoints/step_1 \(resume with --resume\)",
@@ -179,6 +186,7 @@ def test_a_final_model_that_does_not_fit_goes_to_the_fallback_folder(tmp_path):
     model_dir = rescued / "small" / "model"
     out, rescued_model = re.escape(str(output_dir)), re.escape(str(model_dir))
     line = last_line(process.stderr)
+    report_line("final model on a full disk", line)
     match = re.fullmatch(
         rf"error: the final model did not fit in {out}/model: no space left on {out} \(needs ~0\.0\d+ GB, "
         rf"0\.0\d+ GB free\); saved it in {rescued_model} instead \(weights_sha256 (\w+)\); move it to "
@@ -219,6 +227,7 @@ def test_two_sigterms_to_the_process_group_give_one_checkpoint_and_exit_143(tmp_
     report_seconds("two SIGTERMs", time.time() - start)
     assert exit_code == 128 + signal.SIGTERM, last_lines(output)
     line = last_line(output)
+    report_line("two SIGTERMs", line)
     assert re.fullmatch(r"error: stopped by SIGTERM after step \d+; checkpoint saved in .*/checkpoints/step_\d+; "
                         r"resume with the same command plus --resume", line), line  # fmt: skip
     checkpoint_dir = Path(line.split("checkpoint saved in ")[1].split(";")[0])
@@ -239,6 +248,7 @@ def test_an_exploding_run_stops_with_its_cause_and_names_the_newest_checkpoint(t
     report_seconds("exploding run", time.time() - start)
     assert process.returncode == 1, last_lines(process.stderr)
     line = last_line(process.stderr)
+    report_line("exploding run", line)
     assert line.startswith("error: stopped: the policy diverged at step 2: the policy's weight norm is "), line
     assert f"Lower --learning_rate (now 10); the newest checkpoint is {output_dir}/checkpoints/step_1" in line, line
     assert "Traceback" not in process.stderr
