@@ -419,6 +419,7 @@ def save_final_model(run: Run):
             say(f"[ppo] warning: {error}", error=True)
             continue
         if problems:  # saved, but not where the run was told to
+            run.run_dir.release_earlier_run(saved_elsewhere=saved.path)
             raise disk_space.DiskFullError(
                 f"{problems[0]}; saved it in {saved.path} instead (weights_sha256 {saved.weights_sha256}); move it "
                 f"to {folders[0]} once there is room",

@@ -127,6 +127,16 @@ def test_overwrite_output_dir_deletes_the_earlier_run_once_the_new_one_has_a_che
     assert "new" in (tmp_path / "metrics.jsonl").read_text()
 
 
+def test_overwrite_output_dir_deletes_the_earlier_run_once_the_new_model_is_saved_elsewhere(tmp_path):
+    """A full disk sent the final model to --fallback_save_dir: the new run's files replace the earlier run's."""
+    write_earlier_run(tmp_path)
+    with run_directory.RunDirectory(make_args(tmp_path, "--overwrite_output_dir", "true")) as run_dir:
+        start_of_a_new_run(tmp_path)
+        run_dir.release_earlier_run(saved_elsewhere="/elsewhere/model")
+    assert sorted(os.listdir(tmp_path)) == [".run.lock", "metrics.jsonl", "notes.txt", "samples.jsonl"]
+    assert "new" in (tmp_path / "metrics.jsonl").read_text()
+
+
 @pytest.mark.parametrize("new_run_saved", [False, True])
 def test_the_next_start_settles_an_overwrite_that_was_killed(tmp_path, new_run_saved):
     """kill -9 leaves the earlier run aside: put back if the new run saved nothing, else deleted."""
@@ -188,7 +198,8 @@ SIGNALS_SCRIPT = """
 import os, signal, sys, time
 from open_instruct.run import preemption
 
-preemption.SAME_REQUEST_WINDOW_S = float(sys.argv[2])
+if sys.argv[2] != "default":
+    preemption.SAME_REQUEST_WINDOW_S = float(sys.argv[2])
 stop = preemption.StopRequest(sys.argv[1], timeout_s=60)
 stop.install()
 os.kill(os.getpid(), signal.SIGTERM)
@@ -199,10 +210,11 @@ print("still running, stop requested:", stop.requested)
 """
 
 
-@pytest.mark.parametrize("gap_s, window_s, stops_at_once", [(0.05, 3.0, False), (0.3, 0.1, True)])
+@pytest.mark.parametrize("gap_s, window_s, stops_at_once", [(0.05, "default", False), (0.3, "0.1", True)])
 def test_two_signals_within_the_window_are_one_request(tmp_path, gap_s, window_s, stops_at_once):
     """GNU timeout and SLURM signal the process and its group: two SIGTERMs at once are one preemption (a checkpoint
-    is written); a second one after the window still stops at once."""
+    is written); a second one after the window still stops at once. The first case runs with the trainer's own
+    window."""
     script = tmp_path / "signals.py"
     script.write_text(SIGNALS_SCRIPT)
     process = subprocess.run([sys.executable, str(script), str(tmp_path), str(window_s), str(gap_s)],

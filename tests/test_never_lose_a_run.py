@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from open_instruct.learner.saving import weights_sha256
 from open_instruct.run.tracking import read_metrics
 from tests.small_disk import on_small_disk, small_disk_unavailable
-from tests.test_ppo_trainer import FP32_LEARNER, RUN_TIMEOUT_S, SMALL_RUN, TRAINER, last_lines, run_command
+from tests.test_ppo_trainer import FP32_LEARNER, SMALL_RUN, TRAINER, last_lines, run_command
 from tests.test_resume import comparable, finish, offline_env, wait_for_step
 
 TINY_RUN = ["--model_name_or_path", "tiny", "--num_evals", "0", *SMALL_RUN]
@@ -117,7 +117,8 @@ def test_a_failed_start_with_overwrite_output_dir_keeps_the_earlier_run(same_com
     assert last_line(runs.broken_stderr).startswith("error: the run failed: "), last_lines(runs.broken_stderr)
     assert "put the earlier run back in" in runs.broken_stderr
     assert runs.after_broken_start == runs.before_broken_start, "the earlier run's files changed"
-    assert {"model/model.safetensors", "metrics.jsonl", "summary.json", "logs/libraries.log"} <= set(runs.after_broken_start)
+    kept = {"model/model.safetensors", "metrics.jsonl", "summary.json", "logs/libraries.log"}
+    assert kept <= set(runs.after_broken_start)
 
 
 def test_the_same_command_gives_the_same_run_and_an_overwrite_replaces_the_earlier_one(same_command_twice):

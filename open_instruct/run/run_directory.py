@@ -89,9 +89,16 @@ class RunDirectory:
         say(f"[ppo] --overwrite_output_dir: moved the earlier run's {', '.join(moved)} to {self.earlier_run}; "
             "deleted once this run has a checkpoint or its model, put back if it stops before")  # fmt: skip
 
-    def release_earlier_run(self) -> None:
-        """Delete the run --overwrite_output_dir moved aside, now that this run has a checkpoint or model."""
-        if os.path.isdir(self.earlier_run) and has_an_artifact(self.output_dir):
+    def release_earlier_run(self, saved_elsewhere: str | None = None) -> None:
+        """Delete the run --overwrite_output_dir moved aside, now that this run has a checkpoint or model in
+        output_dir, or its model in `saved_elsewhere` (output_dir's disk had no room): this run's metrics and logs
+        then replace the earlier run's, and the earlier run's space is freed for the model to be moved in."""
+        if not os.path.isdir(self.earlier_run):
+            return
+        if saved_elsewhere is not None:
+            shutil.rmtree(self.earlier_run)
+            say(f"[ppo] --overwrite_output_dir: deleted the earlier run; this run's model is in {saved_elsewhere}")
+        elif has_an_artifact(self.output_dir):
             say(f"[ppo] {settle_earlier_run(self.output_dir)}")
 
     def __exit__(self, *exc) -> None:
