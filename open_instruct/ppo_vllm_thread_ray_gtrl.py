@@ -38,10 +38,11 @@ from open_instruct.generation.vllm_engine import EngineConfig
 from open_instruct.learner.algorithms import learner_class
 from open_instruct.learner.experience import check_engine_matches_learner
 from open_instruct.rl.rewards import RewardManager
-from open_instruct.run import checkpoint, console, hub, summary
+from open_instruct.run import checkpoint, console, disk_space, hub, summary
 from open_instruct.run.args import Args, BatchSizes, ConfigError, compute_batch_sizes, parse_args
 from open_instruct.run.console import say
 from open_instruct.run.devices import learner_compute_dtype, learner_device
+from open_instruct.run.divergence import DivergedError, check_divergence
 from open_instruct.run.preemption import Preempted, StopRequest
 from open_instruct.run.run_directory import RunDirectory
 from open_instruct.run.tracking import MetricsLogger, format_progress, repair_jsonl
@@ -49,10 +50,12 @@ from open_instruct.run.validation import (
     as_config_errors,
     one_line,
     row_checker,
+    start_warnings,
     validate_flags,
     validate_hub,
     validate_memory,
     validate_models,
+    validate_work,
 )
 
 PROGRESS_KEYS = ["objective/verifiable_correct_rate", "objective/scores", "objective/kl", "time/step"]
@@ -67,10 +70,13 @@ def main(argv: list[str] | None = None, algorithm: str = "ppo") -> dict:
         args = parse_args(argv, algorithm)
         validate_flags(args)
         sizes = compute_batch_sizes(args)  # inconsistent sizes fail here, before any model loads
+        validate_work(args, sizes)
         validate_hub(args)
     say(f"[ppo] run {args.run.run_name}: {describe_run(args, sizes)}")
+    for warning in start_warnings(args, sizes):
+        say(f"[ppo] warning: {warning}")
     stop = StopRequest(args.run.output_dir, args.run.preemption_timeout_s)
-    with RunDirectory(args):  # one run per output_dir: locked, leftovers swept, an earlier run kept
+    with RunDirectory(args) as run_dir:  # one run per output_dir: locked, leftovers swept, an earlier run kept
         with as_config_errors():
             resume = checkpoint.load_checkpoint(args) if args.run.resume is not None else None
         if resume is not None:
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None, algorithm: str = "ppo") -> dict:
         stop.install()
         try:
             with console.library_output_to(library_log, verbose=args.run.verbose, discard_on=ConfigError):
-                result = train(args, sizes, resume, stop)
+                result = train(args, sizes, resume, stop, run_dir)
         finally:
             stop.uninstall()
     say("[ppo] summary: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()))
@@ -89,18 +95,23 @@ def main(argv: list[str] | None = None, algorithm: str = "ppo") -> dict:
     return result
 
 
-def train(args: Args, sizes: BatchSizes, resume: checkpoint.Checkpoint | None, stop: StopRequest) -> dict:
+def train(
+    args: Args, sizes: BatchSizes, resume: checkpoint.Checkpoint | None, stop: StopRequest, run_dir: RunDirectory
+) -> dict:
     """Data, then models and the generation thread, then the loop, then the final eval, save and push."""
     torch.manual_seed(args.run.seed)
     start_time = time.time() - (resume.trainer_state["time_from_scratch"] if resume else 0.0)
     data = load_data(args)  # every row checked, and the models' vocabularies and sizes, before any model loads
     say(describe_models(args, data))
+    if (problem := final_model_space_problem(args, data)) is not None:
+        say(f"[ppo] warning: {problem}; free space there, or the final model will go to "
+            f"{os.path.join(args.run.fallback_save_dir, args.run.run_name, 'model')}", error=True)  # fmt: skip
     logger = open_logger(args, sizes, resume, data)
     last_step = resume.step if resume else 0
     try:
         with start_workers(args, sizes, data, resume) as (generator, learner, rollouts):
             run = Run(args, sizes, data, logger, RewardManager(args.reward), generator, learner, rollouts, stop,
-                      start_time)  # fmt: skip
+                      start_time, run_dir)  # fmt: skip
             if not rollouts.in_flight:
                 rollouts.send(version=0)  # the engine starts with the initial weights
             steps = range(last_step + 1, sizes.num_training_steps + 1)
@@ -112,7 +123,10 @@ def train(args: Args, sizes: BatchSizes, resume: checkpoint.Checkpoint | None, s
             final_eval = evaluate_final_policy(run)
         result = finish(run, final_eval)
     except BaseException as error:
-        summary.record_failure(args.run.output_dir, logger, error, last_step)
+        try:
+            summary.record_failure(args.run.output_dir, logger, error, last_step)
+        except OSError as failure:  # a full disk: the error line matters more than summary.json
+            say(f"[ppo] warning: could not record the failure in summary.json: {one_line(failure)}", error=True)
         raise
     result["time/from_scratch"] = time.time() - start_time
     return result
@@ -164,6 +178,7 @@ def train_step(run: "Run", step: int) -> None:
     run.logger.log_samples(sample_rows(request.prompts, rollout, samples["score"], args.run.num_samples_to_log), step)
     run.logger.log_histograms({"lengths/response_tokens": samples["response_length"]}, step)
     run.progress.set_postfix_str(format_progress(metrics, PROGRESS_KEYS))
+    check_divergence(metrics, step, args.ppo.learning_rate)  # after logging (metrics.jsonl shows it), before saving
     if sizes.save_freq > 0 and step % sizes.save_freq == 0:
         save_checkpoint(run, step)
 
@@ -205,6 +220,7 @@ class Run:
     rollouts: RolloutRequests
     stop: StopRequest
     start_time: float
+    run_dir: RunDirectory  # the output_dir; holds an overwritten run until this one has a checkpoint or model
     progress: tqdm | None = None
 
 
@@ -349,9 +365,11 @@ def save_checkpoint(run: Run, step: int) -> str:
         "time_from_scratch": time.time() - run.start_time,
         **run.rollouts.state_dict(),
     }
-    return checkpoint.save_checkpoint(
+    path = checkpoint.save_checkpoint(
         run.args.run.output_dir, step, run.learner.state_dict(), trainer_state, run.args, run.args.run.keep_last_n
     )
+    run.run_dir.release_earlier_run()
+    return path
 
 
 def evaluate_final_policy(run: Run) -> dict:
@@ -364,12 +382,58 @@ def evaluate_final_policy(run: Run) -> dict:
     return final_eval
 
 
+def final_model_size(args: Args, data: RunData) -> int | None:
+    """Bytes the final model folder needs (with headroom), from the policy folder's weights; None if unknown."""
+    size = disk_space.model_folder_bytes(data.policy_path, getattr(torch, args.run.save_dtype))
+    return disk_space.with_headroom(size) if size is not None else None
+
+
+def final_model_space_problem(args: Args, data: RunData) -> str | None:
+    """Why output_dir's disk cannot hold the final model now (said at start, long before the save), or None."""
+    needed = final_model_size(args, data)
+    free = disk_space.free_bytes(args.run.output_dir)
+    if needed is None or free is None or free >= needed:
+        return None
+    return (f"{args.run.output_dir} has {disk_space.gigabytes(free)} GB free, less than the ~"
+            f"{disk_space.gigabytes(needed)} GB the final model needs")  # fmt: skip
+
+
+def save_final_model(run: Run):
+    """The policy in output_dir/model; when that disk has no room for it, in --fallback_save_dir/<run_name>/model,
+    then DiskFullError naming where it went. The trained weights are only in memory until this returns, so a full
+    disk must not lose them: every folder is tried, and the checkpoints already written are never touched."""
+    args = run.args
+    needed = final_model_size(args, run.data)
+    folders = [os.path.join(args.run.output_dir, "model"),
+               os.path.join(args.run.fallback_save_dir, args.run.run_name, "model")]  # fmt: skip
+    problems = []
+    for folder in folders:
+        what = f"the final model did not fit in {folder}"
+        try:
+            if needed is not None:
+                disk_space.require_space(os.path.dirname(folder), needed, what)
+            with disk_space.out_of_space_as_error(os.path.dirname(folder), needed, what):
+                saved = run.learner.save(folder, extra_files={"open_instruct_args.json": args.as_flat_dict()})
+        except disk_space.DiskFullError as error:
+            problems.append(str(error))
+            say(f"[ppo] warning: {error}", error=True)
+            continue
+        if problems:  # saved, but not where the run was told to
+            run.run_dir.release_earlier_run(saved_elsewhere=saved.path)
+            raise disk_space.DiskFullError(
+                f"{problems[0]}; saved it in {saved.path} instead (weights_sha256 {saved.weights_sha256}); move it "
+                f"to {folders[0]} once there is room",
+                rescued_to=saved.path,
+            )
+        run.run_dir.release_earlier_run()
+        return saved
+    raise disk_space.DiskFullError(f"{'; '.join(problems)}: the trained weights were not saved")
+
+
 def finish(run: Run, final_eval: dict) -> dict:
     """Save the final policy, draw the plots, write the summary, push to the hub when asked; returns the summary."""
     args, logger = run.args, run.logger
-    saved = run.learner.save(
-        os.path.join(args.run.output_dir, "model"), extra_files={"open_instruct_args.json": args.as_flat_dict()}
-    )
+    saved = save_final_model(run)
     result = {
         "status": "completed",
         **summary.summarize(os.path.join(args.run.output_dir, "metrics.jsonl")),
@@ -460,7 +524,8 @@ def cli(argv: list[str] | None = None, algorithm: str = "ppo") -> None:
     2: the configuration (flags, files, data rows, output_dir) cannot work; nothing was trained. The traceback
        only with --debug or OPEN_INSTRUCT_DEBUG=1.
     128 + signal: stopped by SIGTERM/SIGINT after writing a checkpoint (the line says how to resume).
-    1: the run failed while training (the traceback comes first, except for non-finite values).
+    1: the run failed while training (the traceback comes first, except for non-finite values, a diverged policy
+       and a full disk), or its final model went to --fallback_save_dir (the line says where).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("OPEN_INSTRUCT_DEBUG", "") not in ("", "0")
@@ -477,12 +542,22 @@ def cli(argv: list[str] | None = None, algorithm: str = "ppo") -> None:
         # Everything is on disk (fsynced) and the logs are closed; skip the interpreter's teardown of the in-process
         # vLLM engine (measured: ~9 s on 2 cores), because the scheduler's grace period is running.
         os._exit(128 + error.signum)
-    except checkpoint.NonFiniteError as error:
+    except (checkpoint.NonFiniteError, DivergedError) as error:
         if debug:
             traceback.print_exc(file=console.stream())
         say(f"error: stopped: {one_line(error)}; {resume_hint(argv, algorithm)}", error=True)
         sys.exit(1)
+    except disk_space.DiskFullError as error:  # said in full: what did not fit, where, and what was kept
+        if debug:
+            traceback.print_exc(file=console.stream())
+        hint = "" if error.rescued_to else f"; {resume_hint(argv, algorithm)}"
+        say(f"error: {one_line(error)}{hint}", error=True)
+        sys.exit(1)
     except Exception as error:  # noqa: BLE001 - a failure while training: its traceback, then one line
+        if disk_space.is_out_of_space(error):  # a small write (a log line) on a full disk: the cause is the disk
+            say(f"error: stopped: no space left on the disk: {one_line(error)}; {resume_hint(argv, algorithm)}",
+                error=True)  # fmt: skip
+            sys.exit(1)
         traceback.print_exc(file=console.stream())
         say(f"error: the run failed: {type(error).__name__}: {one_line(error)}; {resume_hint(argv, algorithm)}",
             error=True)  # fmt: skip

@@ -103,6 +103,9 @@ CASES = [
     Case("response longer than context", ["--response_length", "600"], "--response_length 600 leaves no room"),
     Case("prompt + response too long", ["--max_prompt_token_length", "500"], "--max_prompt_token_length 500 + --response_length 16"),
     Case("context beyond the model", ["--max_token_length", "4096"], "--max_token_length 4096 exceeds the policy's 2048 positions"),
+    Case("sampling that could never end", ["--number_samples_per_prompt", "10000000000", "--total_episodes", "40000000000"],
+         "one step samples up to 640,000,000,000 response tokens (--local_rollout_batch_size 4 x --number_samples_per_prompt 10000000000 x --response_length 16), more than a day's work"),  # fmt: skip
+    Case("a run that could never end", ["--total_episodes", "1000000000000000"], "more than a year's work even at"),
     Case(
         "logits cannot fit in memory",
         ["--per_device_train_batch_size", "4096", "--local_rollout_batch_size", "4096", "--number_samples_per_prompt",
@@ -127,6 +130,11 @@ CASES = [
     # ---- output_dir and resume ----
     Case("output_dir is a file", ["--output_dir", "{tmp}/a_file"], "--output_dir '{tmp}/a_file' is not valid", setup="a_file"),
     Case("output_dir holds an earlier run", [], "already holds a run (metrics.jsonl, model); pass --resume", setup="earlier_run"),
+    Case("overwrite, with a typo in the data path", ["--overwrite_output_dir", "true", "--dataset_mixer_list", "{tmp}/typo.jsonl", "1.0"],
+         "Dataset path {tmp}/typo.jsonl does not exist", setup="earlier_run"),  # fmt: skip
+    Case("overwrite, with a broken model folder", ["--overwrite_output_dir", "true", "--model_name_or_path", "{tmp}/empty_model"],
+         "Could not load the tokenizer", setup="earlier_run_and_empty_model"),  # fmt: skip
+    Case("fallback_save_dir is a file", ["--fallback_save_dir", "{tmp}/a_file"], "--fallback_save_dir '{tmp}/a_file' is not valid; expected a folder", setup="a_file"),
     Case("output_dir locked by a live run", [], "is in use by run other-run (pid", setup="locked"),
     Case("resume without a checkpoint", ["--resume"], "--resume found no complete checkpoint"),
     Case("resume from an incomplete checkpoint", ["--resume", "{tmp}/half"], "is not a complete checkpoint", setup="half"),
@@ -175,6 +183,13 @@ def setup_earlier_run(tmp: Path, out: Path) -> None:
     (out / "metrics.jsonl").write_text('{"step": 1, "x": 1.0}\n')
     (out / "model").mkdir()
     (out / "model" / "config.json").write_text("{}")
+
+
+def setup_earlier_run_and_empty_model(tmp: Path, out: Path) -> None:
+    setup_earlier_run(tmp, out)
+    (out / "logs").mkdir()
+    (out / "logs" / "libraries.log").write_text("the earlier run's libraries\n")
+    setup_empty_model(tmp, out)
 
 
 def setup_half(tmp: Path, out: Path) -> None:
@@ -267,6 +282,23 @@ def test_debug_flag_shows_the_traceback(tmp_path, capsys):
         cli(argv + ["--debug", "true"])
     err = capsys.readouterr().err
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: --temperature 0.0 is not valid")
+
+
+def test_settings_that_work_but_not_as_written_are_named_at_start(tmp_path, capsys):
+    """Episodes a step cannot hold and checkpoints that never come: one warning line each, before anything loads (the
+    run here then stops on a missing data file)."""
+    flags = ["--total_episodes", "20", "--save_freq", "5", "--dataset_mixer_list", "{tmp}/typo.jsonl", "1.0"]
+    argv, _, _ = prepare(Case("warnings", flags, expected=""), tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli(argv)
+    assert exit_info.value.code == 2
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[ppo] warning:")]
+    assert warnings == [
+        "[ppo] warning: --total_episodes 20 is not a multiple of a step's 8 responses: the run trains 2 steps (16 "
+        "episodes) and drops the last 4; pass --total_episodes 16 or 24.",
+        "[ppo] warning: --save_freq 5 is more than the run's 2 steps: no checkpoint will be written (only the final "
+        "model, and one on SIGTERM/SIGINT); pass --save_freq 2 or less for one.",
+    ]
 
 
 SUBPROCESS_CASES = ["temperature 0", "no verifier name", "output_dir locked by a live run"]

@@ -9,18 +9,16 @@
 
 Everything lands under `$OPEN_INSTRUCT_CACHE` (default `~/.cache/open_instruct`). Each folder is
 built in a temporary directory and renamed into place, under a file lock, so concurrent runs and
-interrupted conversions never leave a half-written model behind.
+interrupted conversions never leave a half-written model behind; a folder damaged later (a truncated
+or deleted file) is found at its next use and rebuilt (`cache_folders`).
 """
 
-import contextlib
-import fcntl
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+
+from open_instruct.data.cache_folders import build_once
 
 log = logging.getLogger(__name__)
 
@@ -32,35 +30,6 @@ EMBEDDED_ALIASES = ("embedded", "smollm2", EMBEDDED_MODEL_NAME)
 
 def cache_dir() -> str:
     return os.path.expanduser(os.environ.get("OPEN_INSTRUCT_CACHE", "~/.cache/open_instruct"))
-
-
-@contextlib.contextmanager
-def file_lock(path: str) -> Iterator[None]:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
-
-
-def build_once(final_dir: str, build: Callable[[str], None], marker: str = "config.json") -> str:
-    """Run `build(tmp_dir)` unless `final_dir/marker` exists, then rename tmp_dir to final_dir."""
-    if os.path.exists(os.path.join(final_dir, marker)):
-        return final_dir
-    parent = os.path.dirname(final_dir)
-    with file_lock(os.path.join(parent, f".{os.path.basename(final_dir)}.lock")):
-        if os.path.exists(os.path.join(final_dir, marker)):  # another process built it meanwhile
-            return final_dir
-        tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}-", dir=parent)
-        try:
-            build(tmp_dir)
-            shutil.rmtree(final_dir, ignore_errors=True)  # a leftover without its marker is incomplete
-            os.rename(tmp_dir, final_dir)
-        finally:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-    return final_dir
 
 
 def gguf_path() -> str:
@@ -105,18 +74,21 @@ def convert_gguf_to_hf(out_dir: str) -> None:
 def smollm2_path() -> str:
     """The embedded SmolLM2-135M-Instruct as an HF folder, converting it on first use (~30 s)."""
     final_dir = os.path.join(cache_dir(), "models", EMBEDDED_MODEL_NAME)
-    if not os.path.exists(os.path.join(final_dir, "config.json")):
+
+    def convert(out_dir: str) -> None:
         log.info(f"[open_instruct] converting the embedded {EMBEDDED_MODEL_NAME} GGUF to {final_dir} (once) ...")
         start = time.time()
-        build_once(final_dir, convert_gguf_to_hf)
+        convert_gguf_to_hf(out_dir)
         log.info(f"[open_instruct] converted in {time.time() - start:.1f}s")
-    return final_dir
+
+    return build_once(final_dir, convert)
 
 
 def build_tiny_llama(out_dir: str, seed: int = 0) -> None:
-    """A 2-layer random Llama with SmolLM2's tokenizer (and chat template).
+    """A 2-layer random Llama with SmolLM2's tokenizer (and chat template), its weights drawn from seed `seed`.
 
-    head_dim is 64 because vLLM's CPU attention kernels support only common head sizes.
+    head_dim is 64 because vLLM's CPU attention kernels support only common head sizes. It seeds torch's global
+    generator: build it through `tiny_model_path` (build_once puts the caller's generators back).
     """
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM

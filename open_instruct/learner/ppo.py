@@ -95,6 +95,7 @@ class PPOLearner:
             self.value_model = models.load_scalar_model(
                 value_path, self.device, trainable=True, pad_token_id=tokenizer.pad_token_id
             )
+        self.initial_weight_norm = weight_norm(self.policy)  # the divergence guard's yardstick
         if model_args.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.policy.train()
@@ -392,6 +393,9 @@ class PPOLearner:
         value_metrics = {}
         if self.value_model is not None:
             value_metrics = {"loss/value_avg": mean("vf_loss"), "val/clipfrac_avg": mean("vf_clipfrac")}
+        norm = weight_norm(self.policy)  # for the trainer's divergence guard (run/divergence.py)
+        if norm is not None and self.initial_weight_norm:
+            value_metrics["policy/weight_norm_vs_start"] = norm / self.initial_weight_norm
         return {
             "train/skipped_updates": float(skipped_updates),
             "loss/policy_avg": mean("pg_loss"),
@@ -474,3 +478,12 @@ class PPOLearner:
             if dtype.itemsize < 4 and self.backend.world_size == 1:
                 rounding = saving.rounding_report(dict(policy.named_parameters()), self.initial_weights(), dtype)
             return SavedModel(path, self.args.run.save_dtype, saving.weights_sha256(state_dict), rounding)
+
+
+def weight_norm(model) -> float | None:
+    """The global L2 norm of a model's weights; None under ZeRO-3, where each rank holds only a shard of them."""
+    params = list(model.parameters())
+    if any(hasattr(param, "ds_tensor") for param in params):
+        return None
+    with torch.no_grad():
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.float()) for p in params])).item()

@@ -157,6 +157,11 @@ class RunArgs:
         choices=["float32", "bfloat16", "float16"],
     )
     keep_last_n: int = arg(2, "Keep the newest N complete checkpoints in output_dir/checkpoints; delete older ones.")
+    fallback_save_dir: str | None = arg(
+        None, "Where the final model goes when output_dir's disk has no room for it: FOLDER/<run_name>/model (default: "
+        "$OPEN_INSTRUCT_CACHE/rescued). The run then ends with exit code 1 and a line naming the folder. Pick a disk "
+        "that outlives the job (a cluster node's local disk may be wiped when it ends)."
+    )
     resume: str | None = arg(
         None,
         "Continue a run: `--resume` alone takes the newest complete checkpoint in --output_dir, `--resume PATH` a "
@@ -325,10 +330,13 @@ def parse_args(argv: list[str] | None = None, algorithm: str = "ppo") -> Args:
         data_dir = arithmetic_data_path()
         args.data.dataset_mixer_list = [data_dir, "1.0"]
         args.data.dataset_mixer_eval_list = args.data.dataset_mixer_eval_list or [data_dir, "1.0"]
-    if args.data.dataset_cache_dir is None:  # tokenise once per data/tokenizer/template, reuse afterwards
+    if args.data.dataset_cache_dir is None or args.run.fallback_save_dir is None:
         from open_instruct.data.embedded import cache_dir
 
-        args.data.dataset_cache_dir = os.path.join(cache_dir(), "tokenized_prompts")
+        if args.data.dataset_cache_dir is None:  # tokenise once per data/tokenizer/template, reuse afterwards
+            args.data.dataset_cache_dir = os.path.join(cache_dir(), "tokenized_prompts")
+        if args.run.fallback_save_dir is None:
+            args.run.fallback_save_dir = os.path.join(cache_dir(), "rescued")
     if args.run.run_name is None:
         args.run.run_name = f"{args.run.exp_name}__{args.run.seed}__{int(time.time())}"
     return args

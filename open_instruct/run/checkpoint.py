@@ -17,7 +17,9 @@ trains on exactly that batch instead of regenerating it with other weights. vLLM
 per request (generation.rollout_requests.sampling_seed), so every later batch depends only on (seed, request number, weights, prompts).
 
 Each file is fsynced, the folder is written under a temporary name and renamed into place, and only the
-newest `--keep_last_n` complete checkpoints are kept.
+newest `--keep_last_n` complete checkpoints are kept. The free space is checked first (`disk_space`): when it is
+short, the checkpoints this save would delete anyway go first (never the newest complete one), and a checkpoint
+that still does not fit is not started (DiskFullError: no space left on ... (needs ~N GB, F GB free)).
 """
 
 import json
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from open_instruct.run import disk_space
 from open_instruct.run.args import Args, ConfigError
 
 COMPLETE_MARKER = "COMPLETE"
@@ -40,7 +43,7 @@ RESUMABLE_CHANGES = {
     "resume", "overwrite_output_dir", "debug", "verbose", "queue_timeout_s", "run_name", "output_dir", "with_tracking",
     "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity", "hf_repo_id", "hf_repo_revision", "hf_endpoint",
     "num_samples_to_log", "save_freq", "keep_last_n", "preemption_timeout_s", "dataset_cache_dir",
-    "save_dtype", "max_vllm_logprob_diff",
+    "save_dtype", "max_vllm_logprob_diff", "fallback_save_dir",
 }  # fmt: skip
 
 
@@ -98,15 +101,20 @@ def save_checkpoint(
     root = os.path.join(output_dir, CHECKPOINTS)
     os.makedirs(root, exist_ok=True)
     final_dir = os.path.join(root, f"step_{step}")
+    what = f"checkpoint step_{step} not written"
+    needed = disk_space.with_headroom(disk_space.tensor_bytes(learner_state))
+    make_room_for(output_dir, needed, keep_last_n)
+    disk_space.require_space(root, needed, what)
     tmp_dir = tempfile.mkdtemp(prefix=f".step_{step}-saving-", dir=root)
     try:
-        with open(os.path.join(tmp_dir, "learner.pt"), "wb") as f:
-            torch.save(learner_state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _write_json(os.path.join(tmp_dir, "trainer_state.json"), trainer_state)
-        _write_json(os.path.join(tmp_dir, "args.json"), args.as_flat_dict())
-        _write_json(os.path.join(tmp_dir, COMPLETE_MARKER), {"step": step, "time": time.time()})
+        with disk_space.out_of_space_as_error(root, needed, what):
+            with open(os.path.join(tmp_dir, "learner.pt"), "wb") as f:
+                torch.save(learner_state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _write_json(os.path.join(tmp_dir, "trainer_state.json"), trainer_state)
+            _write_json(os.path.join(tmp_dir, "args.json"), args.as_flat_dict())
+            _write_json(os.path.join(tmp_dir, COMPLETE_MARKER), {"step": step, "time": time.time()})
         _fsync_path(tmp_dir)
         if os.path.exists(final_dir):  # re-saving a step (preempted right after a resume): replace it
             shutil.rmtree(final_dir)
@@ -117,6 +125,21 @@ def save_checkpoint(
     for old in complete_checkpoints(output_dir)[:-keep_last_n]:
         shutil.rmtree(old, ignore_errors=True)
     return final_dir
+
+
+def make_room_for(output_dir: str, needed: int, keep_last_n: int) -> None:
+    """When the disk is short of `needed` bytes, delete now the complete checkpoints the save would delete after
+    writing (it keeps the newest `keep_last_n`, itself included), if that makes room; never the newest one, which
+    must still be there if the save fails."""
+    root = os.path.join(output_dir, CHECKPOINTS)
+    free = disk_space.free_bytes(root)
+    if free is None or free >= needed:
+        return
+    existing = complete_checkpoints(output_dir)
+    doomed = [path for path in existing[: max(0, len(existing) - (keep_last_n - 1))] if path != existing[-1]]
+    if free + sum(disk_space.folder_bytes(path) for path in doomed) >= needed:
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Preemption: SIGTERM or SIGINT asks the training loop to stop between steps, write a checkpoint and exit with
 128 + signal; a deadline (--preemption_timeout_s) or a second signal exits at once, naming the newest checkpoint.
+Signals that come within `SAME_REQUEST_WINDOW_S` of the first are one request, not a second one.
 """
 
 import os
@@ -11,14 +12,19 @@ from dataclasses import dataclass, field
 from open_instruct.run.checkpoint import complete_checkpoints
 from open_instruct.run.console import say
 
+# One preemption often delivers its signal twice within milliseconds: GNU `timeout` signals its child and then the
+# whole process group, SLURM signals every process of the step, and a terminal's Ctrl-C reaches the group. A signal
+# this soon after the first is that same request; only a later one (a person or scheduler insisting) stops at once.
+SAME_REQUEST_WINDOW_S = 3.0
+
 
 @dataclass
 class StopRequest:
     """SIGTERM/SIGINT set a flag that the training loop reads between steps: it then writes a checkpoint and stops.
 
     The step in progress finishes first (a half-done update cannot be saved). If that and the checkpoint take
-    longer than `timeout_s`, or a second signal comes, the process exits at once, naming the newest complete
-    checkpoint (the kernel releases the output_dir lock).
+    longer than `timeout_s`, or a second signal comes more than `SAME_REQUEST_WINDOW_S` after the first, the
+    process exits at once, naming the newest complete checkpoint (the kernel releases the output_dir lock).
     """
 
     output_dir: str
@@ -51,11 +57,15 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
-            self._exit_now(f"a second {signal.Signals(signum).name} came")
-        self.signum, self.received_at = signum, time.time()
+            since_first = time.monotonic() - self.received_at
+            if since_first < SAME_REQUEST_WINDOW_S:
+                return  # the same preemption delivered twice (e.g. to the process and to its group)
+            self._exit_now(f"a second {signal.Signals(signum).name} came {since_first:.0f}s after the first")
+        self.signum, self.received_at = signum, time.monotonic()
         say(
             f"[ppo] {self.name} received: finishing this step, writing a checkpoint, then stopping "
-            f"(at most {self.timeout_s:.0f}s; a second signal stops at once)",
+            f"(at most {self.timeout_s:.0f}s; a second signal, {SAME_REQUEST_WINDOW_S:.0f}s or more after this "
+            "one, stops at once)",
             error=True,
         )
         too_late = f"no checkpoint within {self.timeout_s:.0f}s of {self.name} (--preemption_timeout_s)"

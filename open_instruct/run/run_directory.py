@@ -1,5 +1,10 @@
 """The output folder belongs to one run: a lock held for the run's length (released by the kernel even on kill -9),
 leftovers of interrupted saves swept at start, and an earlier run never overwritten without --overwrite_output_dir.
+
+--overwrite_output_dir moves the earlier run's files aside (`EARLIER_RUN`, inside output_dir) instead of deleting
+them. They are deleted once the new run has something to put in their place (a complete checkpoint or its model),
+and put back if it stops before that: a typo in a data path, a broken model folder or a crash in the first steps
+loses nothing. A process killed in between leaves them aside; the next start in that folder decides the same way.
 """
 
 import fcntl
@@ -9,14 +14,18 @@ import socket
 import time
 
 from open_instruct.run.args import Args, ConfigError
-from open_instruct.run.checkpoint import CHECKPOINTS, COMPLETE_MARKER, checkpoint_step
+from open_instruct.run.checkpoint import CHECKPOINTS, COMPLETE_MARKER, checkpoint_step, complete_checkpoints
 from open_instruct.run.console import say
 
 LOCK_FILE = ".run.lock"
 # Files a run writes in output_dir: their presence means the folder already holds a run.
 RUN_FILES = (
-    "metrics.jsonl", "samples.jsonl", "lengths.jsonl", "summary.json", "training_curves.png", "model", CHECKPOINTS,
+    "metrics.jsonl", "samples.jsonl", "lengths.jsonl", "summary.json", "training_curves.png",
+    "correct_rate_vs_time.png", "length_histograms.png", "model", CHECKPOINTS,
 )  # fmt: skip
+# What --overwrite_output_dir replaces: the run's files and its libraries' log.
+REPLACED_BY_A_NEW_RUN = (*RUN_FILES, "logs")
+EARLIER_RUN = ".earlier-run"  # an overwritten run's files, until the new run has a checkpoint or model
 
 
 class RunDirectory:
@@ -29,6 +38,7 @@ class RunDirectory:
     def __init__(self, args: Args):
         self.args = args
         self.output_dir = args.run.output_dir
+        self.earlier_run = os.path.join(self.output_dir, EARLIER_RUN)
         self._lock_file = None
 
     def __enter__(self) -> "RunDirectory":
@@ -72,16 +82,58 @@ class RunDirectory:
                 f"--output_dir {self.output_dir} already holds a run ({', '.join(earlier)}); pass --resume to continue "
                 "it, --overwrite_output_dir true to delete it and start over, or another --output_dir."
             )
-        for name in earlier:
-            path = os.path.join(self.output_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        say(f"[ppo] --overwrite_output_dir: deleted the earlier run's {', '.join(earlier)}")
+        os.makedirs(self.earlier_run)
+        moved = [name for name in REPLACED_BY_A_NEW_RUN if os.path.exists(os.path.join(self.output_dir, name))]
+        for name in moved:
+            os.rename(os.path.join(self.output_dir, name), os.path.join(self.earlier_run, name))
+        say(f"[ppo] --overwrite_output_dir: moved the earlier run's {', '.join(moved)} to {self.earlier_run}; "
+            "deleted once this run has a checkpoint or its model, put back if it stops before")  # fmt: skip
+
+    def release_earlier_run(self, saved_elsewhere: str | None = None) -> None:
+        """Delete the run --overwrite_output_dir moved aside, now that this run has a checkpoint or model in
+        output_dir, or its model in `saved_elsewhere` (output_dir's disk had no room): this run's metrics and logs
+        then replace the earlier run's, and the earlier run's space is freed for the model to be moved in."""
+        if not os.path.isdir(self.earlier_run):
+            return
+        if saved_elsewhere is not None:
+            shutil.rmtree(self.earlier_run)
+            say(f"[ppo] --overwrite_output_dir: deleted the earlier run; this run's model is in {saved_elsewhere}")
+        elif has_an_artifact(self.output_dir):
+            say(f"[ppo] {settle_earlier_run(self.output_dir)}")
 
     def __exit__(self, *exc) -> None:
+        if os.path.isdir(self.earlier_run) and self._lock_file is not None:
+            message = settle_earlier_run(self.output_dir)
+            say(f"[ppo] {message}", error=exc[0] is not None)
         if self._lock_file is not None:
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)
             self._lock_file.close()
             self._lock_file = None
+
+
+def has_an_artifact(output_dir: str) -> bool:
+    """Whether a run in `output_dir` has saved something to go on from: a complete checkpoint or a final model."""
+    return bool(complete_checkpoints(output_dir)) or os.path.isfile(os.path.join(output_dir, "model", "config.json"))
+
+
+def settle_earlier_run(output_dir: str) -> str:
+    """The run --overwrite_output_dir moved aside: deleted when the new run saved something in its place, else put
+    back (the new run's own files removed). Returns what was done."""
+    earlier_run = os.path.join(output_dir, EARLIER_RUN)
+    if has_an_artifact(output_dir):
+        shutil.rmtree(earlier_run)
+        return "--overwrite_output_dir: deleted the earlier run; this run has a checkpoint or model in its place"
+    for name in REPLACED_BY_A_NEW_RUN:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+    for name in sorted(os.listdir(earlier_run)):
+        os.rename(os.path.join(earlier_run, name), os.path.join(output_dir, name))
+    os.rmdir(earlier_run)
+    return (f"--overwrite_output_dir: the new run stopped before saving a checkpoint or model; put the earlier run "
+            f"back in {output_dir}")  # fmt: skip
 
 
 def sweep_leftovers(output_dir: str) -> list[str]:
@@ -109,4 +161,6 @@ def sweep_leftovers(output_dir: str) -> list[str]:
             ):
                 shutil.rmtree(path, ignore_errors=True)
                 messages.append(f"removed the incomplete checkpoint {path}")
+    if os.path.isdir(os.path.join(output_dir, EARLIER_RUN)):  # an overwriting run was killed
+        messages.append(settle_earlier_run(output_dir))
     return messages

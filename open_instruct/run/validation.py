@@ -3,9 +3,10 @@
 `validate_flags` checks each flag's value against a table of rules; `validate_hub` the Hub settings of
 `--push_to_hub` (a push that would fail after hours of training fails now instead); `validate_models` the
 model folders' vocabularies and context lengths against the policy's tokens; `validate_memory` the sizes that
-could never fit; `row_checker` every dataset row the run will read (ground truth present where its verifier
-needs one, verifier known). Each raises `ConfigError`, whose message names the value and the fix; the CLI
-prints it as `error: ...` and exits with code 2 (see `ppo_vllm_thread_ray_gtrl.cli`).
+could never fit; `validate_work` the sampling that could never finish; `row_checker` every dataset row the run
+will read (ground truth present where its verifier needs one, verifier known). Each raises `ConfigError`, whose
+message names the value and the fix; the CLI prints it as `error: ...` and exits with code 2 (see
+`ppo_vllm_thread_ray_gtrl.cli`). `start_warnings` names settings that work but not as a user would expect.
 """
 
 import contextlib
@@ -14,7 +15,7 @@ import os
 from collections.abc import Iterator
 
 from open_instruct.rl.verifiers import VERIFIERS, resolve_verifier_name
-from open_instruct.run.args import Args, ConfigError
+from open_instruct.run.args import Args, BatchSizes, ConfigError
 
 # Verifiers that compare numbers: a ground truth without one would fail mid-run at the first response scored.
 NUMERIC_VERIFIERS = ("gsm8k", "arithmetic")
@@ -52,6 +53,7 @@ PROBABILITY = (lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1]")
 FRACTION = (lambda v: _finite(v) and 0 < v <= 1, "a fraction in (0, 1]")
 FINITE = (lambda v: _finite(v), "a finite number")
 NAME = (lambda v: bool(v) and "/" not in v, "a name without '/'")
+FOLDER = (lambda v: bool(v) and not os.path.isfile(v), "a folder, not a file")
 
 
 def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
@@ -96,13 +98,14 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("seed", run.seed, NON_NEGATIVE_INT),
         ("save_freq", run.save_freq, (lambda v: v == -1 or v >= 1, "-1 (no checkpoints) or steps >= 1")),
         ("keep_last_n", run.keep_last_n, AT_LEAST_1),
+        ("fallback_save_dir", run.fallback_save_dir, FOLDER),
         ("num_evals", run.num_evals, (lambda v: v >= 0, "an integer >= 0 (0: no evals)")),
         ("eval_samples_per_prompt", run.eval_samples_per_prompt, NON_NEGATIVE_INT),
         ("num_samples_to_log", run.num_samples_to_log, NON_NEGATIVE_INT),
         ("preemption_timeout_s", run.preemption_timeout_s, POSITIVE),
         ("exp_name", run.exp_name, NAME),
         ("run_name", run.run_name, NAME),
-        ("output_dir", run.output_dir, (lambda v: bool(v) and not os.path.isfile(v), "a folder, not a file")),
+        ("output_dir", run.output_dir, FOLDER),
         ("verification_reward", reward.verification_reward, FINITE),
         ("reward_model_multiplier", reward.reward_model_multiplier, FINITE),
         ("penalty_reward_value", reward.penalty_reward_value, FINITE),
@@ -206,6 +209,60 @@ def validate_engine_flags(dist) -> None:
             f"--single_gpu_mode puts one engine beside each learner rank on its GPU: pass --vllm_num_engines "
             f"{dist.num_learners} (one per learner) and --vllm_tensor_parallel_size 1."
         )
+
+
+# Sampling that could not finish even at a generous rate is a typo (4000000 samples per prompt for 4), not a plan.
+# Generous: measured vLLM throughput here is ~100 tokens/s on 2 CPU cores (SmolLM2-135M); a GPU engine with a small
+# model and large batches does thousands to ~100k. The bounds are far past any run we know of (Tulu 3 8B PPO samples
+# ~0.5 M response tokens a step, ~0.2 G in all), so they refuse only what would never end.
+GENEROUS_TOKENS_PER_S_PER_ENGINE = {"cpu": 10_000, "gpu": 200_000}
+MAX_STEP_S = 24 * 3600  # one step's sampling
+MAX_RUN_S = 365 * 24 * 3600  # the whole run's
+
+
+def validate_work(args: Args, sizes: BatchSizes) -> None:
+    """A step's (and the run's) response tokens must be sampleable within a day (a year) at a generous rate."""
+    import torch
+
+    ppo, response_length = args.ppo, args.gen.response_length
+    on_gpus = torch.cuda.is_available() or args.dist.ray_address is not None  # a cluster's engines may have GPUs
+    rate = GENEROUS_TOKENS_PER_S_PER_ENGINE["gpu" if on_gpus else "cpu"] * max(1, args.dist.vllm_num_engines)
+    step_tokens = sizes.rollout_batch_size * response_length
+    run_tokens = sizes.num_training_steps * step_tokens
+    sizes_named = (
+        f"--local_rollout_batch_size {ppo.local_rollout_batch_size} x --number_samples_per_prompt "
+        f"{ppo.number_samples_per_prompt} x --response_length {response_length}"
+    )
+    if step_tokens / rate > MAX_STEP_S:
+        raise ConfigError(
+            f"one step samples up to {step_tokens:,} response tokens ({sizes_named}), more than a day's work even at "
+            f"{rate:,} tokens/s; lower --number_samples_per_prompt, --local_rollout_batch_size or --response_length."
+        )
+    if run_tokens / rate > MAX_RUN_S:
+        raise ConfigError(
+            f"the run samples up to {run_tokens:,} response tokens ({sizes.num_training_steps:,} steps of "
+            f"{sizes_named}), more than a year's work even at {rate:,} tokens/s; lower --total_episodes."
+        )
+
+
+def start_warnings(args: Args, sizes: BatchSizes) -> list[str]:
+    """Settings that work but not as written: episodes a step cannot hold, checkpoints that never come."""
+    warnings = []
+    total, step = args.ppo.total_episodes, sizes.rollout_batch_size
+    trained = sizes.num_training_steps * step
+    if trained != total:
+        warnings.append(
+            f"--total_episodes {total} is not a multiple of a step's {step} responses: the run trains "
+            f"{sizes.num_training_steps} steps ({trained} episodes) and drops the last {total - trained}; pass "
+            f"--total_episodes {trained} or {trained + step}."
+        )
+    if args.run.save_freq > sizes.num_training_steps:
+        warnings.append(
+            f"--save_freq {args.run.save_freq} is more than the run's {sizes.num_training_steps} steps: no checkpoint "
+            f"will be written (only the final model, and one on SIGTERM/SIGINT); pass --save_freq "
+            f"{sizes.num_training_steps} or less for one."
+        )
+    return warnings
 
 
 def validate_hub(args: Args) -> None:
