@@ -22,15 +22,13 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
-from open_instruct.data.prompt_dataset import DatasetArgs, build_prompt_datasets
+from open_instruct.data.batches import PromptBatch, prompt_batch
 from open_instruct.data.embedded import resolve_model_path
-from open_instruct.rl.rewards import RewardConfig, RewardManager
-from open_instruct.data.tokenizer import load_tokenizer
-from open_instruct.data.batches import PromptBatch
-from open_instruct.data.batches import prompt_batch
-from open_instruct.data.tokenizer import stop_token_ids_for
+from open_instruct.data.prompt_dataset import DatasetArgs, build_prompt_datasets
+from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.evaluation import verifiable_correct_rate
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine, generate, sampling_params
+from open_instruct.rl.rewards import RewardConfig, RewardManager
 
 
 @dataclass

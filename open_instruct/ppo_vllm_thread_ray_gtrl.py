@@ -313,7 +313,9 @@ def start_generation_thread(args: Args, data: RunData) -> GenerationThread:
     )
     engines = None
     if args.dist.vllm_num_engines > 0:
-        from open_instruct.generation.engine_actors import start_engine_actors  # imports ray; the in-process path never does
+        from open_instruct.generation.engine_actors import (
+            start_engine_actors,  # imports ray; the in-process path never does
+        )
 
         engines = start_engine_actors(args, engine_config)
     settings = GenerationSettings(

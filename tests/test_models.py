@@ -1,4 +1,4 @@
-"""model_utils: what is saved (dtype, digest, rounding report) and dropout off in every forward."""
+"""learner/models and learner/saving: what is saved (dtype, shards, digest, rounding report) and dropout off in every forward."""
 
 import json
 import shutil
@@ -38,15 +38,50 @@ def test_saved_folder_holds_the_weights_in_the_asked_dtype_with_a_matching_confi
     model = models.load_policy(tiny_model_dir, torch.device("cpu"))
     with torch.no_grad():
         model.model.norm.weight.add_(1e-5)  # an fp32 update below bf16's resolution
-    state_dict = saving.state_dict_for_saving(model, dtype)
-    folder = saving.save_hf_folder(model, AutoTokenizer.from_pretrained(tiny_model_dir), str(tmp_path / "model"), state_dict)
-    saved = load_safetensors(f"{folder}/model.safetensors")
+    weights = dict(saving.unique_state_items(model))
+    initial = saving.CheckpointReader.of(tiny_model_dir) if dtype != torch.float32 else None
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    saved_model = saving.save_hf_folder(model, tokenizer, str(tmp_path / "model"), weights.items(), dtype, initial=initial)
+    saved = load_safetensors(f"{saved_model.path}/model.safetensors")
     assert "lm_head.weight" not in saved  # tied: stored once
-    assert saving.weights_sha256(saved) == saving.weights_sha256(state_dict)
-    assert AutoConfig.from_pretrained(folder).dtype == dtype
-    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert saving.weights_sha256(saved) == saved_model.weights_sha256
+    assert saved_model.weights_sha256 == saving.weights_sha256({k: v.to(dtype) for k, v in weights.items()})
+    assert AutoConfig.from_pretrained(saved_model.path).dtype == dtype
+    reloaded = AutoModelForCausalLM.from_pretrained(saved_model.path, dtype=torch.float32)
     kept_update = torch.equal(reloaded.model.norm.weight, model.model.norm.weight)
     assert kept_update == (dtype == torch.float32), "fp32 keeps the exact update; bf16 rounds it away"
+    if dtype == torch.bfloat16:  # the 128 changed norm weights, all rounded back (the report reads the initial files)
+        assert saved_model.rounding == {"changed": 128.0, "rounded_away": 128.0, "fraction_rounded_away": 1.0}
+
+
+def test_a_large_model_is_saved_in_shards_with_an_index_that_transformers_and_vllm_layouts_read(tiny_model_dir, tmp_path):
+    """Shards of at most max_shard_bytes, named and indexed as Hugging Face does; the folder loads whole, equal."""
+    model = models.load_policy(tiny_model_dir, torch.device("cpu"))
+    weights = list(saving.unique_state_items(model))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    max_bytes = 2**20  # 1 MiB: the tiny model's 25 MB embedding gets a shard of its own, the rest share a few
+    saved = saving.save_hf_folder(model, tokenizer, str(tmp_path / "model"), weights, torch.float32, max_shard_bytes=max_bytes)
+    files = sorted(p.name for p in (tmp_path / "model").glob("*.safetensors"))
+    index = json.loads((tmp_path / "model" / "model.safetensors.index.json").read_text())
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert sorted(set(index["weight_map"].values())) == files
+    for file in files[1:]:  # every shard but the one holding the oversized embedding respects the cap
+        assert sum(t.numel() * 4 for t in load_safetensors(tmp_path / "model" / file).values()) <= max_bytes
+    on_disk = saving.read_saved_weights(str(tmp_path / "model"))
+    assert saving.weights_sha256(on_disk) == saved.weights_sha256 == saving.weights_sha256(dict(weights))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), dtype=torch.float32)
+    for name, param in model.named_parameters():
+        assert torch.equal(reloaded.get_parameter(name), param), name
+
+
+def test_non_finite_weights_are_never_written(tiny_model_dir, tmp_path):
+    model = models.load_policy(tiny_model_dir, torch.device("cpu"))
+    weights = dict(saving.unique_state_items(model))
+    weights["model.norm.weight"] = weights["model.norm.weight"].clone().fill_(float("nan"))
+    with pytest.raises(saving.NonFiniteError, match="model.norm.weight holds NaN"):
+        saving.save_hf_folder(model, AutoTokenizer.from_pretrained(tiny_model_dir), str(tmp_path / "model"),
+                              weights.items(), torch.float32)  # fmt: skip
+    assert not (tmp_path / "model").exists() and not list(tmp_path.iterdir())  # nothing half-written is left
 
 
 def test_attention_dropout_in_the_checkpoint_is_off_in_train_mode(tiny_model_dir, tmp_path):

@@ -516,3 +516,67 @@ def test_logprob_agreement_with_nothing_to_compare_is_neutral():
     assert {key: value.item() for key, value in result.items()} == {
         "diff_mean": 0.0, "diff_max": 0.0, "ratio_mean": 1.0, "ratio_min": 1.0, "ratio_max": 1.0,
     }  # fmt: skip
+
+
+# ---- logprobs from hidden states, projected in chunks ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 7, 12, 1000])
+def test_projected_logprobs_in_chunks_equal_the_whole_logits_with_their_gradients(chunk_size):
+    """Chunks of positions (with recompute in backward) give the numbers of the whole logits, in fp32 to 1e-6: the
+    logprobs, the entropies, and the gradients they send to the hidden states and the head's weight."""
+    torch.manual_seed(0)
+    batch, seq, hidden_size, vocab, temperature = 3, 4, 8, 50, 0.7
+    head = torch.nn.Linear(hidden_size, vocab, bias=True)
+    hidden = torch.randn(batch, seq, hidden_size, requires_grad=True)
+    labels = torch.randint(vocab, (batch, seq))
+    advantage = torch.randn(batch, seq)
+
+    whole, whole_entropy = rl.logprobs_and_entropy(head(hidden), labels, temperature, with_entropy=True)
+    (whole * advantage).sum().backward()
+    expected_grads = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    hidden.grad = head.weight.grad = head.bias.grad = None
+
+    chunked, chunked_entropy = rl.projected_logprobs(hidden, labels, head, temperature, chunk_size, with_entropy=True)
+    (chunked * advantage).sum().backward()
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=0)
+    torch.testing.assert_close(chunked_entropy, whole_entropy, atol=1e-6, rtol=0)
+    assert not chunked_entropy.requires_grad  # a metric: no gradient flows through it
+    for got, expected in zip([hidden.grad, head.weight.grad, head.bias.grad], expected_grads):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    # The reference itself: log_softmax of logits / temperature at each label.
+    reference = torch.log_softmax(head(hidden).detach() / temperature, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(whole.detach(), reference, atol=1e-6, rtol=0)
+
+
+class LargestVocabTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Watches every tensor an op creates; records the most positions of a [..., vocab] float32 one."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.most_positions = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view allocates nothing (e.g. the head's weight transposed)
+            return out
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.dim() >= 2:
+                if tensor.shape[-1] == self.vocab:
+                    self.most_positions = max(self.most_positions, tensor.numel() // self.vocab)
+        return out
+
+
+def test_projected_logprobs_never_hold_more_than_a_chunk_of_vocabulary_logits():
+    torch.manual_seed(0)
+    batch, seq, hidden_size, vocab = 4, 16, 8, 301
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(batch, seq, hidden_size, requires_grad=True)
+    labels = torch.randint(vocab, (batch, seq))
+    with LargestVocabTensor(vocab) as watch:
+        logprob, _ = rl.projected_logprobs(hidden, labels, head, 1.0, chunk_size=8, with_entropy=True)
+        logprob.sum().backward()
+    assert 0 < watch.most_positions <= 8
+    with LargestVocabTensor(vocab) as watch:  # the watch sees the whole logits when they exist
+        rl.logprobs_and_entropy(head(hidden), labels, 1.0, with_entropy=True)[0].sum().backward()
+    assert watch.most_positions == batch * seq

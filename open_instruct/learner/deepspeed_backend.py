@@ -1,4 +1,4 @@
-"""The learner backend of one DeepSpeed rank (see learner_backend.py for the members PPOLearner uses).
+"""The learner backend of one DeepSpeed rank (see single_process.py for the members PPOLearner uses).
 
 Policy and value model are DeepSpeed training engines at ZeRO stage 0, 2 or 3, with torch AdamW as the
 client optimizer (DeepSpeed's own Adam kernels JIT-compile for minutes on CPUs); the reference and reward
@@ -13,7 +13,6 @@ import importlib
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,8 +20,10 @@ import deepspeed
 import torch
 import torch._dynamo  # noqa: F401  before any ZeRO-3 partitioning, else torch._dynamo fails with "Signature mismatch"
 import torch.distributed as dist
+from deepspeed.utils import safe_get_full_fp32_param
 from torch import nn
 
+from open_instruct.learner import models, saving
 from open_instruct.learner.single_process import OptimizerSettings, adamw, lr_scheduler
 from open_instruct.run import devices
 from open_instruct.run.checkpoint import NonFiniteError
@@ -96,17 +97,32 @@ class DeepSpeedTrainer:
         return self.engine.get_lr()[0]
 
 
+def weights_dtype(requested: str, learner_compute_dtype: str) -> str:
+    """--deepspeed_weights_dtype, decided on the rank's own device: auto is bf16 on a GPU computing in bf16."""
+    if requested != "auto":
+        return requested
+    on_gpu_in_bf16 = torch.cuda.is_available() and learner_compute_dtype != "float32"
+    return "bfloat16" if on_gpu_in_bf16 else "float32"
+
+
 class DeepSpeedBackend:
-    def __init__(self, stage: int, micro_batch_size: int, gather_whole_model: bool, compute_dtype: str = "auto"):
+    """One rank's models on DeepSpeed (see single_process.py for the members PPOLearner uses).
+
+    `weights_dtype`: the dtype of the module weights the engines compute with at ZeRO-2/3. bfloat16 is DeepSpeed's
+    bf16 mode: bf16 weights on the device, fp32 master weights (and, set here, fp32 gradient accumulation) in the
+    optimizer; the saved model is always the fp32 masters. float32: the weights are the masters. At stage 0 the
+    weights stay fp32 (DeepSpeed cannot accumulate a bf16 engine's gradients in fp32 there; autocast still computes
+    in bf16 where the learner chose it).
+    """
+
+    def __init__(self, stage: int, micro_batch_size: int, gather_whole_model: bool, weights_dtype: str = "float32"):
         self.stage, self.micro_batch_size, self.gather_whole_model = stage, micro_batch_size, gather_whole_model
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = devices.learner_device()
-        # DeepSpeed's bf16 mode (bf16 weights, fp32 master copy) on GPUs; on CPUs fp32 weights, and the learner's
-        # autocast computes in bf16 where mu.learner_compute_dtype chose it.
-        self.bf16 = self.device.type == "cuda" and compute_dtype != "float32"
+        self.bf16 = weights_dtype == "bfloat16" and stage in (2, 3)
 
     def config(self, name: str, micro_batch_size: int, gradient_accumulation_steps: int, max_grad_norm: float) -> dict:
-        return {
+        config = {
             **load_ds_config(name),
             "train_micro_batch_size_per_gpu": micro_batch_size,
             "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -114,23 +130,46 @@ class DeepSpeedBackend:
             "gradient_clipping": max_grad_norm,
             "bf16": {"enabled": self.bf16},
         }
+        if self.bf16 and name.endswith("_train.json"):
+            # Summing 14 micro-batches of bf16 gradients loses their low bits (DeepSpeed warns of it): accumulate in fp32.
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+        return config
+
+    def train_config(self, settings: OptimizerSettings) -> dict:
+        return self.config(f"zero{self.stage}_train.json", settings.micro_batch_size,
+                           settings.gradient_accumulation_steps, settings.max_grad_norm)  # fmt: skip
+
+    def inference_config(self) -> dict:
+        return self.config("zero3_inference.json", self.micro_batch_size, 1, 0.0)
+
+    def load_model(self, spec: models.ModelSpec) -> nn.Module:
+        """The whole model on this rank (stages 0 and 2), or, at stage 3, built partitioned and filled rank by rank
+        from its files (zero3_loading): the config is the one its engine is initialised with below."""
+        if self.stage != 3:
+            return models.load_model(spec, self.device)
+        from open_instruct.learner.zero3_loading import load_partitioned
+
+        if spec.trainable:
+            dtype = torch.bfloat16 if self.bf16 else torch.float32
+            # The batch sizes of the train config do not change how a model is partitioned.
+            config = self.config("zero3_train.json", self.micro_batch_size, 1, 1.0)
+        else:
+            dtype, config = devices.inference_dtype(self.device), self.inference_config()
+        return load_partitioned(spec, config, dtype)
 
     def trainable(self, model: nn.Module, settings: OptimizerSettings) -> DeepSpeedTrainer:
-        config = self.config(
-            f"zero{self.stage}_train.json",
-            settings.micro_batch_size,
-            settings.gradient_accumulation_steps,
-            settings.max_grad_norm,
-        )
-        return DeepSpeedTrainer(model, settings, config)
+        return DeepSpeedTrainer(model, settings, self.train_config(settings))
 
     def frozen(self, model: nn.Module) -> nn.Module:
         if self.stage != 3:
             return model
-        config = self.config("zero3_inference.json", self.micro_batch_size, 1, 0.0)
-        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine, *_ = deepspeed.initialize(model=model, config=self.inference_config())
         engine.eval()  # DeepSpeedEngine.eval returns None, not the engine
         return engine
+
+    def hf_model(self, model: nn.Module) -> nn.Module:
+        """The Hugging Face model inside an engine's wrapper (its parameter names are the checkpoint's)."""
+        return unwrap(model)
 
     def local_rows(self, num_rows: int) -> slice:
         share = num_rows // self.world_size  # compute_batch_sizes makes the rollout a multiple of the ranks
@@ -155,9 +194,9 @@ class DeepSpeedBackend:
         return weights if self.rank == 0 else None
 
     def iter_named_weights(self, model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """(name, copy in `dtype`) of each parameter in order; the tensor is None on ranks other than 0. Under ZeRO-3
-        every rank must run the iterator to the end: each step gathers a parameter (or, with --gather_whole_model,
-        the first step gathers all of them)."""
+        """(name, copy in `dtype`) of each parameter as the engine computes with it, in order; the tensor is None on
+        ranks other than 0. Under ZeRO-3 every rank must run the iterator to the end: each step gathers a parameter
+        (or, with --gather_whole_model, the first step gathers all of them)."""
         module = unwrap(model)
         if self.stage != 3:
             for name, param in module.named_parameters():
@@ -174,16 +213,22 @@ class DeepSpeedBackend:
         """The parameters' full shapes (ZeRO-3 keeps a partition; `ds_shape` is the whole)."""
         return [(name, tuple(getattr(p, "ds_shape", p.shape))) for name, p in unwrap(model).named_parameters()]
 
-    @contextmanager
-    def full_model(self, model: nn.Module):
-        module = unwrap(model)
-        if self.stage == 3:
-            with deepspeed.zero.GatheredParameters(list(module.parameters())):
-                yield module if self.rank == 0 else None
-        else:
-            yield module if self.rank == 0 else None
+    def iter_master_weights(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The trained weights with the checkpoint's names (each shared tensor once), one at a time, on the CPU of rank
+        0 (None elsewhere): at ZeRO-2/3 the optimizer's fp32 masters, gathered (a collective per tensor: every rank
+        runs the iterator to the end), so a bf16 engine's save holds what it trained, not its bf16 copies."""
+        for name, tensor in saving.unique_state_items(unwrap(model)):
+            if self.stage in (2, 3) and isinstance(tensor, nn.Parameter) and tensor.requires_grad:
+                full = safe_get_full_fp32_param(tensor)
+            elif self.stage == 3 and hasattr(tensor, "ds_id"):  # a frozen partitioned parameter
+                with deepspeed.zero.GatheredParameters([tensor]):
+                    full = tensor.detach().clone()
+            else:
+                full = tensor.detach()
+            yield name, (full.to("cpu", copy=True) if self.rank == 0 else None)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The HF model inside a DeepSpeed engine (its parameter names carry no `module.` prefix)."""
-    return model.module if isinstance(model, deepspeed.DeepSpeedEngine) else model
+    """The Hugging Face model inside a DeepSpeed engine and our wrapper (its parameter names carry no prefix)."""
+    module = model.module if isinstance(model, deepspeed.DeepSpeedEngine) else model
+    return models.hf_model_of(module)

@@ -4,13 +4,14 @@ reference; forward passes over query + response (logprobs, values, reward scores
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from open_instruct.data.tokenizer import explain_load_error
-from open_instruct.rl.logprobs import logprobs_from_logits
+from open_instruct.rl.logprobs import logprobs_and_entropy, projected_logprobs
 from open_instruct.run.devices import autocast, inference_dtype
 
 log = logging.getLogger(__name__)
@@ -39,43 +40,75 @@ def disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
 
 
-def load_policy(path: str, device: torch.device, revision: str | None = None, trainable: bool = True) -> nn.Module:
-    """A causal LM: the trainable policy in fp32 (autocast does bf16 compute on GPUs), or a frozen copy."""
-    dtype = torch.float32 if trainable else inference_dtype(device)
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model a learner loads: the policy and the value model train, the reference and the reward model only run
+    forward. `scalar_head`: a backbone with a 1-output `score` head (value and reward models), else a causal LM."""
+
+    role: str  # "policy", "reference policy", "value model", "reward model": for messages
+    path: str
+    revision: str | None = None
+    trainable: bool = True
+    scalar_head: bool = False
+    pad_token_id: int | None = None  # the policy tokenizer's, for a scalar-head model's config
+
+    def config(self):
+        """The model's config, dropout off (and for a scalar head: 1 label, the policy's pad id)."""
+        try:
+            config = config_without_dropout(self.path, self.revision)
+        except (OSError, ValueError) as error:
+            raise explain_load_error(self.role, self.path, error) from error
+        if self.scalar_head:
+            config.num_labels = 1
+            config.pad_token_id = self.pad_token_id
+        return config
+
+    def head_is_new(self, config) -> bool:
+        """A scalar head on a causal-LM checkpoint is created fresh (and given PPO's init); a reward model's is kept."""
+        return self.scalar_head and not any("ForSequenceClassification" in a for a in (config.architectures or []))
+
+    @property
+    def auto_class(self):
+        return AutoModelForSequenceClassification if self.scalar_head else AutoModelForCausalLM
+
+    def dtype(self, device: torch.device) -> torch.dtype:
+        """fp32 for what trains (the master weights; autocast computes in bf16), the inference dtype otherwise."""
+        return torch.float32 if self.trainable else inference_dtype(device)
+
+
+def load_model(spec: ModelSpec, device: torch.device) -> nn.Module:
+    """The whole model on `device` (one process, and ZeRO stages 0 and 2; ZeRO-3 loads partitioned instead:
+    deepspeed_backend). A new score head gets PPO's init; dropout is off; a frozen model does not train."""
+    config = spec.config()
     try:
-        config = config_without_dropout(path, revision)
-        model, loading = AutoModelForCausalLM.from_pretrained(
-            path, revision=revision, config=config, dtype=dtype, output_loading_info=True
+        model, loading = spec.auto_class.from_pretrained(
+            spec.path, revision=spec.revision, config=config, dtype=spec.dtype(device), output_loading_info=True
         )
     except (OSError, ValueError) as error:
-        raise explain_load_error("policy" if trainable else "reference policy", path, error) from error
-    restate_missing_weights("policy" if trainable else "reference policy", path, sorted(loading["missing_keys"]))
+        raise explain_load_error(spec.role, spec.path, error) from error
+    # transformers reports a new score head as MISSING in its log (logs/libraries.log): expected for a causal-LM
+    # checkpoint, so only other missing weights are restated.
+    head_is_new = spec.head_is_new(config)
+    missing = sorted(key for key in loading["missing_keys"] if not (head_is_new and key.startswith("score.")))
+    restate_missing_weights(spec.role, spec.path, missing)
+    if head_is_new:
+        init_score_head(model)
+    return finish_loading(model, spec).to(device)
+
+
+def finish_loading(model: nn.Module, spec: ModelSpec) -> nn.Module:
+    """What every loaded model gets: dropout off, a generation pad id, and for a frozen one no gradients."""
     disable_dropout(model)
-    if model.generation_config.pad_token_id is None:  # 0 is a valid pad id: test for None, not falsiness
+    if not spec.scalar_head and model.generation_config.pad_token_id is None:  # 0 is a valid pad id: test for None
         model.generation_config.pad_token_id = model.config.eos_token_id
-    model.to(device)
-    if not trainable:
+    if not spec.trainable:
         model.eval().requires_grad_(False)
     return model
 
 
-def restate_missing_weights(role: str, path: str, missing: list[str]) -> None:
-    """One warning line of ours for weights the checkpoint lacked (transformers' own report goes to the library log):
-    they start from random values, which for a policy or a reward model's head means a broken run."""
-    if missing:
-        log.warning(f"[learner] warning: the {role} checkpoint {path} lacks {len(missing)} weight(s) "
-                    f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): they start from random values")  # fmt: skip
-
-
-def init_score_head(model: nn.Module) -> None:
-    """PPO detail: a fresh scalar head with std 1/sqrt(hidden+1), bias 0 (Ziegler et al. 2019)."""
-    head = model.score
-    # Its own generator, seeded by the run's seed: the vLLM engine starting in another thread may draw from or reseed
-    # torch's global one meanwhile, and a resumed run must be comparable with an uninterrupted one.
-    generator = torch.Generator().manual_seed(torch.initial_seed())
-    nn.init.normal_(head.weight, std=1.0 / math.sqrt(model.config.hidden_size + 1), generator=generator)
-    if head.bias is not None:
-        nn.init.zeros_(head.bias)
+def load_policy(path: str, device: torch.device, revision: str | None = None, trainable: bool = True) -> nn.Module:
+    """A causal LM: the trainable policy in fp32 (autocast does bf16 compute on GPUs), or a frozen copy."""
+    return load_model(ModelSpec("policy" if trainable else "reference policy", path, revision, trainable), device)
 
 
 def load_scalar_model(
@@ -86,28 +119,35 @@ def load_scalar_model(
     A causal-LM checkpoint has no score head, so transformers creates one; its init is then reset
     to the PPO value-head init. A reward-model checkpoint keeps its trained head.
     """
-    try:
-        config = config_without_dropout(path, revision)
-        head_is_new = not any("ForSequenceClassification" in a for a in (config.architectures or []))
-        config.num_labels = 1
-        config.pad_token_id = pad_token_id
-        model, loading = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, revision=revision, dtype=torch.float32 if trainable else inference_dtype(device),
-            output_loading_info=True,
-        )
-    except (OSError, ValueError) as error:
-        raise explain_load_error("value model" if trainable else "reward model", path, error) from error
-    # transformers reports a new score head as MISSING in its log (logs/libraries.log): expected for a causal-LM
-    # checkpoint, so only other missing weights are restated.
-    missing = sorted(key for key in loading["missing_keys"] if not (head_is_new and key.startswith("score.")))
-    restate_missing_weights("value model" if trainable else "reward model", path, missing)
-    if head_is_new:
-        init_score_head(model)
-    disable_dropout(model)
-    model.to(device)
-    if not trainable:
-        model.eval().requires_grad_(False)
-    return model
+    role = "value model" if trainable else "reward model"
+    return load_model(ModelSpec(role, path, revision, trainable, scalar_head=True, pad_token_id=pad_token_id), device)
+
+
+def restate_missing_weights(role: str, path: str, missing: list[str]) -> None:
+    """One warning line of ours for weights the checkpoint lacked (transformers' own report goes to the library log):
+    they start from random values, which for a policy or a reward model's head means a broken run."""
+    if missing:
+        log.warning(f"[learner] warning: the {role} checkpoint {path} lacks {len(missing)} weight(s) "
+                    f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): they start from random values")  # fmt: skip
+
+
+def score_head_std(config) -> float:
+    """PPO detail: a fresh scalar head's init std is 1/sqrt(hidden+1) (Ziegler et al. 2019)."""
+    return 1.0 / math.sqrt(config.hidden_size + 1)
+
+
+def init_score_head(model: nn.Module) -> None:
+    """PPO detail: a fresh scalar head with std 1/sqrt(hidden+1), bias 0 (Ziegler et al. 2019)."""
+    head = model.score
+    nn.init.normal_(head.weight, std=score_head_std(model.config), generator=score_head_generator())
+    if head.bias is not None:
+        nn.init.zeros_(head.bias)
+
+
+def score_head_generator() -> torch.Generator:
+    """The score head's own generator, seeded by the run's seed: the vLLM engine starting in another thread may draw
+    from or reseed torch's global one meanwhile, and a resumed run must be comparable with an uninterrupted one."""
+    return torch.Generator().manual_seed(torch.initial_seed())
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -125,43 +165,92 @@ def forward_backbone(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     )
 
 
-def response_logits(
-    model: nn.Module, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int
-) -> torch.Tensor:
-    """Logits predicting each response token.  # [batch, response_len, vocab]
+# Config keys of architectures whose causal-LM forward does more to the hidden states than the LM head (Gemma's logit
+# soft-capping, Cohere's logit scale): their logprobs are computed from the model's own logits, never projected here.
+LOGIT_TRANSFORM_CONFIG_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
-    `logits_to_keep` skips the vocabulary projection for prompt positions nobody needs.
+
+def projects_with_its_head_alone(config) -> bool:
+    """Whether the causal LM's logits are exactly its output embedding applied to the last hidden states."""
+    return all(getattr(config, key, None) in (None, 1, 1.0) for key in LOGIT_TRANSFORM_CONFIG_KEYS)
+
+
+class TokenLogprobs(nn.Module):
+    """The policy (or the reference) as one module whose forward returns the logprob of each response token under
+    logits / temperature (and, when asked, each position's entropy): `hf_model` is the causal LM.
+
+    With `chunk_size` > 0 the backbone's hidden states go through the LM head `chunk_size` positions at a time, with
+    recompute in backward (`rl.projected_logprobs`): no [batch, response_len, vocab] float32 tensor exists, in
+    training or for the entropy metric. With 0 the causal LM computes the logits of every response position at once
+    (`logits_to_keep` skips the prompt positions). One module, so that DeepSpeed ZeRO-3 sees a single root forward:
+    it traces the order of the submodules from it and prefetches their parameters.
     """
-    response_len = query_response.shape[1] - context_length
-    logits = forward_backbone(model, query_response, attention_mask, logits_to_keep=response_len + 1).logits
-    return logits[:, :-1]
+
+    def __init__(self, causal_lm: nn.Module, chunk_size: int = 0):
+        super().__init__()
+        self.hf_model = causal_lm
+        self.chunk_size = chunk_size if projects_with_its_head_alone(causal_lm.config) else 0
+        if chunk_size and not self.chunk_size:
+            log.info(f"[learner] {type(causal_lm).__name__} transforms its logits after the LM head: its logprobs are "
+                     "computed from whole logits (--logprob_chunk_size applies to plain LM heads)")  # fmt: skip
+
+    def forward(
+        self, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int, temperature: float,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """(logprob, entropy or None), float32 [batch, response_len] each."""
+        response = query_response[:, context_length:]
+        if self.chunk_size == 0:
+            logits = forward_backbone(self.hf_model, query_response, attention_mask,
+                                      logits_to_keep=response.shape[1] + 1).logits[:, :-1]  # fmt: skip
+            return logprobs_and_entropy(logits, response, temperature, with_entropy)
+        backbone = getattr(self.hf_model, self.hf_model.base_model_prefix)
+        hidden = forward_backbone(backbone, query_response, attention_mask).last_hidden_state
+        # The hidden state at position context_length - 1 + j predicts response token j.
+        hidden = hidden[:, context_length - 1 : -1]
+        head = self.hf_model.get_output_embeddings()
+        return projected_logprobs(hidden, response, head, temperature, self.chunk_size, with_entropy)
+
+
+class TokenScores(nn.Module):
+    """A value or reward model as one module whose forward returns its score head at every position, [batch, seq]:
+    `hf_model` is the *ForSequenceClassification model (whose own forward pools one position). One module, so that
+    DeepSpeed ZeRO-3 sees a root forward, traces its submodules and prefetches their parameters (calling the backbone
+    and the head one by one through the engine never completes the trace: every gather waits)."""
+
+    def __init__(self, classifier: nn.Module):
+        super().__init__()
+        self.hf_model = classifier
+
+    def forward(self, query_response: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        backbone = getattr(self.hf_model, self.hf_model.base_model_prefix)
+        hidden = forward_backbone(backbone, query_response, attention_mask).last_hidden_state
+        return self.hf_model.score(hidden).squeeze(-1)
+
+
+def hf_model_of(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a TokenLogprobs / TokenScores wrapper (or the model itself)."""
+    return getattr(model, "hf_model", model)
 
 
 def response_logprobs(
-    model: nn.Module,
+    policy: nn.Module,
     query_response: torch.Tensor,
     attention_mask: torch.Tensor,
     context_length: int,
     temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob of each response token, its logits), both from logits / temperature like vLLM samples."""
-    logits = response_logits(model, query_response, attention_mask, context_length)
-    response = query_response[:, context_length:]
-    return logprobs_from_logits(logits, response, temperature), logits
-
-
-def token_scores(model: nn.Module, query_response: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The score head applied at every position.  # [batch, seq_len]"""
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = forward_backbone(backbone, query_response, attention_mask).last_hidden_state
-    return model.score(hidden).squeeze(-1)
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprob of each response token, its position's entropy or None) under logits / temperature, as vLLM samples;
+    `policy` is a TokenLogprobs (or the DeepSpeed engine around one). Float32 [batch, response_len] each."""
+    return policy(query_response, attention_mask, context_length, temperature, with_entropy)
 
 
 def response_values(
     value_model: nn.Module, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int
 ) -> torch.Tensor:
-    """V(s) for the state before each response token.  # [batch, response_len]"""
-    return token_scores(value_model, query_response, attention_mask)[:, context_length - 1 : -1]
+    """V(s) for the state before each response token; `value_model` is a TokenScores.  # [batch, response_len]"""
+    return value_model(query_response, attention_mask)[:, context_length - 1 : -1]
 
 
 def reward_model_scores(
@@ -171,8 +260,8 @@ def reward_model_scores(
     context_length: int,
     response_length: torch.Tensor,
 ) -> torch.Tensor:
-    """The reward model's score read at the last real response token.  # [batch]"""
-    scores = token_scores(reward_model, query_response, attention_mask)
+    """The reward model's score read at the last real response token; `reward_model` is a TokenScores.  # [batch]"""
+    scores = reward_model(query_response, attention_mask)
     last_index = context_length + response_length - 1
     return scores.gather(1, last_index.unsqueeze(1)).squeeze(1)
 

@@ -26,12 +26,13 @@ from open_instruct.learner.experience import (
     old_logprobs,
     timed,
 )
+from open_instruct.learner.models import ModelSpec
 from open_instruct.learner.saving import SavedModel
 from open_instruct.learner.single_process import OptimizerSettings, SingleProcess
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run import devices
 from open_instruct.run.args import Args, BatchSizes
-from open_instruct.run.checkpoint import NonFiniteError, assert_finite
+from open_instruct.run.checkpoint import NonFiniteError
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,16 @@ class PPOLearner:
         if self.backend.rank == 0:
             log.info(f"[learner] {self.device.type}: computing in {why}")
         self.policy_path = policy_path
-        self.policy = models.load_policy(policy_path, self.device, model_args.model_revision, trainable=True)
+        # The backend loads each model (under ZeRO-3 every rank only ever holds its share of it); each is wrapped so
+        # that one forward gives per-token outputs (models.TokenLogprobs, models.TokenScores).
+        chunk_size = args.ppo.logprob_chunk_size
+        load = self.backend.load_model
+        self.policy = models.TokenLogprobs(load(ModelSpec("policy", policy_path, model_args.model_revision)), chunk_size)
         # --beta 0 puts no KL in the reward or the loss: no reference model is loaded, and none runs.
         self.ref_policy = None
         if args.ppo.beta != 0:
-            self.ref_policy = models.load_policy(policy_path, self.device, model_args.model_revision, trainable=False)
+            reference = ModelSpec("reference policy", policy_path, model_args.model_revision, trainable=False)
+            self.ref_policy = models.TokenLogprobs(load(reference), chunk_size)
         self.reward_model = None
         if args.reward.reward_model_multiplier != 0:
             if model_args.reward_model_path is None:
@@ -82,29 +88,24 @@ class PPOLearner:
             check_same_vocab(
                 tokenizer, load_tokenizer(model_args.reward_model_path), policy_path, model_args.reward_model_path
             )
-            self.reward_model = models.load_scalar_model(
-                model_args.reward_model_path,
-                self.device,
-                trainable=False,
-                pad_token_id=tokenizer.pad_token_id,
-                revision=model_args.reward_model_revision,
-            )
+            reward = ModelSpec("reward model", model_args.reward_model_path, model_args.reward_model_revision,
+                               trainable=False, scalar_head=True, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            self.reward_model = models.TokenScores(load(reward))
         self.value_model = self.value_trainer = None
         if self.uses_value_model:
             value_path = model_args.value_model_path or model_args.reward_model_path or policy_path
-            self.value_model = models.load_scalar_model(
-                value_path, self.device, trainable=True, pad_token_id=tokenizer.pad_token_id
-            )
+            value = ModelSpec("value model", value_path, scalar_head=True, pad_token_id=tokenizer.pad_token_id)
+            self.value_model = models.TokenScores(load(value))
         self.initial_weight_norm = weight_norm(self.policy)  # the divergence guard's yardstick
         if model_args.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
+            self.policy.hf_model.gradient_checkpointing_enable()
         self.policy.train()
         self.policy_trainer = self.backend.trainable(self.policy, self.optimizer_settings(args.ppo.learning_rate))
-        # From here on forward passes go through what the backend built (a DeepSpeed engine, or the model itself).
+        # From here on forward passes go through what the backend built (a DeepSpeed engine, or the module itself).
         self.policy = self.policy_trainer.model
         if self.value_model is not None:
             if model_args.gradient_checkpointing:
-                self.value_model.gradient_checkpointing_enable()
+                self.value_model.hf_model.gradient_checkpointing_enable()
             self.value_model.train()
             value_lr = args.ppo.value_learning_rate or args.ppo.learning_rate
             self.value_trainer = self.backend.trainable(self.value_model, self.optimizer_settings(value_lr))
@@ -334,7 +335,9 @@ class PPOLearner:
                     mask = exp.response_mask[micro]
                     qr, am = exp.query_response[micro], exp.attention_mask[micro]
                     with devices.autocast(self.device, self.compute_dtype):
-                        new_logprob, logits = models.response_logprobs(self.policy, qr, am, exp.context_length, temperature)
+                        new_logprob, entropy = models.response_logprobs(
+                            self.policy, qr, am, exp.context_length, temperature, with_entropy=True
+                        )
                     if check_agreement:
                         first_logprobs.append(new_logprob.detach())
                     tis_weight = exp.tis_weight[micro] if exp.tis_weight is not None else None
@@ -360,8 +363,7 @@ class PPOLearner:
                         loss = loss + ppo.vf_coef * vf_loss.detach()  # vf_loss is logged unweighted
                         record(vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
                     finite_losses &= bool(torch.isfinite(loss))
-                    with torch.no_grad():
-                        entropy = rl.masked_mean(rl.entropy_from_logits(logits.float() / temperature), mask)
+                    entropy = rl.masked_mean(entropy, mask)  # of each position's distribution, computed beside the logprobs
                     record(
                         pg_loss=pg_loss, loss=loss, pg_clipfrac=pg_clipfrac, approxkl=approxkl, ratio=ratio,
                         entropy=entropy,
@@ -413,9 +415,9 @@ class PPOLearner:
         their original paths instead, so the KL reference stays the run's initial policy (with --beta 0 there is
         none, in the run and in its resumption: --beta must match the checkpoint's). Without a value model (GRPO)
         there is no "value_model" entry, and one optimizer and scheduler."""
-        state = {"policy": self.policy.state_dict()}
+        state = {"policy": self.backend.hf_model(self.policy).state_dict()}
         if self.value_model is not None:
-            state["value_model"] = self.value_model.state_dict()
+            state["value_model"] = self.backend.hf_model(self.value_model).state_dict()
         return {
             **state,
             "optimizers": [trainer.optimizer.state_dict() for trainer in self.trainers],
@@ -432,9 +434,9 @@ class PPOLearner:
                 f"the checkpoint holds {held} value model but this {type(self).__name__} trains {wanted} value model "
                 "(a PPO checkpoint resumed by GRPO, or the reverse); resume with the trainer that wrote it."
             )
-        self.policy.load_state_dict(state["policy"])
+        self.backend.hf_model(self.policy).load_state_dict(state["policy"])
         if self.value_model is not None:
-            self.value_model.load_state_dict(state["value_model"])
+            self.backend.hf_model(self.value_model).load_state_dict(state["value_model"])
         for trainer, optimizer_state, scheduler_state in zip(self.trainers, state["optimizers"], state["schedulers"]):
             trainer.optimizer.load_state_dict(optimizer_state)
             trainer.scheduler.load_state_dict(scheduler_state)
@@ -449,11 +451,13 @@ class PPOLearner:
                          f"(this start alone chose {devices.dtype_name(self.compute_dtype)})")  # fmt: skip
             self.compute_dtype = getattr(torch, run_dtype)
 
-    def initial_weights(self) -> dict[str, torch.Tensor]:
-        """The run's initial policy weights: the reference model's, or (--beta 0: none loaded) read again, in fp32."""
-        if self.ref_policy is not None:
-            return dict(self.ref_policy.named_parameters())
-        initial = models.load_policy(self.policy_path, torch.device("cpu"), self.args.model.model_revision, trainable=True)
+    def initial_weights(self):
+        """The run's initial policy weights by name (`.get(name)`), for the rounding report: read one tensor at a
+        time from the policy's safetensors files, or (a folder without them) loaded whole on the CPU."""
+        reader = saving.CheckpointReader.of(self.policy_path)
+        if reader is not None:
+            return reader
+        initial = models.load_policy(self.policy_path, torch.device("cpu"), self.args.model.model_revision)
         return dict(initial.named_parameters())
 
     @property
@@ -461,23 +465,20 @@ class PPOLearner:
         return (self.policy_trainer,) if self.value_trainer is None else (self.policy_trainer, self.value_trainer)
 
     def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel | None:
-        """Save the policy as an HF folder in `--save_dtype` (default fp32: exactly the trained weights).
-
-        Rank 0 writes the full policy (gathered under ZeRO-3); other ranks only help gather and return None.
-        Non-finite weights are never written.
-        """
+        """Save the policy as an HF folder in `--save_dtype` (default fp32: exactly the trained master weights), in
+        safetensors shards written one at a time. Rank 0 writes and returns what it wrote; the other ranks take part
+        in gathering the weights (a collective per tensor under ZeRO) and return None. Non-finite weights are never
+        written; a save in lower precision reports how much of the update its rounding removed."""
         dtype = getattr(torch, self.args.run.save_dtype)
-        with self.backend.full_model(self.policy) as policy:
-            if policy is None:
-                return None
-            assert_finite(policy.state_dict(), "the policy")
-            state_dict = saving.state_dict_for_saving(policy, dtype)
-            path = saving.save_hf_folder(policy, self.tokenizer, output_dir, state_dict, extra_files)
-            rounding = None
-            # Measured against the initial policy, which the reference model holds whole in one process only.
-            if dtype.itemsize < 4 and self.backend.world_size == 1:
-                rounding = saving.rounding_report(dict(policy.named_parameters()), self.initial_weights(), dtype)
-            return SavedModel(path, self.args.run.save_dtype, saving.weights_sha256(state_dict), rounding)
+        weights = self.backend.iter_master_weights(self.policy)
+        if self.backend.rank != 0:
+            for _ in weights:
+                pass
+            return None
+        initial = self.initial_weights() if dtype.itemsize < 4 else None
+        return saving.save_hf_folder(
+            self.backend.hf_model(self.policy), self.tokenizer, output_dir, weights, dtype, extra_files, initial
+        )
 
 
 def weight_norm(model) -> float | None:

@@ -69,7 +69,7 @@ class LearnerRank:
             args.dist.deepspeed_stage,
             args.ppo.per_device_train_batch_size,
             args.dist.gather_whole_model,
-            args.model.learner_compute_dtype,
+            deepspeed_backend.weights_dtype(args.dist.deepspeed_weights_dtype, args.model.learner_compute_dtype),
         )
         torch.manual_seed(args.run.seed)  # PPO's value head init, identical on every rank and in one process
         tokenizer = load_tokenizer(policy_path, args.model.model_revision)

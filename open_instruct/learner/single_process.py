@@ -17,7 +17,6 @@ This module imports neither torch.distributed nor deepspeed: the single-process 
 """
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from transformers import (
     get_scheduler,
 )
 
+from open_instruct.learner import models, saving
 from open_instruct.run import devices
 
 
@@ -97,11 +97,18 @@ class SingleProcess:
         self.device = devices.learner_device()
         self.snapshots = WeightSnapshots(self.SNAPSHOT_SLOTS)
 
+    def load_model(self, spec: models.ModelSpec) -> nn.Module:
+        return models.load_model(spec, self.device)
+
     def trainable(self, model: nn.Module, settings: OptimizerSettings) -> AdamWTrainer:
         return AdamWTrainer(model, settings)
 
     def frozen(self, model: nn.Module) -> nn.Module:
         return model
+
+    def hf_model(self, model: nn.Module) -> nn.Module:
+        """The Hugging Face model inside what `trainable`/`frozen` returned (its names are the checkpoint's)."""
+        return models.hf_model_of(model)
 
     def local_rows(self, num_rows: int) -> slice:
         return slice(0, num_rows)
@@ -118,19 +125,21 @@ class SingleProcess:
         """A copy for the engine; on CPUs into reused buffer `slot` when given (WeightSnapshots says why; GPUs
         reuse memory through the CUDA caching allocator already)."""
         if slot is None or self.device.type != "cpu" or slot >= self.SNAPSHOT_SLOTS:
-            return named_weights_for_engine(model, dtype)
-        return self.snapshots.take(model, dtype, slot)
+            return named_weights_for_engine(self.hf_model(model), dtype)
+        return self.snapshots.take(self.hf_model(model), dtype, slot)
 
     def iter_named_weights(self, model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in model.named_parameters():
+        for name, param in self.hf_model(model).named_parameters():
             yield name, param.detach().to(dtype=dtype)  # copied into a broadcast bucket at once
 
     def weight_shapes(self, model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-        return [(name, tuple(param.shape)) for name, param in model.named_parameters()]
+        return [(name, tuple(param.shape)) for name, param in self.hf_model(model).named_parameters()]
 
-    @contextmanager
-    def full_model(self, model: nn.Module):
-        yield model
+    def iter_master_weights(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The trained weights with the checkpoint's names (each shared tensor once), one at a time: here the model's
+        own fp32 parameters."""
+        for name, tensor in saving.unique_state_items(self.hf_model(model)):
+            yield name, tensor.detach()
 
 
 def named_weights_for_engine(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:

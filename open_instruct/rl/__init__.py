@@ -5,6 +5,15 @@ May import: torch and math_verify only; nothing else of open_instruct. Every fun
 The pure math is re-exported here, so that the learner reads `rl.compute_gae(...)`, `rl.policy_loss(...)`.
 """
 
+from open_instruct.rl.advantages import KL_ESTIMATORS, compute_gae, compute_kl, group_advantages, per_token_rewards  # noqa: F401, I001
+from open_instruct.rl.logprobs import (  # noqa: F401
+    entropy_from_logits,
+    logprob_agreement,
+    logprobs_and_entropy,
+    logprobs_from_logits,
+    projected_logprobs,
+)
+from open_instruct.rl.losses import kl_penalty_loss, policy_loss, truncated_importance_weight, value_loss  # noqa: F401
 from open_instruct.rl.masked import (  # noqa: F401
     LOSS_AGGREGATIONS,
     first_true_indices,
@@ -15,6 +24,3 @@ from open_instruct.rl.masked import (  # noqa: F401
     response_mask_from_lengths,
     truncate_response,
 )
-from open_instruct.rl.advantages import KL_ESTIMATORS, compute_gae, compute_kl, group_advantages, per_token_rewards  # noqa: F401, I001
-from open_instruct.rl.losses import kl_penalty_loss, policy_loss, truncated_importance_weight, value_loss  # noqa: F401
-from open_instruct.rl.logprobs import entropy_from_logits, logprob_agreement, logprobs_from_logits  # noqa: F401

@@ -110,6 +110,12 @@ class PPOArgs:
         "GRPO: divide each group's centred scores by the group's std (GRPO). false: only subtract the group's mean "
         "score (Dr. GRPO), so prompts whose answers are almost all right or all wrong are not weighed up.",
     )
+    logprob_chunk_size: int = arg(
+        1024,
+        "Response positions whose logits are computed at a time, in the learner's logprob and entropy passes (the "
+        "backward pass computes them again): the largest tensor is [chunk, vocab] instead of [micro-batch, response "
+        "length, vocab] in fp32 (1 GiB per row at a 128k vocabulary and 2k tokens). 0: all at once.",
+    )
 
 
 @dataclass
@@ -215,6 +221,13 @@ class DistributedArgs:
     gather_whole_model: bool = arg(
         False, "Under ZeRO-3, gather the whole policy at once for a weight sync (faster, more memory) "
         "instead of one parameter at a time."
+    )
+    deepspeed_weights_dtype: str = arg(
+        "auto",
+        "dtype of the weights the DeepSpeed learner ranks compute with at ZeRO-2/3; the optimizer keeps fp32 master "
+        "weights and fp32 gradient sums either way, and the saved model is the fp32 masters. auto: bfloat16 on GPUs "
+        "when the learner computes in bf16 (--learner_compute_dtype), else float32 (CPUs).",
+        choices=["auto", "bfloat16", "float32"],
     )
     learner_timeout_s: float = arg(1800.0, "Longest wait on a call to the learner ranks before failing with a message.")
     vllm_num_engines: int = arg(

@@ -115,6 +115,7 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("vllm_sync_bucket_mb", args.dist.vllm_sync_bucket_mb, POSITIVE),
         ("vllm_sync_timeout_s", args.dist.vllm_sync_timeout_s, POSITIVE),
         ("learner_timeout_s", args.dist.learner_timeout_s, POSITIVE),
+        ("logprob_chunk_size", args.ppo.logprob_chunk_size, (lambda v: v >= 0, "an integer >= 0 (0: all positions at once)")),
     ]  # fmt: skip
 
 
@@ -153,6 +154,7 @@ def validate_flags(args: Args) -> None:
     if args.run.resume is not None and args.run.overwrite_output_dir:
         raise ConfigError("--resume continues the run in --output_dir and --overwrite_output_dir deletes it; pick one.")
     validate_engine_flags(args.dist)
+    validate_deepspeed_flags(args.dist)
     if args.dist.uses_ray and (args.run.save_freq > 0 or args.run.resume is not None):
         raise ConfigError(
             "resumable checkpoints (--save_freq, --resume) are not supported with Ray learners yet "
@@ -186,6 +188,19 @@ def validate_grpo_flags(args: Args) -> None:
         raise ConfigError(
             f"{', '.join(set_flags)} configure PPO's value model and per-token rewards, which GRPO does not use; drop "
             "them, or run PPO."
+        )
+
+
+def validate_deepspeed_flags(dist) -> None:
+    if dist.deepspeed_weights_dtype == "bfloat16" and dist.deepspeed_stage == 0:
+        raise ConfigError(
+            "--deepspeed_weights_dtype bfloat16 needs ZeRO stage 2 or 3 (DeepSpeed cannot sum a bf16 engine's "
+            "gradients in fp32 at stage 0); pass --deepspeed_stage 2 or 3, or --deepspeed_weights_dtype float32."
+        )
+    if dist.deepspeed_weights_dtype != "auto" and not dist.uses_ray:
+        raise ConfigError(
+            "--deepspeed_weights_dtype applies to DeepSpeed learner ranks; pass --deepspeed_stage 2 or 3 (or more "
+            "than one learner), or drop it: the single-process learner keeps fp32 weights."
         )
 
 

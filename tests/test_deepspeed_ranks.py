@@ -1,0 +1,175 @@
+"""DeepSpeed learner ranks without Ray: two real ranks spawned here, joined over gloo on 127.0.0.1, tiny model.
+
+- ZeRO-3 loading: every rank holds only its share of each model (the value model's new head included), and the
+  shares put together are exactly the whole load of the single process.
+- What is saved under DeepSpeed's bf16 weights (--deepspeed_weights_dtype bfloat16, the GPU default; this CPU runs
+  the same DeepSpeed code path in bf16): the folder holds the optimizer's fp32 master weights, not the bf16 copies
+  the engines compute with; and the engines sum gradients in fp32.
+- ZeRO-3 traces and prefetches the value model: its forward is one module's (models.TokenScores), so the parameter
+  coordinator's trace completes after a step.
+
+Several processes talk over TCP, so these tests run only inside the loopback-only network namespace that
+scripts/test.sh makes (OPEN_INSTRUCT_LOOPBACK_ONLY=1); elsewhere they skip with that reason.
+"""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout, needs_loopback_namespace, one_ppo_step
+
+pytestmark = needs_loopback_namespace
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_two_ranks(fn, *args) -> dict:
+    """fn(rank, port, results, *args) on 2 spawned ranks; returns what each rank put in `results`."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(fn, args=(free_port(), results, *args), nprocs=2, join=True)
+        return dict(results)
+
+
+def learner_on_rank(rank: int, port: int, model_dir: str, stage: int, *flags: str):
+    """A PPOLearner on this spawned rank's DeepSpeed backend, as LearnerRank.setup builds it (without Ray)."""
+    from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
+    from open_instruct.learner import deepspeed_backend
+    from open_instruct.learner.ppo import PPOLearner
+    from open_instruct.run.args import compute_batch_sizes, parse_args
+
+    deepspeed_backend.init_process_group(rank, 2, "127.0.0.1", port, 120)
+    args = parse_args(["--model_name_or_path", model_dir, *EQUIVALENCE_FLAGS, "--num_learners_per_node", "1", "1",
+                       "--deepspeed_stage", str(stage), *flags])  # fmt: skip
+    backend = deepspeed_backend.DeepSpeedBackend(
+        stage, args.ppo.per_device_train_batch_size, False,
+        deepspeed_backend.weights_dtype(args.dist.deepspeed_weights_dtype, args.model.learner_compute_dtype),
+    )  # fmt: skip
+    torch.manual_seed(args.run.seed)
+    tokenizer = load_tokenizer(model_dir)
+    return PPOLearner(args, compute_batch_sizes(args), tokenizer, model_dir, stop_token_ids_for(tokenizer, "eos"),
+                      backend=backend), tokenizer  # fmt: skip
+
+
+# ---- ZeRO-3 loading -------------------------------------------------------------------------------------------------
+
+
+def load_shares(rank: int, port: int, results, model_dir: str) -> None:
+    import deepspeed
+
+    learner, _ = learner_on_rank(rank, port, model_dir, 3, "--beta", "0.05")
+    shares, gathered = {}, {}
+    for role, model in (("policy", learner.policy), ("value", learner.value_model), ("reference", learner.ref_policy)):
+        hf_model = learner.backend.hf_model(model)
+        for name, param in hf_model.named_parameters():
+            shares[f"{role}:{name}"] = (param.ds_tensor.numel(), param.ds_numel, param.numel())
+            with deepspeed.zero.GatheredParameters([param]):
+                gathered[f"{role}:{name}"] = param.detach().clone().float()
+    results[rank] = (shares, gathered if rank == 0 else None)
+
+
+def test_zero3_ranks_hold_their_shares_and_together_the_single_process_models(tiny_model_dir):
+    from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
+    from open_instruct.learner.ppo import PPOLearner
+    from open_instruct.run.args import compute_batch_sizes, parse_args
+
+    results = run_two_ranks(load_shares, tiny_model_dir)
+    for rank in range(2):
+        for name, (local, full, visible) in results[rank][0].items():
+            assert local == -(-full // 2), f"rank {rank} holds {local} of {name}'s {full} elements, not half"
+            assert visible == 0, f"{name} is also whole on rank {rank}"
+    args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, "--beta", "0.05"])
+    torch.manual_seed(args.run.seed)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    single = PPOLearner(args, compute_batch_sizes(args), tokenizer, tiny_model_dir, stop_token_ids_for(tokenizer, "eos"))
+    expected = {}
+    for role, model in (("policy", single.policy), ("value", single.value_model), ("reference", single.ref_policy)):
+        for name, param in single.backend.hf_model(model).named_parameters():
+            expected[f"{role}:{name}"] = param.detach().float()
+    gathered = results[0][1]
+    assert gathered.keys() == expected.keys()
+    for name, tensor in expected.items():  # the value model's new score head included: PPO's init, the run's seed
+        assert torch.equal(gathered[name], tensor), f"{name} differs from the single process's load"
+
+
+# ---- bf16 weights: the fp32 masters are saved, gradients sum in fp32 -------------------------------------------------
+
+
+def bf16_step_and_save(rank: int, port: int, results, model_dir: str, stage: int, output_dir: str) -> None:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from open_instruct.rl.rewards import RewardManager
+
+    learner, tokenizer = learner_on_rank(rank, port, model_dir, stage, "--deepspeed_weights_dtype", "bfloat16")
+    prompts, completions = fixed_rollout(tokenizer)
+    one_ppo_step(learner, prompts, completions, RewardManager(learner.args.reward))
+    data_types = {name: [str(t) for t in trainer.engine.get_data_types()]
+                  for name, trainer in (("policy", learner.policy_trainer), ("value", learner.value_trainer))}  # fmt: skip
+    masters, copies = {}, {}
+    import deepspeed
+
+    for name, param in learner.backend.hf_model(learner.policy).named_parameters():
+        masters[name] = safe_get_full_fp32_param(param).detach().cpu().clone()  # a collective: every rank calls it
+        with deepspeed.zero.GatheredParameters([param], enabled=stage == 3):
+            copies[name] = param.detach().cpu().clone()
+    saved = learner.save(output_dir)
+    results[rank] = (data_types, masters if rank == 0 else None, copies if rank == 0 else None, saved)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_ranks_save_their_fp32_masters_and_sum_gradients_in_fp32(stage, tiny_model_dir, tmp_path):
+    from open_instruct.learner.saving import read_saved_weights, weights_sha256
+
+    output_dir = str(tmp_path / "model")
+    results = run_two_ranks(bf16_step_and_save, tiny_model_dir, stage, output_dir)
+    for rank in range(2):
+        assert results[rank][0] == {name: ["torch.bfloat16", "torch.float32"] for name in ("policy", "value")}
+    _, masters, copies, saved = results[0]
+    assert results[1][3] is None and saved.dtype == "float32"
+    on_disk = read_saved_weights(output_dir)
+    assert weights_sha256(on_disk) == saved.weights_sha256
+    finer_than_bf16 = 0
+    for name, copy in copies.items():
+        if name not in on_disk:  # a tied head is stored once, under the embedding's name
+            continue
+        assert copy.dtype == torch.bfloat16 and on_disk[name].dtype == torch.float32
+        assert torch.equal(on_disk[name], masters[name]), f"{name}: the saved weights are not the fp32 masters"
+        assert torch.equal(on_disk[name].to(torch.bfloat16), copy), f"{name}: the masters do not round to the copies"
+        finer_than_bf16 += int((on_disk[name] != copy.float()).sum())
+    # The step moved the masters by amounts bf16 cannot hold: a save of the bf16 copies would have lost them.
+    assert finer_than_bf16 > 1000, finer_than_bf16
+
+
+# ---- ZeRO-3 traces the value model -----------------------------------------------------------------------------------
+
+
+def trace_after_steps(rank: int, port: int, results, model_dir: str) -> None:
+    from open_instruct.rl.rewards import RewardManager
+
+    # Chunks of 7 positions: the policy's backward projects each chunk again (activation checkpointing) under ZeRO-3.
+    learner, tokenizer = learner_on_rank(rank, port, model_dir, 3, "--beta", "0.05", "--num_epochs", "1",
+                                         "--logprob_chunk_size", "7")  # fmt: skip
+    prompts, completions = fixed_rollout(tokenizer)
+    states = []
+    for _ in range(2):
+        one_ppo_step(learner, prompts, completions, RewardManager(learner.args.reward))
+        states.append({
+            "policy (training)": learner.policy_trainer.engine.optimizer.parameter_offload.get_param_coordinator(),
+            "value (training)": learner.value_trainer.engine.optimizer.parameter_offload.get_param_coordinator(),
+            "reference (inference)": learner.ref_policy.optimizer.get_param_coordinator(),
+        })  # fmt: skip
+        states[-1] = {name: coordinator.is_complete_trace() for name, coordinator in states[-1].items()}
+    results[rank] = states
+
+
+def test_zero3_traces_the_value_model_and_the_reference_so_it_can_prefetch(tiny_model_dir):
+    results = run_two_ranks(trace_after_steps, tiny_model_dir)
+    for rank in range(2):
+        assert results[rank][-1] == {"policy (training)": True, "value (training)": True,
+                                     "reference (inference)": True}, results[rank]  # fmt: skip
