@@ -127,16 +127,16 @@ def test_one_grpo_pass_takes_the_loss_of_the_group_advantages_and_moves_only_the
         assert abs(expected) > 1e-2
     else:  # each response weighs the same: every group's advantages sum to 0
         expected = 0.0
-    before = {name: p.detach().clone() for name, p in learner.policy.named_parameters()}
-    reference = {name: p.detach().clone() for name, p in learner.ref_policy.named_parameters()}
+    before = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
+    reference = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.ref_policy).named_parameters()}
 
     metrics = learner.train(exp)
     assert metrics["loss/policy_avg"] == pytest.approx(expected, abs=1e-5)
     assert metrics["objective/loss"] == pytest.approx(expected, abs=1e-5)
     assert not {"loss/value_avg", "val/clipfrac_avg"} & set(metrics)
-    moved = [name for name, p in learner.policy.named_parameters() if not torch.equal(p, before[name])]
+    moved = [name for name, p in learner.backend.hf_model(learner.policy).named_parameters() if not torch.equal(p, before[name])]
     assert len(moved) == len(before), "one step must change every policy weight"
-    assert all(torch.equal(p, reference[name]) for name, p in learner.ref_policy.named_parameters())
+    assert all(torch.equal(p, reference[name]) for name, p in learner.backend.hf_model(learner.ref_policy).named_parameters())
 
 
 def test_grpo_checkpoint_holds_no_value_model_and_resumes_only_into_grpo(tiny_model_dir, rollout, tmp_path):
@@ -152,7 +152,7 @@ def test_grpo_checkpoint_holds_no_value_model_and_resumes_only_into_grpo(tiny_mo
 
     resumed, _ = build_grpo_learner(tiny_model_dir, "--beta", "0")
     resumed.load_state_dict(saved)
-    for (name, param), (_, expected) in zip(resumed.policy.named_parameters(), learner.policy.named_parameters()):
+    for (name, param), (_, expected) in zip(resumed.backend.hf_model(resumed.policy).named_parameters(), learner.backend.hf_model(learner.policy).named_parameters()):
         assert torch.equal(param, expected), name
     assert resumed.policy_trainer.optimizer.state_dict()["state"].keys() == state["optimizers"][0]["state"].keys()
     ppo, _ = build_grpo_learner(tiny_model_dir, "--beta", "0", cls=PPOLearner)

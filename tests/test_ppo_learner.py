@@ -126,7 +126,7 @@ def test_vllm_old_logprobs_equal_to_the_learners_give_the_same_ppo_step(tiny_mod
     assert metrics["debug/vllm_vs_learner_ratio_min"] == pytest.approx(1.0, abs=1e-5)
     for key in ("loss/policy_avg", "loss/value_avg", "policy/approxkl_avg", "val/ratio"):
         assert metrics[key] == pytest.approx(reference_metrics[key], rel=1e-4, abs=1e-6), key
-    for (name, param), (_, expected) in zip(learner.policy.named_parameters(), reference.policy.named_parameters()):
+    for (name, param), (_, expected) in zip(learner.backend.hf_model(learner.policy).named_parameters(), reference.backend.hf_model(reference.policy).named_parameters()):
         torch.testing.assert_close(param, expected, atol=1e-5, rtol=1e-5, msg=name)
 
 
@@ -136,23 +136,24 @@ def test_vllm_old_logprobs_far_from_the_learners_stop_before_any_update(tiny_mod
     exp, _, _ = learner.make_experience(
         prompts, with_engine_logprobs(completions, fabricated_logprobs(completions)), reward_manager
     )
-    before = {name: p.detach().clone() for name, p in learner.policy.named_parameters()}
+    before = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
     with pytest.raises(RuntimeError, match=r"This rollout \(first minibatch\): vLLM and the learner disagree"):
         learner.train(exp)
-    for name, param in learner.policy.named_parameters():
+    for name, param in learner.backend.hf_model(learner.policy).named_parameters():
         assert torch.equal(param, before[name]), f"{name} was updated before the check"
 
 
 def test_beta_0_loads_and_runs_no_reference_model(tiny_model_dir, rollout, monkeypatch, tmp_path):
     prompts, completions = rollout
-    loaded = []  # the `trainable` flag of each model load_policy builds: the reference is the frozen one
-    real_load = models.load_policy
+    loaded = []  # the `trainable` flag of each causal LM the learner loads: the reference is the frozen one
+    real_load = models.load_model
 
-    def logged_load(*args, **kwargs):
-        loaded.append(kwargs.get("trainable"))
-        return real_load(*args, **kwargs)
+    def logged_load(spec, device):
+        if not spec.scalar_head:
+            loaded.append(spec.trainable)
+        return real_load(spec, device)
 
-    monkeypatch.setattr(models, "load_policy", logged_load)
+    monkeypatch.setattr(models, "load_model", logged_load)
     with_kl, reward_manager = build_learner(tiny_model_dir)
     assert loaded == [True, False] and with_kl.ref_policy is not None  # the default builds a reference
 
@@ -171,9 +172,9 @@ def test_beta_0_loads_and_runs_no_reference_model(tiny_model_dir, rollout, monke
     # Checkpoints hold no reference model: a fresh --beta 0 learner resumes from the state.
     resumed, _ = build_learner(tiny_model_dir, "--beta", "0")
     resumed.load_state_dict(learner.state_dict())
-    for (name, param), (_, expected) in zip(resumed.policy.named_parameters(), learner.policy.named_parameters()):
+    for (name, param), (_, expected) in zip(resumed.backend.hf_model(resumed.policy).named_parameters(), learner.backend.hf_model(learner.policy).named_parameters()):
         assert torch.equal(param, expected), name
-    # A bf16 save still measures what rounding removed, against the initial weights read again.
+    # A bf16 save still measures what rounding removed, against the initial weights read again from the model's files.
     saved = learner.save(str(tmp_path / "model"))
     assert saved.rounding is not None and saved.rounding["changed"] > 0
 
@@ -222,10 +223,10 @@ def test_bf16_compute_on_cpu_trains_fp32_master_weights_close_to_fp32_compute(ti
     for dtype in ("float32", "bfloat16"):
         learner, reward_manager = build_learner(tiny_model_dir, "--learner_compute_dtype", dtype)
         assert learner.compute_dtype == getattr(torch, dtype)
-        initial = {name: p.detach().clone() for name, p in learner.policy.named_parameters()}
+        initial = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
         exp, metrics, _ = learner.make_experience(prompts, completions, reward_manager)
         learner.train(exp)
-        assert all(p.dtype == torch.float32 for p in learner.policy.parameters())
+        assert all(p.dtype == torch.float32 for p in learner.backend.hf_model(learner.policy).parameters())
         saved = learner.save(str(tmp_path / dtype))
         assert saved.dtype == "float32"
         reloaded = models.load_policy(saved.path, torch.device("cpu"), trainable=True)
@@ -241,3 +242,42 @@ def test_bf16_compute_on_cpu_trains_fp32_master_weights_close_to_fp32_compute(ti
     flat16 = torch.cat([bf16_update[name].reshape(-1) for name in fp32_update])
     assert flat16.abs().max() > 0
     assert torch.nn.functional.cosine_similarity(flat32, flat16, dim=0) > 0.5
+
+
+@pytest.mark.parametrize("chunk_size", [0, 5])
+def test_a_learner_step_holds_no_more_vocabulary_logits_than_a_chunk(tiny_model_dir, rollout, chunk_size):
+    """Watched op by op (TorchDispatchMode): with --logprob_chunk_size C no fp32 [..., vocab] tensor of more than C
+    positions is created in make_experience or train (the logprob and entropy passes and their backward); with 0 the
+    whole micro-batch's logits exist, which shows the watch sees them."""
+    from tests.test_rl_math import LargestVocabTensor
+
+    prompts, completions = rollout
+    learner, reward_manager = build_learner(tiny_model_dir, "--logprob_chunk_size", str(chunk_size))
+    vocab = learner.backend.hf_model(learner.policy).config.vocab_size
+    with LargestVocabTensor(vocab) as watch:
+        exp, _, _ = learner.make_experience(prompts, completions, reward_manager)
+        metrics = learner.train(exp)
+    micro_positions = learner.args.ppo.per_device_train_batch_size * exp.response_mask.shape[1]
+    if chunk_size:
+        assert 0 < watch.most_positions <= chunk_size < micro_positions
+    else:
+        assert watch.most_positions >= micro_positions
+    assert math.isfinite(metrics["policy/entropy_avg"]) and metrics["policy/entropy_avg"] > 0
+
+
+def test_chunked_and_whole_logprobs_give_the_same_learner_step(tiny_model_dir, rollout):
+    """The same PPO step (metrics to 1e-6, weights to 1e-6) whether the vocabulary projection is whole or chunked."""
+    prompts, completions = rollout
+    steps = {}
+    for chunk_size in (0, 3):
+        learner, reward_manager = build_learner(tiny_model_dir, "--logprob_chunk_size", str(chunk_size))
+        exp, metrics, _ = learner.make_experience(prompts, completions, reward_manager)
+        metrics.update(learner.train(exp))
+        weights = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
+        steps[chunk_size] = (metrics, weights)
+    (whole, whole_weights), (chunked, chunked_weights) = steps[0], steps[3]
+    for key, value in whole.items():
+        if not key.startswith("time/"):
+            assert chunked[key] == pytest.approx(value, abs=1e-6), key
+    for name, weight in whole_weights.items():
+        torch.testing.assert_close(chunked_weights[name], weight, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")

@@ -175,9 +175,9 @@ def single_process_ppo_step(tiny_model_dir, completions: list[Completion] | None
     prompts, fixed_completions = fixed_rollout(tokenizer)
     torch.manual_seed(args.run.seed)
     learner = PPOLearner(args, compute_batch_sizes(args), tokenizer, tiny_model_dir, stop_token_ids_for(tokenizer, "eos"))
-    initial = {name: p.detach().clone() for name, p in learner.policy.named_parameters()}
+    initial = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
     metrics = one_ppo_step(learner, prompts, completions or fixed_completions, RewardManager(args.reward))
-    params = {name: p.detach().clone() for name, p in learner.policy.named_parameters()}
+    params = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
     return initial, params, metrics
 
 

@@ -299,7 +299,7 @@ def nan_on_first_call(monkeypatch) -> None:
 
 
 def policy_weights(learner) -> dict[str, torch.Tensor]:
-    return {name: param.detach().clone() for name, param in learner.policy.named_parameters()}
+    return {name: param.detach().clone() for name, param in learner.backend.hf_model(learner.policy).named_parameters()}
 
 
 def test_a_nan_loss_leaves_the_weights_untouched(learner_and_batch, monkeypatch):

@@ -558,6 +558,8 @@ class LargestVocabTensor(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view allocates nothing (e.g. the head's weight transposed)
+            return out
         for tensor in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.dim() >= 2:
                 if tensor.shape[-1] == self.vocab:

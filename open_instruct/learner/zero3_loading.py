@@ -76,6 +76,9 @@ def load_partitioned(spec: ModelSpec, ds_config: dict, dtype: torch.dtype) -> nn
     files = checkpoint_files(spec.path, spec.role)
     with deepspeed.zero.Init(config_dict_or_path=ds_config), no_init_weights():
         model = spec.auto_class.from_config(config, dtype=dtype)
+    # Built this way the output embedding is not yet tied to the input one (measured with transformers 5.19): tie
+    # them now, or a tied LM head would stay at the uninitialised memory no checkpoint tensor fills.
+    model.tie_weights()
     rank, prefix = dist.get_rank(), model.base_model_prefix
     head_is_new, missing = spec.head_is_new(config), []
     for name, param in model.named_parameters():

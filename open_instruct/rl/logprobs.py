@@ -63,7 +63,7 @@ def projected_logprobs(
 
     The positions are flattened and projected a chunk at a time; each chunk's logits exist only while its logprobs are
     computed, and the backward pass projects the chunk again (activation checkpointing), so the largest tensor is
-    [chunk_size, vocab] instead of [batch, seq, vocab]. The numbers are `logprobs_and_entropy`'s on the whole logits
+    [chunk_size, vocab] instead of [batch, seq, vocab]. When all positions fit in one chunk nothing is recomputed. The numbers are `logprobs_and_entropy`'s on the whole logits
     (the same operations on the same positions; tests/test_rl_math.py checks 1e-6 in fp32).
     """
     if chunk_size < 1:
@@ -79,9 +79,11 @@ def projected_logprobs(
         return logprob, entropy
 
     logprob_chunks, entropy_chunks = [], []
+    # One chunk holds no more than the bound: keep its logits for backward instead of projecting it again.
+    recompute = torch.is_grad_enabled() and flat_hidden.requires_grad and batch * seq > chunk_size
     for start in range(0, batch * seq, chunk_size):
         chunk = (flat_hidden[start : start + chunk_size], flat_labels[start : start + chunk_size])
-        if torch.is_grad_enabled() and chunk[0].requires_grad:  # the backward pass projects the chunk again
+        if recompute:  # the backward pass projects the chunk again
             logprob, entropy = torch.utils.checkpoint.checkpoint(chunk_logprobs, *chunk, use_reentrant=False)
         else:
             logprob, entropy = chunk_logprobs(*chunk)
