@@ -96,6 +96,24 @@ def test_zero3_bf16_weights_keep_fp32_masters_and_gradients():
     assert items["reference policy weights (bf16, 1/2)"] == (MILLION, MILLION)  # inference dtype on GPUs
 
 
+def test_zero0_at_two_ranks_divides_nothing():
+    items = items_of(*TWO_RANKS, "--deepspeed_stage", "0")
+    assert items["policy weights (fp32)"] == (4 * MILLION, 4 * MILLION)  # every rank holds the whole model
+    assert items["policy gradients (fp32)"] == (0, 4 * MILLION)
+    assert items["policy AdamW moments (fp32)"] == (0, 8 * MILLION)
+    assert items["reference policy weights (fp32)"] == (4 * MILLION, 4 * MILLION)
+    assert not any("master" in name or "1/2" in name for name in items)
+
+
+def test_zero2_fills_one_reduce_bucket_at_a_time():
+    # Policy and value model train one after the other: one model's bucket is in the forward + backward phase.
+    args = parse_args(["--model_name_or_path", "tiny", *TWO_RANKS, "--deepspeed_stage", "2"])
+    shapes = [one_million_parameter_shape("policy", True), one_million_parameter_shape("value model", True, False)]
+    plan = plan_memory(args, shapes, "cpu")
+    buckets = [item for item in plan.items if "reduce bucket" in item.name]
+    assert [(item.when, item.steady) for item in buckets] == [("fwd/bwd", 4 * MILLION + 4 * 100_000)]  # + a param
+
+
 def test_one_process_holds_everything_whole():
     items = items_of()
     assert items["policy weights (fp32)"] == (4 * MILLION, 4 * MILLION)
@@ -238,12 +256,18 @@ def test_cli_plans_the_8b_recipe_offline_from_the_shipped_configs():
     assert "value model: 7,504,961,536 parameters, config from configs/model_configs/allenai/Llama-3.1-Tulu-3-8B-RM" in out
     assert "gpu: 80.0 GB; peak" in out and "GB to spare" in out
     assert "each engine GPU (4 engine(s) x 2 GPU(s))" in out
+    # The recipe's header states this plan: it must change when the plan does.
+    at_load, steady = re.search(r"  total +peak +([\d.]+) GB +([\d.]+) GB", out).groups()
+    spare = re.search(r"\(\d+%\): ([\d.]+) GB to spare", out).group(1)
+    header = RECIPE_8B.read_text().split("\nmodel_name_or_path")[0]
+    assert f"at load {at_load} GB" in header and f"steady state {steady} GB" in header, (at_load, steady)
+    assert f"{spare} GB (" in header and "to spare" in header, spare
 
 
 def test_cli_refuses_the_8b_recipe_without_gradient_checkpointing():
     process = run_cli(str(RECIPE_8B), "--gradient_checkpointing", "false")
     assert process.returncode == 2
     last = process.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: a learner rank needs") and "an 80 GB GPU" in last, last
+    assert last.startswith("error: a learner rank needs") and "--device_memory_gb 80 has 80.0 GB" in last, last
     assert "the biggest item is activations: policy, 2 x 4096 tokens (" in last
     assert "GB): --gradient_checkpointing true" in last

@@ -222,15 +222,28 @@ def trainable_items(shape: ModelShape, layout: Layout) -> list[Item]:
         Item(f"{role} gradients (fp32{shard})", 4 * p / n if stage == 3 else 0, 4 * p / n, HELD, more_ranks),
         Item(f"{role} AdamW moments (fp32{shard})", 0, 8 * p / n, HELD, more_ranks),
     ]
+    if stage == 3:  # ZeRO-3 allocates its reduce bucket with the engine (ZeRO-2: `reduce_bucket_item`)
+        bucket = reduce_bucket_bytes(shape, layout)
+        items.append(Item(f"{role} gradient reduce bucket", bucket, bucket, HELD,
+                          "a smaller reduce_bucket_size in configs/ds_configs"))  # fmt: skip
+    return items
+
+
+def reduce_bucket_bytes(shape: ModelShape, layout: Layout) -> float:
     bucket_elements = layout.ds["reduce_bucket_size"]
     if layout.device == "cpu":  # only what gradients fill of it is resident, never more than the model
-        bucket_elements = min(bucket_elements, p)
-    bucket = w * bucket_elements
-    # ZeRO-3 allocates its reduce bucket with the engine; ZeRO-2 for each backward (plus a parameter's own gradient).
-    items.append(Item(f"{role} gradient reduce bucket", bucket if stage == 3 else 0,
-                      bucket + (0 if stage == 3 else w * shape.largest_param), HELD if stage == 3 else TRAINING,
-                      "a smaller reduce_bucket_size in configs/ds_configs"))  # fmt: skip
-    return items
+        bucket_elements = min(bucket_elements, shape.num_params)
+    return layout.weight_bytes * bucket_elements
+
+
+def reduce_bucket_item(shape: ModelShape, layout: Layout) -> list[Item]:
+    """ZeRO-2 fills its reduce bucket (plus one parameter's own gradient) during each backward of the model, and
+    frees it after: part of that model's forward + backward, never of two models at once."""
+    if layout.stage != 2:
+        return []
+    bucket = reduce_bucket_bytes(shape, layout) + layout.weight_bytes * shape.largest_param
+    return [Item(f"{shape.role} gradient reduce bucket", 0, bucket, TRAINING,
+                 "a smaller reduce_bucket_size in configs/ds_configs")]  # fmt: skip
 
 
 def step_temporaries(shape: ModelShape, layout: Layout) -> float:
@@ -274,7 +287,7 @@ def phase_items(shapes: list[ModelShape], layout: Layout) -> list[Item]:
             if layout.stage == 3:
                 size = gathered_bytes(shape, layout, layout.weight_bytes, inference=False)
                 pass_items.append(Item(f"ZeRO-3 gathered parameters ({shape.role})", 0, size, TRAINING, zero3_fix))
-            training.append(pass_items)
+            training.append(pass_items + reduce_bucket_item(shape, layout))
         # Every model runs forward over the rollout without gradients, a micro-batch at a time.
         no_grad = [Item(f"forward without gradients ({shape.role})", 0,
                         layout.micro_batch * layout.seq_len * layer_bytes_per_token(shape, layout.regime, layout.seq_len),
