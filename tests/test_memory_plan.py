@@ -193,8 +193,9 @@ def test_checkpointed_layers_keep_only_their_input(regime, residual_bytes):
 
 
 def test_a_run_that_cannot_fit_is_refused_naming_the_biggest_item_and_its_flag():
-    args = parse_args(["--model_name_or_path", "tiny", "--logprob_chunk_size", "0", "--per_device_train_batch_size", "64",
-                       "--local_rollout_batch_size", "64", "--number_samples_per_prompt", "1", "--total_episodes", "64",
+    args = parse_args(["--model_name_or_path", "tiny", "--logprob_chunk_size", "0",
+                       "--per_device_train_batch_size", "64", "--local_rollout_batch_size", "64",
+                       "--number_samples_per_prompt", "1", "--total_episodes", "64",
                        "--response_length", "1500", "--max_token_length", "2048"])  # fmt: skip
     plan = plan_memory(args, run_model_shapes(args), "cpu")
     with pytest.raises(ConfigError) as error:
@@ -223,7 +224,8 @@ def test_the_trainer_prints_the_plan_and_refuses_before_any_model_loads(tmp_path
     last = process.stderr.strip().splitlines()[-1]
     assert last.startswith("error: a learner rank needs") and "--device_memory_gb 8 has 8.0 GB" in last, last
     # Sequences of the data's longest prompt + 1500 response tokens (not --max_prompt_token_length's 256 + 1500).
-    assert re.search(r"the biggest item is activations: policy, 64 x 15\d\d tokens \(.*--gradient_checkpointing true", last)
+    assert re.search(r"the biggest item is activations: policy, 64 x 15\d\d tokens \(.*--gradient_checkpointing true",
+                     last)
     assert "Loading weights" not in process.stdout + process.stderr and "[vllm]" not in process.stdout
     assert not (tmp_path / "out" / "model").exists()
 
@@ -252,8 +254,9 @@ def test_cli_plans_the_8b_recipe_offline_from_the_shipped_configs():
     assert process.returncode == 0, process.stderr[-2000:]
     out = process.stdout
     assert "ZeRO-3 over 8 rank(s); policy 8.03B, reference policy 8.03B, value model 7.50B" in out
-    assert "policy: 8,030,326,784 parameters, config from configs/model_configs/allenai/Llama-3.1-Tulu-3-8B-DPO" in out
-    assert "value model: 7,504,961,536 parameters, config from configs/model_configs/allenai/Llama-3.1-Tulu-3-8B-RM" in out
+    shipped = "config from configs/model_configs/allenai/Llama-3.1-Tulu-3-8B"
+    assert f"policy: 8,030,326,784 parameters, {shipped}-DPO" in out
+    assert f"value model: 7,504,961,536 parameters, {shipped}-RM" in out
     assert "gpu: 80.0 GB; peak" in out and "GB to spare" in out
     assert "each engine GPU (4 engine(s) x 2 GPU(s))" in out
     # The recipe's header states this plan: it must change when the plan does.

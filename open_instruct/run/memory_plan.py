@@ -8,15 +8,18 @@ the plan of a recipe offline.
 What is counted, and where the numbers come from (P parameters of a model, N learner ranks; bytes):
 
 - **Trainable models** (policy; PPO's value model). One process (and DeepSpeed ZeRO-0): fp32 weights 4P, fp32
-  gradients 4P, AdamW's two moments 8P. DeepSpeed 0.19.8 (`runtime/zero/stage_1_and_2.py`, `stage3.py`), with w the
-  bytes of the weights the engine computes with (2 for bf16, 4 for fp32, --deepspeed_weights_dtype):
+  gradients 4P, AdamW's two moments 8P. DeepSpeed 0.19.8 (`runtime/zero/stage_1_and_2.py`, `stage3.py`), with w
+  the bytes of the weights the engine computes with (2 for bf16, 4 for fp32, --deepspeed_weights_dtype):
   - ZeRO-2: the whole weights wP (one flat buffer); fp32 masters 4P/N (always a copy: `single_partition_of_fp32_groups`
-    is cloned even from fp32 weights); the fp32 gradient partition 4P/N from the first backward to the step; a
-    reduce bucket (`reduce_bucket_size` elements) during each backward; AdamW's moments 8P/N from the first step.
+    is cloned even from fp32 weights); the fp32 gradient partition 4P/N from the first backward (policy and value
+    model interleave their micro-batches, so both models' gradients are held while they accumulate); a reduce
+    bucket (`reduce_bucket_size` elements) during each backward of one model; AdamW's moments 8P/N from the first
+    step.
   - ZeRO-3: weights wP/N; fp32 masters 4P/N (a copy even of fp32 weights: `fp32_partitioned_groups_flat`); the
-    fp32 gradient partitions 4P/N and the reduce bucket are allocated when the engine is built; AdamW 8P/N; and while a model runs,
-    its gathered parameters: at most the model, else the module running, the prefetch bucket and the parameters
-    kept for reuse (`stage3_prefetch_bucket_size`, `stage3_max_reuse_distance`; configs/ds_configs/*.json).
+    fp32 gradient partitions 4P/N and the reduce bucket are allocated when the engine is built; AdamW 8P/N; and
+    while a model runs, its gathered parameters: at most the model, else the module running, the prefetch bucket
+    and the parameters kept for reuse (`stage3_prefetch_bucket_size`, `stage3_max_reuse_distance`;
+    configs/ds_configs/*.json).
   - The optimizer step, one model at a time: AdamW's `sqrt(v)` temporaries (fp32; 8 bytes per parameter of a tensor
     on CPUs, stepped tensor by tensor; 4 per parameter of the whole list on GPUs, `foreach`), at ZeRO-3 per sub-group
     (`sub_group_size`) and with the sub-group's gradient flattened into a new fp32 tensor first (4 more).
@@ -289,9 +292,8 @@ def phase_items(shapes: list[ModelShape], layout: Layout) -> list[Item]:
                 pass_items.append(Item(f"ZeRO-3 gathered parameters ({shape.role})", 0, size, TRAINING, zero3_fix))
             training.append(pass_items + reduce_bucket_item(shape, layout))
         # Every model runs forward over the rollout without gradients, a micro-batch at a time.
-        no_grad = [Item(f"forward without gradients ({shape.role})", 0,
-                        layout.micro_batch * layout.seq_len * layer_bytes_per_token(shape, layout.regime, layout.seq_len),
-                        FORWARD, train_fix)]  # fmt: skip
+        one_layer = layout.micro_batch * layout.seq_len * layer_bytes_per_token(shape, layout.regime, layout.seq_len)
+        no_grad = [Item(f"forward without gradients ({shape.role})", 0, one_layer, FORWARD, train_fix)]
         if shape.causal_lm:
             size, how = logits_bytes(shape, layout, with_grad=False)
             no_grad.append(Item(f"logits without gradients ({how})", 0, size, FORWARD, chunk_fix))

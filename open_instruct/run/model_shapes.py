@@ -66,7 +66,9 @@ def find_config(path_or_id: str, revision: str | None = None):
     return AutoConfig.from_pretrained(folder, revision=revision), folder
 
 
-def model_shape(role: str, path_or_id: str, trainable: bool, scalar_head: bool, revision: str | None = None) -> ModelShape:
+def model_shape(
+    role: str, path_or_id: str, trainable: bool, scalar_head: bool, revision: str | None = None
+) -> ModelShape:
     """`role`'s sizes, built on the meta device from its config (see the module docstring for where it is read)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -74,7 +76,8 @@ def model_shape(role: str, path_or_id: str, trainable: bool, scalar_head: bool, 
         config, source = find_config(path_or_id, revision)
     except (OSError, ValueError) as error:
         raise ConfigError(
-            f"the memory plan needs the {role}'s config and {path_or_id!r} gave none ({' '.join(str(error).split())[:160]}); "
+            f"the memory plan needs the {role}'s config and {path_or_id!r} gave none "
+            f"({' '.join(str(error).split())[:160]}); "
             f"give a model folder, a config.json, or ship one as configs/model_configs/{path_or_id}/config.json."
         ) from error
     if scalar_head:

@@ -3,8 +3,8 @@
 `validate_flags` checks each flag's value against a table of rules; `validate_hub` the Hub settings of
 `--push_to_hub` (a push that would fail after hours of training fails now instead); `validate_models` the
 model folders' vocabularies and context lengths against the policy's tokens; `validate_memory` prints the learner's
-memory plan and refuses a run that cannot fit; `row_checker` every dataset row the run will read (ground truth present where its verifier
-needs one, verifier known). Each raises `ConfigError`, whose message names the value and the fix; the CLI
+memory plan and refuses a run that cannot fit; `row_checker` every dataset row the run will read (ground truth
+present where its verifier needs one, verifier known). Each raises `ConfigError`, whose message names the value and the fix; the CLI
 prints it as `error: ...` and exits with code 2 (see `ppo_vllm_thread_ray_gtrl.cli`).
 """
 

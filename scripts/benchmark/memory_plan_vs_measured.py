@@ -71,8 +71,9 @@ def build_larger_model(folder: str) -> None:
     from open_instruct.data.embedded import smollm2_path
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **LARGER_CONFIG)  # fmt: skip
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = LlamaConfig(vocab_size=len(tokenizer), **special, **LARGER_CONFIG)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)  # safetensors
@@ -244,9 +245,10 @@ def table(cases: list[dict]) -> list[str]:
     for case in cases:
         load_error = case["predicted_load"] / case["measured_load"] - 1
         step_error = case["predicted_step"] / case["measured_step"] - 1
-        lines.append(f"| {case['model']} | {case['ranks']} | {case['stage']} | {case['predicted_load'] / gb:.2f} GB | "
-                     f"{case['measured_load'] / gb:.2f} GB | {load_error:+.0%} | {case['predicted_step'] / gb:.2f} GB | "
-                     f"{case['measured_step'] / gb:.2f} GB | {step_error:+.0%} |")  # fmt: skip
+        lines.append(f"| {case['model']} | {case['ranks']} | {case['stage']} | {case['predicted_load'] / gb:.2f} GB "
+                     f"| {case['measured_load'] / gb:.2f} GB | {load_error:+.0%} "
+                     f"| {case['predicted_step'] / gb:.2f} GB | {case['measured_step'] / gb:.2f} GB "
+                     f"| {step_error:+.0%} |")  # fmt: skip
     return lines
 
 
