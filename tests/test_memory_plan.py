@@ -114,6 +114,24 @@ def test_zero2_fills_one_reduce_bucket_at_a_time():
     assert [(item.when, item.steady) for item in buckets] == [("fwd/bwd", 4 * MILLION + 4 * 100_000)]  # + a param
 
 
+def test_zero2_gradients_are_held_only_while_micro_batches_accumulate():
+    # 8 responses a step over 2 ranks: micro-batches of 2 accumulate (2 per rank), of 4 do not (1 per rank): then
+    # each model frees its gradients at its step, before the other model's backward (measured: docs/distributed.md).
+    batch = ["--local_rollout_batch_size", "4", "--number_samples_per_prompt", "2", "--num_mini_batches", "1"]
+    accumulating = plan_memory(parse_args(["--model_name_or_path", "tiny", *TWO_RANKS, "--deepspeed_stage", "2", *batch,
+                                           "--per_device_train_batch_size", "2"]),
+                               [one_million_parameter_shape("policy", True)], "cpu")  # fmt: skip
+    one_micro_batch = plan_memory(parse_args(["--model_name_or_path", "tiny", *TWO_RANKS, "--deepspeed_stage", "2",
+                                              *batch, "--per_device_train_batch_size", "4"]),
+                                  [one_million_parameter_shape("policy", True)], "cpu")  # fmt: skip
+
+    def gradients(plan):
+        return [(item.when, item.steady) for item in plan.items if item.name == "policy gradients (fp32, 1/2)"]
+
+    assert gradients(accumulating) == [("held", 2 * MILLION)]
+    assert gradients(one_micro_batch) == [("fwd/bwd", 2 * MILLION), ("opt step", 2 * MILLION)]
+
+
 def test_one_process_holds_everything_whole():
     items = items_of()
     assert items["policy weights (fp32)"] == (4 * MILLION, 4 * MILLION)

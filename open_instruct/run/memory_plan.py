@@ -11,8 +11,9 @@ What is counted, and where the numbers come from (P parameters of a model, N lea
   gradients 4P, AdamW's two moments 8P. DeepSpeed 0.19.8 (`runtime/zero/stage_1_and_2.py`, `stage3.py`), with w
   the bytes of the weights the engine computes with (2 for bf16, 4 for fp32, --deepspeed_weights_dtype):
   - ZeRO-2: the whole weights wP (one flat buffer); fp32 masters 4P/N (always a copy: `single_partition_of_fp32_groups`
-    is cloned even from fp32 weights); the fp32 gradient partition 4P/N from the first backward (policy and value
-    model interleave their micro-batches, so both models' gradients are held while they accumulate); a reduce
+    is cloned even from fp32 weights); the fp32 gradient partition 4P/N from the model's first backward to the end
+    of its step (policy and value model interleave their micro-batches: with several micro-batches per step both
+    hold their gradients, with one they never overlap); a reduce
     bucket (`reduce_bucket_size` elements) during each backward of one model; AdamW's moments 8P/N from the first
     step.
   - ZeRO-3: weights wP/N; fp32 masters 4P/N (a copy even of fp32 weights: `fp32_partitioned_groups_flat`); the
@@ -99,6 +100,7 @@ class Layout:
     response_len: int
     chunk: int
     checkpointing: bool
+    accumulation: int  # micro-batches a rank sums into one optimizer step
     engine_share: str  # "" / "gpu" (the engine takes a fraction of this GPU) / "cpu" (in this process)
     ds: dict = field(default_factory=dict)
 
@@ -137,6 +139,8 @@ def layout_of(args: Args, device: str, longest_prompt: int | None = None) -> Lay
     if stage in (2, 3):
         requested = dist.deepspeed_weights_dtype
         weights = 2 if requested == "bfloat16" or (requested == "auto" and device == "gpu" and compute == 2) else 4
+    ranks = dist.num_learners if dist.uses_ray else 1
+    minibatch = ppo.local_rollout_batch_size * ppo.number_samples_per_prompt // ppo.num_mini_batches
     engine_share = ""
     if dist.vllm_num_engines == 0 and not dist.uses_ray:
         engine_share = device  # the in-process engine: on this GPU, or in this CPU process
@@ -144,7 +148,7 @@ def layout_of(args: Args, device: str, longest_prompt: int | None = None) -> Lay
         engine_share = "gpu"
     return Layout(
         device=device,
-        ranks=dist.num_learners if dist.uses_ray else 1,
+        ranks=ranks,
         stage=stage,
         weight_bytes=weights,
         compute_bytes=compute,
@@ -154,6 +158,7 @@ def layout_of(args: Args, device: str, longest_prompt: int | None = None) -> Lay
         response_len=gen.response_length,
         chunk=ppo.logprob_chunk_size,
         checkpointing=args.model.gradient_checkpointing,
+        accumulation=max(1, minibatch // (ppo.per_device_train_batch_size * ranks)),
         engine_share=engine_share,
         ds=ds_settings(stage),
     )
@@ -215,14 +220,14 @@ def trainable_items(shape: ModelShape, layout: Layout) -> list[Item]:
     if stage in (None, 0):
         return [
             Item(f"{role} weights (fp32)", 4 * p, 4 * p, HELD, more_ranks),
-            Item(f"{role} gradients (fp32)", 0, 4 * p, HELD, more_ranks),
+            *gradient_items(shape, layout, HELD),
             Item(f"{role} AdamW moments (fp32)", 0, 8 * p, HELD, more_ranks),
         ]
     weights = w * p if stage == 2 else w * p / n
     items = [
         Item(f"{role} weights ({dtype_label(w)}{'' if stage == 2 else shard})", weights, weights, HELD, more_ranks),
         Item(f"{role} fp32 master weights{shard}", 4 * p / n, 4 * p / n, HELD, more_ranks),
-        Item(f"{role} gradients (fp32{shard})", 4 * p / n if stage == 3 else 0, 4 * p / n, HELD, more_ranks),
+        *gradient_items(shape, layout, HELD),
         Item(f"{role} AdamW moments (fp32{shard})", 0, 8 * p / n, HELD, more_ranks),
     ]
     if stage == 3:  # ZeRO-3 allocates its reduce bucket with the engine (ZeRO-2: `reduce_bucket_item`)
@@ -230,6 +235,24 @@ def trainable_items(shape: ModelShape, layout: Layout) -> list[Item]:
         items.append(Item(f"{role} gradient reduce bucket", bucket, bucket, HELD,
                           "a smaller reduce_bucket_size in configs/ds_configs"))  # fmt: skip
     return items
+
+
+def gradient_items(shape: ModelShape, layout: Layout, phase: str) -> list[Item]:
+    """A trainable model's fp32 gradients (whole, or its 1/N partition at ZeRO-2/3), listed under `phase`.
+    ZeRO-3 allocates its partitions with the engine: held. Elsewhere they live from the model's first backward to
+    the end of its optimizer step (then freed: DeepSpeed's stage_1_and_2.py, the single process's set_to_none);
+    policy and value model interleave their micro-batches, so with more than one micro-batch per step both models
+    hold theirs (held), and with one they never overlap (a part of that model's forward + backward and of its step).
+    """
+    p, n, stage = shape.num_params, layout.ranks, layout.stage
+    held_throughout = stage == 3 or layout.accumulation > 1
+    if held_throughout != (phase == HELD):
+        return []
+    more_ranks = "more learner ranks (--num_learners_per_node)" + ("" if stage == 3 else " at --deepspeed_stage 3")
+    size = 4 * p if stage in (None, 0) else 4 * p / n
+    shard = f", 1/{n}" if n > 1 and stage in (2, 3) else ""
+    at_load = size if stage == 3 else 0
+    return [Item(f"{shape.role} gradients (fp32{shard})", at_load, size, phase, more_ranks)]
 
 
 def reduce_bucket_bytes(shape: ModelShape, layout: Layout) -> float:
@@ -290,7 +313,7 @@ def phase_items(shapes: list[ModelShape], layout: Layout) -> list[Item]:
             if layout.stage == 3:
                 size = gathered_bytes(shape, layout, layout.weight_bytes, inference=False)
                 pass_items.append(Item(f"ZeRO-3 gathered parameters ({shape.role})", 0, size, TRAINING, zero3_fix))
-            training.append(pass_items + reduce_bucket_item(shape, layout))
+            training.append(pass_items + reduce_bucket_item(shape, layout) + gradient_items(shape, layout, TRAINING))
         # Every model runs forward over the rollout without gradients, a micro-batch at a time.
         one_layer = layout.micro_batch * layout.seq_len * layer_bytes_per_token(shape, layout.regime, layout.seq_len)
         no_grad = [Item(f"forward without gradients ({shape.role})", 0, one_layer, FORWARD, train_fix)]
@@ -303,8 +326,8 @@ def phase_items(shapes: list[ModelShape], layout: Layout) -> list[Item]:
             no_grad.append(Item(f"ZeRO-3 gathered parameters ({shape.role}, forward)", 0, size, FORWARD, zero3_fix))
         forward.append(no_grad)
     more_ranks = "more learner ranks (--num_learners_per_node)"
-    step = [[Item(f"optimizer step temporaries ({shape.role})", 0, step_temporaries(shape, layout), STEP, more_ranks)]
-            for shape in shapes if shape.trainable]  # fmt: skip
+    step = [[Item(f"optimizer step temporaries ({shape.role})", 0, step_temporaries(shape, layout), STEP, more_ranks),
+             *gradient_items(shape, layout, STEP)] for shape in shapes if shape.trainable]  # fmt: skip
     return [item for groups in (forward, training, step) for item in max(groups, key=group_bytes)]
 
 
