@@ -341,10 +341,11 @@ def loading_item(shapes: list[ModelShape], layout: Layout) -> Item | None:
     trainable = [shape for shape in shapes if shape.trainable]
     if layout.stage == 2:
         # Whole models load in fp32 and stay fp32 until their engine is built: with bf16 weights every trainable model
-        # is 4P before the first engine casts it; and building an engine copies its weights into one flat buffer while
-        # the model's own tensors are still alive (wP more, measured).
+        # is 4P before the first engine casts it; and building an engine makes a temporary fp32 copy of the rank's
+        # partition beside the master weights it becomes (4P/N more while it is built: measured 4P/N at 1 and 2 ranks
+        # on both models, not the whole flat buffer).
         cast = sum((4 - layout.weight_bytes) * shape.num_params for shape in trainable)
-        flatten = max(layout.weight_bytes * shape.num_params for shape in trainable)
+        flatten = max(4 * shape.num_params / layout.ranks for shape in trainable)
         return Item("loading: fp32 loads, flattening into DeepSpeed's buffers", cast + flatten, 0, LOADING,
                     "--deepspeed_stage 3 (each model loads partitioned)")  # fmt: skip
     if layout.stage is None and layout.device == "cpu":
