@@ -12,7 +12,6 @@ Several processes talk over TCP, so these tests run only inside the loopback-onl
 scripts/test.sh makes (OPEN_INSTRUCT_LOOPBACK_ONLY=1); elsewhere they skip with that reason.
 """
 
-import os
 import socket
 
 import pytest
@@ -153,12 +152,15 @@ def test_bf16_ranks_save_their_fp32_masters_and_sum_gradients_in_fp32(stage, tin
 def trace_after_steps(rank: int, port: int, results, model_dir: str) -> None:
     from open_instruct.rl.rewards import RewardManager
 
-    learner, tokenizer = learner_on_rank(rank, port, model_dir, 3, "--beta", "0.05", "--num_epochs", "1")
+    # Chunks of 7 positions: the policy's backward projects each chunk again (activation checkpointing) under ZeRO-3.
+    learner, tokenizer = learner_on_rank(rank, port, model_dir, 3, "--beta", "0.05", "--num_epochs", "1",
+                                         "--logprob_chunk_size", "7")  # fmt: skip
     prompts, completions = fixed_rollout(tokenizer)
     states = []
     for _ in range(2):
         one_ppo_step(learner, prompts, completions, RewardManager(learner.args.reward))
         states.append({
+            "policy (training)": learner.policy_trainer.engine.optimizer.parameter_offload.get_param_coordinator(),
             "value (training)": learner.value_trainer.engine.optimizer.parameter_offload.get_param_coordinator(),
             "reference (inference)": learner.ref_policy.optimizer.get_param_coordinator(),
         })  # fmt: skip
@@ -169,4 +171,5 @@ def trace_after_steps(rank: int, port: int, results, model_dir: str) -> None:
 def test_zero3_traces_the_value_model_and_the_reference_so_it_can_prefetch(tiny_model_dir):
     results = run_two_ranks(trace_after_steps, tiny_model_dir)
     for rank in range(2):
-        assert results[rank][-1] == {"value (training)": True, "reference (inference)": True}, results[rank]
+        assert results[rank][-1] == {"policy (training)": True, "value (training)": True,
+                                     "reference (inference)": True}, results[rank]  # fmt: skip

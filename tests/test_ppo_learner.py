@@ -266,7 +266,7 @@ def test_a_learner_step_holds_no_more_vocabulary_logits_than_a_chunk(tiny_model_
 
 
 def test_chunked_and_whole_logprobs_give_the_same_learner_step(tiny_model_dir, rollout):
-    """The same PPO step (metrics to 1e-6, weights to 1e-6) whether the vocabulary projection is whole or chunked."""
+    """The same PPO step (metrics to 1e-6, weights to 1% of a step) whether the vocabulary projection is whole or chunked."""
     prompts, completions = rollout
     steps = {}
     for chunk_size in (0, 3):
@@ -279,5 +279,8 @@ def test_chunked_and_whole_logprobs_give_the_same_learner_step(tiny_model_dir, r
     for key, value in whole.items():
         if not key.startswith("time/"):
             assert chunked[key] == pytest.approx(value, abs=1e-6), key
+    # AdamW divides each gradient by its own running size, so where a gradient is near zero a rounding difference of
+    # 1e-9 in it moves the weight by a visible share of the learning rate (1e-3 here): the weights are held to 1% of
+    # one step, the metrics above to 1e-6.
     for name, weight in whole_weights.items():
-        torch.testing.assert_close(chunked_weights[name], weight, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(chunked_weights[name], weight, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")

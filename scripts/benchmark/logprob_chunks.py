@@ -29,7 +29,7 @@ def rss_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def one_row(chunk_size: int, responses: int, response_tokens: int, model: str) -> dict:
+def one_row(chunk_size: int, responses: int, response_tokens: int, model: str, checkpointing: bool) -> dict:
     """In this process: build the learner, run the step twice, measure the second."""
     import torch
 
@@ -46,7 +46,8 @@ def one_row(chunk_size: int, responses: int, response_tokens: int, model: str) -
              "float32", "--local_rollout_batch_size", str(responses), "--number_samples_per_prompt", "1",
              "--per_device_train_batch_size", str(responses), "--num_mini_batches", "1", "--num_epochs", "1",
              "--total_episodes", str(responses), "--response_length", str(response_tokens), "--max_token_length",
-             str(response_tokens + 128), "--max_prompt_token_length", "128", "--beta", "0", "--old_logprobs_from", "learner"]  # fmt: skip
+             str(response_tokens + 128), "--max_prompt_token_length", "128", "--beta", "0", "--old_logprobs_from", "learner",
+             "--gradient_checkpointing", str(checkpointing).lower()]  # fmt: skip
     args = parse_args(flags)
     tokenizer = load_tokenizer(path)
     torch.manual_seed(0)
@@ -91,18 +92,22 @@ def main() -> None:
     parser.add_argument("--response_tokens", type=int, default=1024)
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--gradient_checkpointing", action="store_true",
+                        help="as the big recipes run: layer activations are recomputed, so the logits dominate the step")  # fmt: skip
     parser.add_argument("--json", default=None)
     parser.add_argument("--row", type=int, default=None, help=argparse.SUPPRESS)  # internal: one row, this process
     options = parser.parse_args()
     if options.row is not None:
-        print(json.dumps(one_row(options.row, options.responses, options.response_tokens, options.model)))
+        print(json.dumps(one_row(options.row, options.responses, options.response_tokens, options.model,
+                                  options.gradient_checkpointing)))
         return
     best: dict[int, dict] = {}
     for _ in range(options.rounds):
         for chunk_size in options.chunk_sizes:
             command = [sys.executable, __file__, "--row", str(chunk_size), "--responses", str(options.responses),
-                       "--response_tokens", str(options.response_tokens), "--model", options.model]  # fmt: skip
-            done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO})
+                       "--response_tokens", str(options.response_tokens), "--model", options.model,
+                       *(["--gradient_checkpointing"] if options.gradient_checkpointing else [])]  # fmt: skip
+            done = subprocess.run(command, check=False, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO})
             if done.returncode != 0:
                 sys.exit(f"row {chunk_size} failed:\n{done.stderr[-3000:]}")
             row = json.loads(done.stdout.strip().splitlines()[-1])
@@ -112,7 +117,8 @@ def main() -> None:
                 best[chunk_size] = row
     rows = [best[chunk_size] for chunk_size in options.chunk_sizes]
     base = rows[0]
-    print(f"\n{options.responses} responses x {options.response_tokens} tokens, vocab {base['vocab']} "
+    checkpointing = ", gradient checkpointing" if options.gradient_checkpointing else ""
+    print(f"\n{options.responses} responses x {options.response_tokens} tokens{checkpointing}, vocab {base['vocab']} "
           f"(whole fp32 logits of the micro-batch: {base['whole_logits_fp32_mib']:.0f} MiB)\n")  # fmt: skip
     print("| --logprob_chunk_size | step seconds | x first row | step peak RSS (MiB) | x first row | loss | entropy |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
