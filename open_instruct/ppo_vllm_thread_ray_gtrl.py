@@ -233,7 +233,9 @@ def load_data(args: Args) -> RunData:
         train_dataset, eval_dataset = build_prompt_datasets(
             args.data, tokenizer, row_checker(args, "train"), row_checker(args, "eval")
         )
-        validate_memory(args, validate_models(args, policy_path, tokenizer))
+        validate_models(args, policy_path, tokenizer)
+        longest_prompt = max(len(ids) for ids in train_dataset["input_ids_prompt"])
+        validate_memory(args, longest_prompt)  # the learner's memory plan, printed; a run that cannot fit stops here
     # The eval split is small and fixed: read it from the dataset once, not row by row at every eval.
     eval_prompts = None
     if eval_dataset is not None:

@@ -107,11 +107,19 @@ CASES = [
          "one step samples up to 640,000,000,000 response tokens (--local_rollout_batch_size 4 x --number_samples_per_prompt 10000000000 x --response_length 16), more than a day's work"),  # fmt: skip
     Case("a run that could never end", ["--total_episodes", "1000000000000000"], "more than a year's work even at"),
     Case(
-        "logits cannot fit in memory",
+        "activations cannot fit in memory",
         ["--per_device_train_batch_size", "4096", "--local_rollout_batch_size", "4096", "--number_samples_per_prompt",
          "1", "--total_episodes", "4096", "--response_length", "1000", "--max_token_length", "2048"],
-        "--per_device_train_batch_size 4096 x --response_length 1000 needs at least",
-    ),  # fmt: skip
+        "the biggest item is activations: policy, 4096 x 1038 tokens"  # the longest prompt (38) + 1000,
+    ),
+    Case(
+        "whole logits cannot fit in memory",
+        ["--per_device_train_batch_size", "256", "--local_rollout_batch_size", "256", "--number_samples_per_prompt",
+         "1", "--total_episodes", "256", "--response_length", "1000", "--max_token_length", "2048",
+         "--logprob_chunk_size", "0", "--gradient_checkpointing", "true"],
+        "the biggest item is logits over 49152 tokens (whole: 256 x 1000)",
+    ),
+    Case("zero device memory", ["--device_memory_gb", "0"], "--device_memory_gb 0.0 is not valid; expected a number of GB > 0"),
     # ---- rewards, models, hub ----
     Case("reward model weight without a model", ["--reward_model_multiplier", "1"], "needs a reward model; pass --reward_model_path"),
     Case("no reward at all", ["--apply_verifiable_reward", "false"], "No reward is enabled"),

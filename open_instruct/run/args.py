@@ -249,6 +249,13 @@ class DistributedArgs:
     single_gpu_mode: bool = arg(
         False, "Engine actors share the learner ranks' GPUs (one learner and one engine per GPU) instead of their own."
     )
+    device_memory_gb: float | None = arg(
+        None,
+        "Memory of each learner rank's device in GB (1e9 bytes; an 80 GB H100 is 80): the memory plan printed at "
+        "start refuses a run whose peak is over it, before any model loads. Default: the free memory of this "
+        "machine's device when the learner runs in this process; Ray learners (whose devices the driver does not "
+        "see) are then only planned, not checked. See `python -m open_instruct.memory_plan`.",
+    )
 
     @property
     def num_learners(self) -> int:

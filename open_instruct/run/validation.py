@@ -2,11 +2,11 @@
 
 `validate_flags` checks each flag's value against a table of rules; `validate_hub` the Hub settings of
 `--push_to_hub` (a push that would fail after hours of training fails now instead); `validate_models` the
-model folders' vocabularies and context lengths against the policy's tokens; `validate_memory` the sizes that
-could never fit; `validate_work` the sampling that could never finish; `row_checker` every dataset row the run
-will read (ground truth present where its verifier needs one, verifier known). Each raises `ConfigError`, whose
-message names the value and the fix; the CLI prints it as `error: ...` and exits with code 2 (see
-`ppo_vllm_thread_ray_gtrl.cli`). `start_warnings` names settings that work but not as a user would expect.
+model folders' vocabularies and context lengths against the policy's tokens; `validate_memory` prints the learner's
+memory plan and refuses a run that cannot fit; `validate_work` the sampling that could never finish; `row_checker`
+every dataset row the run will read (ground truth present where its verifier needs one, verifier known). Each raises
+`ConfigError`, whose message names the value and the fix; the CLI prints it as `error: ...` and exits with code 2
+(see `ppo_vllm_thread_ray_gtrl.cli`). `start_warnings` names settings that work but not as a user would expect.
 """
 
 import contextlib
@@ -116,6 +116,7 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("vllm_sync_timeout_s", args.dist.vllm_sync_timeout_s, POSITIVE),
         ("learner_timeout_s", args.dist.learner_timeout_s, POSITIVE),
         ("logprob_chunk_size", args.ppo.logprob_chunk_size, (lambda v: v >= 0, "an integer >= 0 (0: all positions at once)")),
+        ("device_memory_gb", args.dist.device_memory_gb, (lambda v: v is None or POSITIVE[0](v), "a number of GB > 0")),
     ]  # fmt: skip
 
 
@@ -321,7 +322,7 @@ def _model_config(path: str, role: str):
 
 def validate_models(args: Args, policy_path: str, policy_tokenizer) -> int:
     """Every model reads the policy's token ids: same vocabulary, an embedding that covers every id, and room for
-    --max_token_length positions. Returns the policy's vocabulary size (for `validate_memory`)."""
+    --max_token_length positions. Returns the policy's vocabulary size."""
     from open_instruct.data.embedded import resolve_model_path
     from open_instruct.data.tokenizer import check_same_vocab, load_tokenizer
 
@@ -373,20 +374,31 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def validate_memory(args: Args, vocab_size: int) -> None:
-    """A micro-batch's fp32 logits (with their softmax and gradient: about 3 copies) must fit in free memory.
+def validate_memory(args: Args, longest_prompt: int | None = None):
+    """The memory plan of a learner rank (run/memory_plan.py), printed as one block, and a ConfigError naming the
+    biggest item and its flag when the plan's peak is over the learner's device: --device_memory_gb when given, else
+    the free memory of this machine's device when the learner runs in this process. Ray learners run on devices the
+    driver does not see (and must not open a CUDA context for): without --device_memory_gb they are only planned.
+    Reads the models' configs, no weights. `longest_prompt`: the training data's, in tokens (sequences are planned at
+    it + --response_length; default --max_prompt_token_length)."""
+    import torch
 
-    A lower bound on what a step needs, not an estimate of it: it only rejects sizes that can never fit.
-    """
-    micro, response_length = args.ppo.per_device_train_batch_size, args.gen.response_length
-    needed = 3 * 4 * micro * (response_length + 1) * vocab_size
-    available = available_memory_bytes()
-    if available is not None and needed > available:
-        raise ConfigError(
-            f"--per_device_train_batch_size {micro} x --response_length {response_length} needs at least "
-            f"{needed / 2**30:.1f} GiB for the logits over a {vocab_size}-token vocabulary, but "
-            f"{available / 2**30:.1f} GiB is free; lower --per_device_train_batch_size."
-        )
+    from open_instruct.run.console import say
+    from open_instruct.run.memory_plan import plan_memory
+    from open_instruct.run.model_shapes import run_model_shapes
+
+    device = "gpu" if torch.cuda.is_available() else "cpu"  # NVML's count: no CUDA context is created
+    capacity, where = None, None
+    if args.dist.device_memory_gb is not None:
+        capacity, where = args.dist.device_memory_gb * 1e9, f"--device_memory_gb {args.dist.device_memory_gb:g}"
+    elif not args.dist.uses_ray:
+        capacity = available_memory_bytes()
+        where = "this GPU (free memory)" if device == "gpu" else "this machine (MemAvailable)"
+    plan = plan_memory(args, run_model_shapes(args), device, capacity, longest_prompt)
+    say("\n".join(plan.lines()))
+    if capacity is not None:
+        plan.check(capacity, where)
+    return plan
 
 
 def row_checker(args: Args, split: str):

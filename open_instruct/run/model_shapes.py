@@ -1,0 +1,132 @@
+"""The sizes of the run's models, from their configs alone: no weights are read (the memory plan's input).
+
+Each model is built on the meta device (`torch.device("meta")`: shapes without storage) with the class the learner
+loads it with, so its parameter count is exact (tied embeddings counted once, a value model's new score head
+included); layers, widths and vocabulary come from its config.
+
+Where a config comes from, in order:
+1. a `config.json` file, or a local model folder (the embedded aliases included);
+2. `configs/model_configs/<hub id>/config.json` in this checkout: the cluster recipes' architectures, shipped so
+   that a recipe's plan can be checked offline (the hub cannot be reached on the development machines); the run
+   itself still loads the hub model its flags name;
+3. the hub (or its local cache).
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from open_instruct.run.args import Args, ConfigError
+
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "model_configs"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory plan needs to know of one model the learner holds."""
+
+    role: str  # "policy", "value model", "reference policy", "reward model"
+    trainable: bool
+    num_params: int
+    largest_module_params: int  # parameters of the largest single module (the embedding, or the LM head)
+    largest_param: int  # elements of the largest single parameter
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal_lm: bool  # logits over the vocabulary (policy, reference); else a scalar score head
+    source: str  # where its config was read
+    checkpoint_bytes: int = 2  # per parameter in its files (the config's dtype; bf16 unless it says float32)
+
+    @property
+    def attention_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+def find_config(path_or_id: str, revision: str | None = None):
+    """The transformers config of a model folder, a config.json file, a shipped recipe config or a hub id;
+    returns (config, where it was read)."""
+    from transformers import AutoConfig
+
+    from open_instruct.data.embedded import resolve_model_path
+
+    expanded = os.path.expanduser(path_or_id)
+    if os.path.isfile(expanded):
+        return AutoConfig.from_pretrained(expanded), expanded
+    if not os.path.isdir(expanded):
+        shipped = SHIPPED_CONFIGS / path_or_id / "config.json"
+        if shipped.is_file():
+            return AutoConfig.from_pretrained(str(shipped)), str(shipped.relative_to(SHIPPED_CONFIGS.parents[1]))
+    folder = resolve_model_path(path_or_id)
+    return AutoConfig.from_pretrained(folder, revision=revision), folder
+
+
+def model_shape(
+    role: str, path_or_id: str, trainable: bool, scalar_head: bool, revision: str | None = None
+) -> ModelShape:
+    """`role`'s sizes, built on the meta device from its config (see the module docstring for where it is read)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    try:
+        config, source = find_config(path_or_id, revision)
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"the memory plan needs the {role}'s config and {path_or_id!r} gave none "
+            f"({' '.join(str(error).split())[:160]}); "
+            f"give a model folder, a config.json, or ship one as configs/model_configs/{path_or_id}/config.json."
+        ) from error
+    if scalar_head:
+        config.num_labels = 1
+    auto_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto_class.from_config(config)
+    params = list(model.parameters())  # a tied embedding is one parameter: counted once
+    module_sizes = [sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return ModelShape(
+        role=role,
+        trainable=trainable,
+        num_params=sum(p.numel() for p in params),
+        largest_module_params=max(module_sizes),
+        largest_param=max(p.numel() for p in params),
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+        num_layers=text.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        causal_lm=not scalar_head,
+        source=source,
+        checkpoint_bytes=4 if str(getattr(config, "dtype", None) or "").endswith("float32") else 2,
+    )
+
+
+def run_model_shapes(args: Args) -> list[ModelShape]:
+    """The models a learner rank of this run holds, in the order it loads them: the policy, the reference (with a
+    non-zero --beta), the reward model (with a non-zero --reward_model_multiplier) and PPO's value model."""
+    model = args.model
+    policy = model.model_name_or_path
+    shapes = [model_shape("policy", policy, trainable=True, scalar_head=False, revision=model.model_revision)]
+    if args.ppo.beta != 0:
+        shapes.append(model_shape("reference policy", policy, False, False, model.model_revision))
+    if args.reward.reward_model_multiplier != 0 and model.reward_model_path is not None:
+        shapes.append(model_shape("reward model", model.reward_model_path, False, True, model.reward_model_revision))
+    if args.ppo.algorithm == "ppo":
+        value_path = model.value_model_path or model.reward_model_path or policy
+        shapes.append(model_shape("value model", value_path, True, True))
+    return shapes
+
+
+def describe_count(num_params: int) -> str:
+    """8030261248 -> '8.03B', 134515008 -> '134.5M'."""
+    if num_params >= 1e9:
+        return f"{num_params / 1e9:.2f}B"
+    return f"{num_params / 1e6:.{1 if num_params >= 1e6 else 3}f}M"
