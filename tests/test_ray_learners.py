@@ -223,7 +223,8 @@ def assert_two_ranks_take_the_step(
     from open_instruct.learner.ray_group import LearnerGroup
 
     initial, expected_params, expected_metrics = single_process_step
-    flags = ["--num_learners_per_node", "1", "1", "--deepspeed_stage", str(stage), "--ray_address", ray_cluster.address]
+    flags = ["--num_learners_per_node", "1", "1", "--deepspeed_stage", str(stage), "--ray_address", ray_cluster.address,
+             "--output_dir", str(tmp_path / "output")]  # fmt: skip
     args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, *flags, *switches])
     sizes = compute_batch_sizes(args)
     assert (sizes.num_learners, sizes.gradient_accumulation_steps) == (2, 1)  # the single process accumulates 2
