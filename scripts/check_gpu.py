@@ -91,7 +91,13 @@ def gpu_count() -> int:
 
 
 def run_quietly(command: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
+    full_env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        **(env or {}),
+    }
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
@@ -110,7 +116,13 @@ def check_gpus(options) -> Row:
 
     names = [f"{torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB)"
              for i in range(torch.cuda.device_count())]  # fmt: skip
-    return Row("gpus", "PASS", f"{len(names)} GPU(s)", "", f"{'; '.join(names)}; torch {torch.__version__}, CUDA {torch.version.cuda}")
+    return Row(
+        "gpus",
+        "PASS",
+        f"{len(names)} GPU(s)",
+        "",
+        f"{'; '.join(names)}; torch {torch.__version__}, CUDA {torch.version.cuda}",
+    )
 
 
 def fixed_rollout(tokenizer):
@@ -202,13 +214,26 @@ def engine_job(job: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from open_instruct.generation.vllm_engine import EngineConfig, create_engine, engine_dtype, generate, load_weights, sampling_params
+    from open_instruct.generation.vllm_engine import (
+        EngineConfig,
+        create_engine,
+        engine_dtype,
+        generate,
+        load_weights,
+        sampling_params,
+    )
 
     config = EngineConfig(job["start"], max_model_len=512, enforce_eager=job.get("eager"), gpu_memory_utilization=0.3)
     llm = create_engine(config)
     if job.get("load"):
         model = AutoModelForCausalLM.from_pretrained(job["load"], dtype=getattr(torch, engine_dtype()))
-        load_weights(llm, [(name, p.detach().to("cuda" if torch.cuda.is_available() else "cpu")) for name, p in model.named_parameters()])
+        load_weights(
+            llm,
+            [
+                (name, p.detach().to("cuda" if torch.cuda.is_available() else "cpu"))
+                for name, p in model.named_parameters()
+            ],
+        )
     params = sampling_params(n=1, temperature=0.0, max_tokens=job["max_tokens"], stop_token_ids=[], with_logprobs=True)
     completions = generate(llm, job["prompts"], params)
     return {"token_ids": [c.token_ids for c in completions], "logprobs": [c.logprobs for c in completions]}
@@ -267,7 +292,11 @@ def transfer_run(options, name: str, flags: list[str]) -> Row:
         transport = next((line.split(" over ")[1].split(" ")[0] for line in process.stdout.splitlines()
                           if "[vllm] weight transfer:" in line), "?")  # fmt: skip
         rows = [json.loads(line) for line in open(output / "samples.jsonl")]
-        final = {r["ground_truth"]: r["token_ids"] for r in rows if r["table"] == "eval_completions" and r["policy_version"] == 2}
+        final = {
+            r["ground_truth"]: r["token_ids"]
+            for r in rows
+            if r["table"] == "eval_completions" and r["policy_version"] == 2
+        }
         metrics = [json.loads(line) for line in open(output / "metrics.jsonl")]
         seconds = [m["time/weight_broadcast"] for m in metrics if "time/weight_broadcast" in m]
         fresh = run_engine_job({"start": str(output / "model"), "prompts": eval_prompt_ids(str(output / "model")),
@@ -294,7 +323,13 @@ def single_gpu_run(options) -> Row:
                              "--total_episodes", "384", "--num_evals", "1", "--output_dir", str(output)]  # fmt: skip
         process = run_quietly(command, REPO)
         if process.returncode != 0:
-            return Row("single_gpu_run", "FAIL", f"exit {process.returncode}", "exit 0", one_line(process.stderr.splitlines()[-1:]))
+            return Row(
+                "single_gpu_run",
+                "FAIL",
+                f"exit {process.returncode}",
+                "exit 0",
+                one_line(process.stderr.splitlines()[-1:]),
+            )
         steps = [json.loads(line) for line in open(output / "metrics.jsonl")]
         steps = [m for m in steps if "policy_version/learner" in m]
     seconds = [m["time/step"] for m in steps[1:]] or [m["time/step"] for m in steps]
@@ -353,7 +388,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{check.name:<15} needs {check.gpus} GPU(s)  {check.summary}")
         return 0
     gpus = gpu_count()
-    print(f"[check_gpu] {gpus} GPU(s); model {options.model}; {len(options.only or CHECKS)} check(s), each in its own process")
+    print(
+        f"[check_gpu] {gpus} GPU(s); model {options.model}; {len(options.only or CHECKS)} check(s), each in its own process"
+    )
     rows = []
     for check in CHECKS:
         if options.only and check.name not in options.only:

@@ -60,7 +60,12 @@ def test_the_transport_follows_the_devices_reports(requested, learners, engines,
         ("nccl", [gpu("L0")], [gpu("L0", "ipc")], "NCCL refuses two ranks on one GPU ('Duplicate GPU detected')"),
         ("nccl", [cpu()], [cpu()], "--vllm_sync_backend nccl needs every member on a GPU"),
         ("ipc", [gpu("L0")], [gpu("E0", "nccl")], "--vllm_sync_backend ipc needs each engine on a learner's GPU"),
-        ("auto", [gpu("L0"), gpu("L1")], [gpu("L0", "ipc"), gpu("E1", "ipc")], "share learner rank 0's GPU but not every"),
+        (
+            "auto",
+            [gpu("L0"), gpu("L1")],
+            [gpu("L0", "ipc"), gpu("E1", "ipc")],
+            "share learner rank 0's GPU but not every",
+        ),
         ("auto", [gpu("L0")], [gpu("E0", None)], "the engines built vLLM's ['None'] weight-transfer engine"),
     ],
 )
@@ -121,7 +126,9 @@ def test_an_engine_on_a_gpu_uses_cuda_graphs_and_vllms_transfer_engine_and_one_o
     assert on_gpu["kv_cache_memory_bytes"] == int(1.5 * 2**30)
     assert on_gpu["weight_transfer_config"] == {"backend": "nccl"}
     assert on_gpu["worker_extension_cls"].endswith("WeightReceiverExtension")
-    colocated = engine_kwargs(EngineConfig("model", max_model_len=256, weight_sync="auto", colocated=True), on_cuda=True)
+    colocated = engine_kwargs(
+        EngineConfig("model", max_model_len=256, weight_sync="auto", colocated=True), on_cuda=True
+    )
     assert colocated["weight_transfer_config"] == {"backend": "ipc"}
     on_cpu = engine_kwargs(config, on_cuda=False)
     assert on_cpu["enforce_eager"] is True
@@ -206,8 +213,19 @@ def test_learner_rank_0_sees_whether_output_dir_is_the_drivers_folder(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--num_learners_per_node", "2", "--vllm_num_engines", "2", "--single_gpu_mode", "true",
-          "--vllm_sync_backend", "nccl"], "NCCL refuses two ranks of a group on one GPU"),  # fmt: skip
+        (
+            [
+                "--num_learners_per_node",
+                "2",
+                "--vllm_num_engines",
+                "2",
+                "--single_gpu_mode",
+                "true",
+                "--vllm_sync_backend",
+                "nccl",
+            ],
+            "NCCL refuses two ranks of a group on one GPU",
+        ),  # fmt: skip
         (["--vllm_num_engines", "1", "--vllm_sync_backend", "ipc"], "it needs --single_gpu_mode"),
         (["--vllm_sync_backend", "gloo"], "the single-process learner hands its tensors to its engine directly"),
         (["--vllm_kv_cache_memory_gb", "0"], "--vllm_kv_cache_memory_gb 0.0 is not valid"),

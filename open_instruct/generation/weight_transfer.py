@@ -35,14 +35,18 @@ def choose_transport(requested: str, learner_reports: list[dict], engine_reports
     members = [rank0, *engine_reports]
     all_cuda = all(report["device_type"] == "cuda" for report in members)
     learner_gpus = {report["gpu_uuid"] for report in learner_reports}
-    beside_rank0 = [i for i, report in enumerate(engine_reports) if report["gpu_uuid"] == rank0["gpu_uuid"]] if all_cuda else []
+    beside_rank0 = (
+        [i for i, report in enumerate(engine_reports) if report["gpu_uuid"] == rank0["gpu_uuid"]] if all_cuda else []
+    )
     colocated = all_cuda and all(report["gpu_uuid"] in learner_gpus for report in engine_reports)
     built = {report.get("transfer_engine") for report in engine_reports}
     devices = f"learner rank 0 on {describe(rank0)}, engine workers on {', '.join(describe(r) for r in engine_reports)}"
     if requested == "gloo":
         return "gloo", "asked for (--vllm_sync_backend gloo)"
     if requested in ("nccl", "ipc") and not all_cuda:
-        raise ConfigError(f"--vllm_sync_backend {requested} needs every member on a GPU, but {devices}; use gloo or auto.")
+        raise ConfigError(
+            f"--vllm_sync_backend {requested} needs every member on a GPU, but {devices}; use gloo or auto."
+        )
     if beside_rank0 and not colocated:
         raise ConfigError(
             f"engine worker(s) {beside_rank0} share learner rank 0's GPU but not every engine sits on a learner's GPU "
@@ -55,7 +59,9 @@ def choose_transport(requested: str, learner_reports: list[dict], engine_reports
             "use --vllm_sync_backend auto (CUDA IPC) or gloo."
         )
     if requested == "ipc" and not colocated:
-        raise ConfigError(f"--vllm_sync_backend ipc needs each engine on a learner's GPU, but {devices}; use auto or nccl.")
+        raise ConfigError(
+            f"--vllm_sync_backend ipc needs each engine on a learner's GPU, but {devices}; use auto or nccl."
+        )
     if not all_cuda:
         return "gloo", f"auto: not every member is on a GPU ({devices})"
     transport = "ipc" if colocated else "nccl"
@@ -64,7 +70,11 @@ def choose_transport(requested: str, learner_reports: list[dict], engine_reports
             f"the engines built vLLM's {sorted(map(str, built))} weight-transfer engine but the devices call for "
             f"{transport} ({devices}); pass --vllm_sync_backend gloo, or place engines and learners as they were planned."
         )
-    why = "engines share the learners' GPUs" if colocated else "learner rank 0 and every engine worker on GPUs of their own"
+    why = (
+        "engines share the learners' GPUs"
+        if colocated
+        else "learner rank 0 and every engine worker on GPUs of their own"
+    )
     return transport, f"{'asked for' if requested != 'auto' else 'auto'}: {why}"
 
 
@@ -87,7 +97,9 @@ def engine_dtype_of(engine_reports: list[dict]) -> str:
     """The dtype every engine worker holds its weights in (as it reported it): what the learner sends."""
     dtypes = {report["dtype"] for report in engine_reports}
     if len(dtypes) != 1:
-        raise ConfigError(f"the vLLM engines hold their weights in different dtypes {sorted(dtypes)}; pass --vllm_dtype.")
+        raise ConfigError(
+            f"the vLLM engines hold their weights in different dtypes {sorted(dtypes)}; pass --vllm_dtype."
+        )
     return dtypes.pop()
 
 

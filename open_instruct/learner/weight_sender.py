@@ -74,7 +74,9 @@ class WeightSender:
             from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-            init_info = IPCTrainerInitInfo(rank=self.rank, packed=True, packed_buffer_size_bytes=transfer.packed_buffer_bytes())
+            init_info = IPCTrainerInitInfo(
+                rank=self.rank, packed=True, packed_buffer_size_bytes=transfer.packed_buffer_bytes()
+            )
             source = plan_source(transfer, self.every_rank_tensors, None)
             self.ipc_engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
             return

@@ -73,12 +73,16 @@ class Placement:
         return any(bundle.get("GPU", 0) > 0 for bundle in self.plan.bundles)
 
     def learner_options(self, rank: int) -> dict:
-        in_bundle = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.plan.learner_bundle[rank])
+        in_bundle = PlacementGroupSchedulingStrategy(
+            self.group, placement_group_bundle_index=self.plan.learner_bundle[rank]
+        )
         return dict(num_cpus=1, num_gpus=self.plan.learner_gpus, scheduling_strategy=in_bundle)
 
     def engine_options(self, index: int) -> dict:
         """A colocated engine actor's options: its learner's bundle, half its GPU."""
-        in_bundle = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.plan.engine_bundle[index])
+        in_bundle = PlacementGroupSchedulingStrategy(
+            self.group, placement_group_bundle_index=self.plan.engine_bundle[index]
+        )
         return dict(num_cpus=1, num_gpus=self.plan.engine_gpus, scheduling_strategy=in_bundle)
 
     def remove(self) -> None:
