@@ -68,13 +68,17 @@ def ray_with_two_gpus():
     ray.shutdown()
 
 
-class GpuProbe:
-    """Stands for an engine actor: only says which GPU Ray gave it."""
+def gpu_probe():
+    """An actor class that stands for an engine actor and only says which GPU Ray gave it (defined in a function, so
+    that Ray ships it to workers by value: they cannot import tests/)."""
 
-    def gpu_ids(self) -> list:
-        import ray
+    class GpuProbe:
+        def gpu_ids(self) -> list:
+            import ray
 
-        return ray.get_gpu_ids()
+            return ray.get_gpu_ids()
+
+    return GpuProbe
 
 
 @needs_loopback_namespace
@@ -91,7 +95,7 @@ def test_single_gpu_mode_puts_learner_i_and_engine_i_on_one_gpu_and_no_two_learn
     try:
         assert placement.colocated and placement.uses_gpus
         learners = [ray.remote(LearnerRank).options(**placement.learner_options(r)).remote(r) for r in range(2)]
-        probes = [ray.remote(GpuProbe).options(**placement.engine_options(i)).remote() for i in range(2)]
+        probes = [ray.remote(gpu_probe()).options(**placement.engine_options(i)).remote() for i in range(2)]
         learner_where = ray.get([learner.where.remote() for learner in learners], timeout=120)
         engine_gpus = ray.get([probe.gpu_ids.remote() for probe in probes], timeout=120)
     finally:
@@ -108,7 +112,7 @@ def test_half_gpu_actors_without_bundles_may_share_a_gpu_which_the_bundles_preve
     """The failure the bundles exist for: two learners asking for half a GPU each, placed freely, get the same GPU."""
     import ray
 
-    probes = [ray.remote(num_gpus=0.5, num_cpus=0)(GpuProbe).remote() for _ in range(2)]
+    probes = [ray.remote(num_gpus=0.5, num_cpus=0)(gpu_probe()).remote() for _ in range(2)]
     try:
         gpus = ray.get([probe.gpu_ids.remote() for probe in probes], timeout=120)
     finally:

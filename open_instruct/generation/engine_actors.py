@@ -330,7 +330,7 @@ def connect_engines(learner, engines, dist) -> WeightTransfer:
     buckets = f", {len(plan)} bucket(s) of <= {dist.vllm_sync_bucket_mb:g} MB" if transport == "gloo" else ""
     log.info(
         f"[vllm] weight transfer: learner rank 0 -> {engines.num_workers} engine worker(s) over {transport} ({why}), "
-        f"{sum(bucket.nbytes for bucket in plan) / 2**20:.0f} MB in {transfer.dtype}{buckets} "
+        f"{sum(bucket.nbytes for bucket in plan) / 2**20:.0f} MB in {dtype_name}{buckets} "
         f"({time.time() - started:.1f}s to set up)"
     )
     return transfer

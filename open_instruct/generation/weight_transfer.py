@@ -62,6 +62,8 @@ def choose_transport(requested: str, learner_reports: list[dict], engine_reports
         raise ConfigError(
             f"--vllm_sync_backend ipc needs each engine on a learner's GPU, but {devices}; use auto or nccl."
         )
+    if not any(report["device_type"] == "cuda" for report in members):
+        return "gloo", "auto: learner rank 0 and the engines are on CPUs"
     if not all_cuda:
         return "gloo", f"auto: not every member is on a GPU ({devices})"
     transport = "ipc" if colocated else "nccl"
