@@ -24,7 +24,7 @@ code 0 when nothing FAILed. The checks, and what PASS means:
   single_gpu_run  3 steps of the single-GPU debug recipe (configs/train_configs/ppo_arithmetic_gpu.yaml): exit 0,
                   seconds per step, and the per-step engine-vs-learner logprob gap (the guard of CUDA graphs) under
                   --max_vllm_logprob_diff.
-  memory_plan     open_instruct/memory_plan.py's plan vs the measured HBM peak; skipped while that module does not
+  memory_plan     open_instruct/run/memory_plan.py's plan vs the measured HBM peak; skipped while that module does not
                   exist in the checkout.
 """
 
@@ -76,7 +76,7 @@ CHECKS = [
     Check("nccl_transfer", 2, "vLLM's NCCL transfer to an engine actor; fresh engine reproduces the final eval"),
     Check("ipc_transfer", 1, "--single_gpu_mode: vLLM's CUDA IPC transfer; fresh engine reproduces the final eval"),
     Check("single_gpu_run", 1, "3 steps of the single-GPU debug recipe (s/step, engine-vs-learner gap)"),
-    Check("memory_plan", 1, "open_instruct/memory_plan.py's plan vs the measured HBM peak"),
+    Check("memory_plan", 1, "open_instruct/run/memory_plan.py's plan vs the measured HBM peak"),
 ]
 
 
@@ -339,9 +339,9 @@ def single_gpu_run(options) -> Row:
 
 
 def memory_plan(options) -> Row:
-    if importlib.util.find_spec("open_instruct.memory_plan") is None:
-        return Row("memory_plan", "SKIP", detail="open_instruct/memory_plan.py is not in this checkout")
-    return Row("memory_plan", "SKIP", detail="open_instruct/memory_plan.py exists: add its comparison here")
+    if importlib.util.find_spec("open_instruct.run.memory_plan") is None:
+        return Row("memory_plan", "SKIP", detail="open_instruct/run/memory_plan.py is not in this checkout")
+    return Row("memory_plan", "SKIP", detail="open_instruct/run/memory_plan.py exists: add its comparison here")
 
 
 RUNNERS = {"gpus": check_gpus, "bf16_step": bf16_step, "cuda_graphs": cuda_graphs, "nccl_transfer": nccl_transfer,

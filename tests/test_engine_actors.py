@@ -9,6 +9,8 @@ without Ray.
   the sync is one call per engine and one collective per bucket, whatever the number of tensors.
 - Two engines return what one engine returns for the same seeds, in prompt order.
 - A killed engine actor ends a training run within 60 s, naming the engine.
+- An engine still generating for longer than the transfer deadline delays the transfer (the ready round trip comes
+  first) instead of failing it: the wait and the transfer have their own deadlines and metrics.
 """
 
 import os

@@ -63,7 +63,7 @@ def test_a_gpu_that_cuda_visible_devices_hides_is_an_error_not_device_0():
 def ray_with_two_gpus():
     import ray
 
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False)  # a new instance: not an earlier module's
     yield
     ray.shutdown()
 

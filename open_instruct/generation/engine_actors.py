@@ -171,7 +171,7 @@ class EngineGroup:
         for index in range(num_engines):
             engine_config = vllm_engine.EngineConfig(
                 **{**vars(config), "seed": config.seed + index, "tensor_parallel_size": tensor_parallel_size,
-                   "colocated": colocated}  # fmt: skip
+                   "colocated": colocated, "weight_sync": config.weight_sync or "auto"}  # fmt: skip
             )
             if colocated:
                 options = placement.engine_options(index)

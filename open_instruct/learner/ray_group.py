@@ -54,11 +54,19 @@ class LearnerRank:
         self.learner: PPOLearner | None = None
         self.experience: Experience | None = None
         self.sender: WeightSender | None = None
-        # The GPU Ray gave this rank, as torch numbers it here (None: no GPU): not a hard-coded 0, which is wrong when
-        # Ray leaves CUDA_VISIBLE_DEVICES alone (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES).
-        self.local_gpu = devices.local_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
-        if self.local_gpu is not None and torch.cuda.is_available():
-            torch.cuda.set_device(self.local_gpu)
+        self.local_gpu: int | None = None
+        self.gpu_bound = False
+
+    def bind_gpu(self) -> int | None:
+        """The GPU Ray gave this rank, as torch numbers it in this process (None: none), made the current CUDA device
+        at the first call: not a hard-coded 0, which is wrong when Ray leaves CUDA_VISIBLE_DEVICES alone
+        (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES)."""
+        if not self.gpu_bound and ray.is_initialized():  # outside a Ray actor (tests): no GPU of Ray's
+            self.local_gpu = devices.local_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+            if self.local_gpu is not None and torch.cuda.is_available():
+                torch.cuda.set_device(self.local_gpu)
+            self.gpu_bound = True
+        return self.local_gpu
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host a process group on."""
@@ -66,10 +74,11 @@ class LearnerRank:
 
     def where(self) -> dict:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": ray.get_gpu_ids(),
-                "local_gpu": self.local_gpu}  # fmt: skip
+                "local_gpu": self.bind_gpu()}  # fmt: skip
 
     def device_report(self) -> dict:
         """This rank's device as it sees it (before any model loads: free memory is what the learner will have)."""
+        self.bind_gpu()
         return {**devices.device_report(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def output_dir_problem(self, output_dir: str, token: str) -> str | None:
@@ -85,7 +94,7 @@ class LearnerRank:
         from open_instruct.learner import deepspeed_backend
 
         deepspeed_backend.init_process_group(self.rank, sizes.num_learners, *master, args.dist.learner_timeout_s,
-                                             local_rank=self.local_gpu)  # fmt: skip
+                                             local_rank=self.bind_gpu())  # fmt: skip
         backend = deepspeed_backend.DeepSpeedBackend(
             args.dist.deepspeed_stage,
             args.ppo.per_device_train_batch_size,
