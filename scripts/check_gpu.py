@@ -176,9 +176,12 @@ def bf16_step(options) -> Row:
     (logprob32, mask, update32, device), (logprob16, _, update16, _) = outcome["float32"], outcome["bfloat16"]
     logprob_gap = (logprob32 - logprob16).abs()[mask].mean().item()
     cosine = torch.nn.functional.cosine_similarity(update32, update16, dim=0).item()
-    ok = logprob_gap <= BF16_LOGPROB_TOLERANCE and cosine >= BF16_UPDATE_COSINE
-    return Row("bf16_step", "PASS" if ok else "FAIL", f"logprob gap {logprob_gap:.4f}, update cosine {cosine:.3f}",
+    return Row("bf16_step", bf16_verdict(logprob_gap, cosine), f"logprob gap {logprob_gap:.4f}, update cosine {cosine:.3f}",
                f"<= {BF16_LOGPROB_TOLERANCE}, >= {BF16_UPDATE_COSINE}", f"{options.model} on {device}")  # fmt: skip
+
+
+def bf16_verdict(logprob_gap: float, cosine: float) -> str:
+    return "PASS" if logprob_gap <= BF16_LOGPROB_TOLERANCE and cosine >= BF16_UPDATE_COSINE else "FAIL"
 
 
 def perturbed_copy(source: str, target: Path, scale: float = 0.02) -> str:
