@@ -41,7 +41,7 @@ from open_instruct.rl.rewards import RewardManager
 from open_instruct.run import checkpoint, console, disk_space, hub, summary
 from open_instruct.run.args import Args, BatchSizes, ConfigError, compute_batch_sizes, parse_args
 from open_instruct.run.console import say
-from open_instruct.run.devices import learner_compute_dtype, learner_device
+from open_instruct.run.devices import free_memory_bytes, learner_compute_dtype, learner_device
 from open_instruct.run.divergence import DivergedError, check_divergence
 from open_instruct.run.preemption import Preempted, StopRequest
 from open_instruct.run.run_directory import RunDirectory
@@ -200,6 +200,7 @@ class RunData:
     stop_token_ids: list[int]
     train_dataset: object  # datasets.Dataset of tokenised prompts
     eval_prompts: PromptBatch | None
+    longest_prompt: int | None = None  # in tokens: the memory plan of Ray learner ranks, checked where they run
 
     @property
     def num_train_prompts(self) -> int:
@@ -235,13 +236,15 @@ def load_data(args: Args) -> RunData:
         )
         validate_models(args, policy_path, tokenizer)
         longest_prompt = max(len(ids) for ids in train_dataset["input_ids_prompt"])
-        validate_memory(args, longest_prompt)  # the learner's memory plan, printed; a run that cannot fit stops here
+        if not args.dist.uses_ray:  # this process is the learner; Ray learner ranks are checked where they run
+            device = learner_device()
+            validate_memory(args, longest_prompt, device.type, free_memory_bytes(device))
     # The eval split is small and fixed: read it from the dataset once, not row by row at every eval.
     eval_prompts = None
     if eval_dataset is not None:
         eval_prompts = prompt_batch(eval_dataset, list(range(len(eval_dataset))), tokenizer)
     return RunData(policy_path, tokenizer, stop_token_ids_for(tokenizer, args.gen.stop_token), train_dataset,
-                   eval_prompts)  # fmt: skip
+                   eval_prompts, longest_prompt)  # fmt: skip
 
 
 def open_logger(args: Args, sizes: BatchSizes, resume: checkpoint.Checkpoint | None, data: RunData) -> MetricsLogger:
@@ -271,27 +274,30 @@ def open_logger(args: Args, sizes: BatchSizes, resume: checkpoint.Checkpoint | N
 def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoint.Checkpoint | None):
     """The generation thread (its engine loads while the learner does), the learner, and the rollout requests between
     them, restored from `resume`; the generation side is stopped on the way out."""
-    learner_placement = None
-    if args.dist.uses_ray:  # reserve the learners' nodes first: engine actors placed before could take them
-        from open_instruct.learner.ray_group import reserve_learner_placement
+    placement = None
+    if args.dist.uses_ray:  # reserve the learners' bundles first: engine actors placed before could take them
+        from open_instruct.run.placement import reserve_placement
 
-        learner_placement = reserve_learner_placement(args.dist)
+        placement = reserve_placement(args.dist)
     compute_dtype = None
     if not args.dist.uses_ray:  # the dtype probe times matmuls: run it before the engine loads on the same cores
         compute_dtype = learner_compute_dtype(args.model.learner_compute_dtype, learner_device())
-    generator = start_generation_thread(args, data)
+    generator = start_generation_thread(args, data, placement)
     try:
-        if torch.cuda.is_available():
-            generator.wait_until_ready()  # vLLM sizes its KV cache from free GPU memory: let it measure first
-        learner = build_learner(args, sizes, data, learner_placement, compute_dtype)
-        if generator.engine is not None:  # engine actors: learner rank 0 will broadcast weights to them
+        # vLLM sizes its KV cache from the GPU memory it finds free, so on a GPU a learner may share it measures
+        # before any learner allocates: where the engines are (Ray's GPUs; this process's own for its engine).
+        if (placement.uses_gpus if placement is not None else torch.cuda.is_available()):
+            generator.wait_until_ready()
+        learner = build_learner(args, sizes, data, placement, compute_dtype)
+        if args.dist.uses_ray:  # learner rank 0 sends every policy version to the engines (actors or in-process)
             from open_instruct.generation.engine_actors import connect_engines
 
-            connect_engines(learner, generator.engine, args.dist)
+            generator.wait_until_ready()
+            connect_engines(learner, generator.weight_receivers, args.dist)
         prompt_order = ShufflingIterator(len(data.train_dataset), sizes.prompts_per_step, args.run.seed)
         rollouts = RolloutRequests(generator, learner, data.train_dataset, data.tokenizer, prompt_order,
-                                   data.eval_prompts, sizes.eval_freq, args.run.seed,
-                                   args.dist.vllm_sync_timeout_s)  # fmt: skip
+                                   data.eval_prompts, sizes.eval_freq, args.run.seed, args.dist.vllm_sync_timeout_s,
+                                   broadcast=args.dist.uses_ray)  # fmt: skip
         if resume is not None:
             learner.load_state_dict(resume.learner_state)
             rollouts.load_state_dict(resume.trainer_state)
@@ -302,8 +308,9 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
             generator.engine.shutdown()
 
 
-def start_generation_thread(args: Args, data: RunData) -> GenerationThread:
-    """The generation thread, with an engine in this process or, with --vllm_num_engines, engine actors on Ray."""
+def start_generation_thread(args: Args, data: RunData, placement=None) -> GenerationThread:
+    """The generation thread, with an engine in this process or, with --vllm_num_engines, engine actors on Ray (with
+    --single_gpu_mode in the learners' bundles of `placement`)."""
     engine_config = EngineConfig(
         data.policy_path,
         max_model_len=args.gen.max_token_length,
@@ -311,6 +318,9 @@ def start_generation_thread(args: Args, data: RunData) -> GenerationThread:
         dtype=args.gen.vllm_dtype,
         gpu_memory_utilization=args.gen.vllm_gpu_memory_utilization,
         enforce_eager=args.gen.vllm_enforce_eager,
+        max_num_seqs=args.gen.vllm_max_num_seqs,
+        kv_cache_memory_gb=args.gen.vllm_kv_cache_memory_gb,
+        weight_sync=args.dist.vllm_sync_backend if args.dist.uses_ray else None,  # fed by Ray learners
         cpu_weight_layout=args.gen.vllm_cpu_weight_layout,
     )
     engines = None
@@ -319,7 +329,7 @@ def start_generation_thread(args: Args, data: RunData) -> GenerationThread:
             start_engine_actors,  # imports ray; the in-process path never does
         )
 
-        engines = start_engine_actors(args, engine_config)
+        engines = start_engine_actors(args, engine_config, placement)
     settings = GenerationSettings(
         engine=engine_config,
         samples_per_prompt=args.ppo.number_samples_per_prompt,
@@ -344,7 +354,11 @@ def build_learner(args: Args, sizes: BatchSizes, data: RunData, placement=None, 
                                                  compute_dtype=compute_dtype)  # fmt: skip
     from open_instruct.learner.ray_group import LearnerGroup  # imports ray; the single-process path never does
 
-    return LearnerGroup(args, sizes, data.policy_path, data.stop_token_ids, placement)
+    def check_devices(reports: list[dict]) -> None:  # learner rank 0's own measure, before any rank loads a model
+        rank0 = reports[0]
+        validate_memory(args, data.longest_prompt, rank0["device_type"], rank0["free_memory_bytes"], "learner rank 0's")
+
+    return LearnerGroup(args, sizes, data.policy_path, data.stop_token_ids, placement, check_devices)
 
 
 # ---- what the loop writes: evals, checkpoints, the final model --------------------------------------------------------

@@ -9,12 +9,15 @@ without Ray.
   the sync is one call per engine and one collective per bucket, whatever the number of tensors.
 - Two engines return what one engine returns for the same seeds, in prompt order.
 - A killed engine actor ends a training run within 60 s, naming the engine.
+- An engine still generating for longer than the transfer deadline delays the transfer (the ready round trip comes
+  first) instead of failing it: the wait and the transfer have their own deadlines and metrics.
 """
 
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -94,7 +97,7 @@ def ray_cluster():
 def engines(ray_cluster, tiny_model_dir):
     from open_instruct.generation.engine_actors import EngineGroup
 
-    group = EngineGroup(EngineConfig(tiny_model_dir, max_model_len=256), num_engines=2, timeout_s=300)
+    group = EngineGroup(EngineConfig(tiny_model_dir, max_model_len=256, weight_sync="auto"), num_engines=2, timeout_s=300)
     group.wait_until_ready()
     yield group
     group.shutdown()
@@ -111,13 +114,14 @@ GREEDY = dict(n=1, temperature=0.0, max_tokens=12, stop_token_ids=[])
 
 @needs_loopback_namespace
 def test_zero3_pair_broadcasts_to_two_engines_in_buckets_and_they_hold_the_learners_weights(
-    ray_cluster, engines, tiny_model_dir
+    ray_cluster, engines, tiny_model_dir, tmp_path
 ):
     from open_instruct.generation.engine_actors import connect_engines
     from open_instruct.learner.ray_group import LearnerGroup
 
     flags = ["--num_learners_per_node", "1", "1", "--deepspeed_stage", "3", "--ray_address", ray_cluster.address,
-             "--vllm_num_engines", "2", "--vllm_sync_bucket_mb", "0.25", "--learning_rate", "1e-2"]  # fmt: skip
+             "--vllm_num_engines", "2", "--vllm_sync_bucket_mb", "0.25", "--learning_rate", "1e-2",
+             "--output_dir", str(tmp_path / "output")]  # fmt: skip
     args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, *flags])
     tokenizer = load_tokenizer(tiny_model_dir)
     prompts = prompt_ids(tiny_model_dir, 3)
@@ -126,9 +130,9 @@ def test_zero3_pair_broadcasts_to_two_engines_in_buckets_and_they_hold_the_learn
     try:
         initial_checksum = weight_broadcast.weights_checksum(tensor for _, tensor in learners.weights_for_engine())
         one_ppo_step(learners, *fixed_rollout(tokenizer), RewardManager(args.reward))
-        group_info = connect_engines(learners, engines, args.dist)
+        transfer = connect_engines(learners, engines, args.dist)
         sending = weight_broadcast.run_beside(learners.broadcast_weights)
-        received = engines.receive_weights(policy_version=1)
+        received = engines.receive_weights(1, threading.Event())
         sent = sending.result(120, "broadcast")
         gathered = learners.weights_for_engine()  # the same weights, gathered to the driver through Ray
     finally:
@@ -136,7 +140,8 @@ def test_zero3_pair_broadcasts_to_two_engines_in_buckets_and_they_hold_the_learn
 
     num_tensors = len(gathered)
     # One call per engine, one collective per bucket: the 25 MB embedding alone, the other 1.3 MB in 0.25 MB buckets.
-    assert group_info["buckets"] == sent["buckets"] and 3 <= sent["buckets"] < num_tensors / 2
+    assert transfer.transport == "gloo", "CPU engines and learners: the decision from their reports is gloo"
+    assert len(transfer.plan) == sent["buckets"] and 3 <= sent["buckets"] < num_tensors / 2
     assert sent["bytes"] == sum(t.numel() * t.element_size() for _, t in gathered)
     assert weight_broadcast.checksum_mismatch(sent["checksum"], weight_broadcast.weights_checksum(t for _, t in gathered)) is None
     assert weight_broadcast.checksum_mismatch(sent["checksum"], initial_checksum) is not None, "the step changed nothing"
@@ -215,3 +220,62 @@ def test_killing_an_engine_actor_ends_the_run_naming_it(ray_cluster, engines, ti
     assert process.returncode != 0
     assert "vLLM engine 1 died during" in stderr_text, last_lines(stderr_text)
     assert seconds < 60, f"the run took {seconds:.0f}s to end after its engine died"
+
+
+# ---- deadlines: the wait for the engines and the transfer are two waits ---------------------------------------------
+
+
+@needs_loopback_namespace
+def test_an_engine_slower_to_get_ready_than_the_transfer_deadline_delays_the_transfer_and_the_run_goes_on(
+    ray_cluster, tiny_model_dir, tmp_path
+):
+    """The engine is still generating the previous batch for GENERATION_S, longer than --vllm_sync_timeout_s, when the
+    learner sends the next policy. The learner waits for it under --queue_timeout_s and starts the transfer only once
+    it said it is ready; the transfer then takes a fraction of its own deadline and the next batch comes from the new
+    weights. (Before the handshake, learner rank 0 sat in the broadcast while the engine generated, and the transfer
+    deadline ended the run.)"""
+    from open_instruct.generation.engine_actors import EngineActor, EngineGroup, connect_engines
+    from open_instruct.generation.generation_thread import GenerationRequest, GenerationSettings, GenerationThread
+    from open_instruct.generation.rollout_requests import RolloutRequests, broadcast_metrics, check_weight_sync
+    from open_instruct.learner.ray_group import LearnerGroup
+
+    generation_s, transfer_timeout_s = 8.0, 4.0
+
+    class SlowToFinishGenerating(EngineActor):  # defined here: Ray ships it to the actor by value
+        def generate(self, *args, **kwargs):
+            time.sleep(generation_s)
+            return super().generate(*args, **kwargs)
+
+    flags = ["--ray_address", ray_cluster.address, "--vllm_num_engines", "1", "--queue_timeout_s", "180",
+             "--vllm_sync_timeout_s", str(transfer_timeout_s), "--output_dir", str(tmp_path / "output")]  # fmt: skip
+    args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, *flags])
+    tokenizer = load_tokenizer(tiny_model_dir)
+    config = EngineConfig(tiny_model_dir, max_model_len=256, weight_sync=args.dist.vllm_sync_backend)
+    settings = GenerationSettings(config, samples_per_prompt=1, temperature=1.0, response_length=8, stop_token_ids=[],
+                                  stop_strings=None)  # fmt: skip
+    engines = EngineGroup(config, 1, timeout_s=180, sync_timeout_s=transfer_timeout_s, actor_class=SlowToFinishGenerating)
+    learners = generator = None
+    try:
+        learners = LearnerGroup(args, compute_batch_sizes(args), tiny_model_dir, stop_token_ids_for(tokenizer, "eos"))
+        generator = GenerationThread(settings, timeout_s=180, engine=engines)
+        generator.start()
+        generator.wait_until_ready()
+        connect_engines(learners, engines, args.dist)
+        rollouts = RolloutRequests(generator, learners, None, tokenizer, None, None, 0, 0, transfer_timeout_s,
+                                   broadcast=True)  # fmt: skip
+        prompts = prompt_ids(tiny_model_dir, 2)
+        rollouts.send_weights_and(GenerationRequest(0, None, prompts))  # the engine generates this for 8 s
+        sent = rollouts.send_weights_and(GenerationRequest(1, None, prompts))  # policy version 1, meanwhile
+        first, second = generator.receive(), generator.receive()
+    finally:
+        if generator is not None:
+            generator.shutdown()
+        if learners is not None:
+            learners.shutdown()
+        engines.shutdown()
+    metrics = broadcast_metrics(sent)
+    print(f"engine ready wait {metrics['time/engine_ready_wait']:.2f}s, transfer {metrics['time/weight_broadcast']:.2f}s")
+    assert [first.policy_version, second.policy_version] == [0, 1]
+    check_weight_sync(second, sent)  # the engine loaded exactly what learner rank 0 sent
+    assert metrics["time/engine_ready_wait"] > transfer_timeout_s, "the engine was not slower than the deadline"
+    assert metrics["time/weight_broadcast"] < transfer_timeout_s / 2, "the transfer time includes the engine's wait"

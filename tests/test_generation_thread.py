@@ -3,8 +3,9 @@ and a wait on the queues ends with a message instead of hanging.
 
 Only the first test starts the real engine (it fails at creation, after `import vllm`, ~10 s); the others need
 a thread that is alive but never produces anything, or one that ended, which `serve` overrides give without an
-engine. The last two put a thread whose engine "dies" beside a learner whose broadcast breaks: which error the
-learner reports does not depend on a race (tests/test_engine_actors.py kills a real engine actor, where it does).
+engine. The last three put a thread whose engines "die", idle or never get ready beside a learner whose broadcast
+breaks: which error the learner reports does not depend on a race (tests/test_engine_actors.py kills a real engine
+actor, where it does), and learner rank 0 never sends before the engines said they are ready.
 The full loop with a working engine runs in tests/test_ppo_trainer.py.
 """
 
@@ -117,31 +118,54 @@ def test_shutdown_stops_an_idle_thread_promptly(idle_thread):
 
 
 class EngineDiesWhileReceiving(GenerationThread):
-    """Takes the broadcast request and, `after_s` later, fails as EngineGroup.receive_weights does when Ray reports
-    that an engine actor died (a killed engine; tests/test_engine_actors.py kills a real one)."""
+    """Takes the broadcast request, says the engines are ready and, `after_s` later, fails as
+    EngineGroup.receive_weights does when Ray reports that an engine actor died (a killed engine;
+    tests/test_engine_actors.py kills a real one)."""
 
     after_s = 1.0
 
     def serve(self) -> None:
         request = self._wait(self.param_prompt_Q.get, "the broadcast request", stop_aware=True)
         assert request.broadcast
+        request.engines_ready.set()
         time.sleep(self.after_s)
         raise RuntimeError("vLLM engine 1 died during receive_weights: The actor died unexpectedly")
+
+
+class ReadyThenIdle(GenerationThread):
+    """Takes the broadcast request, says the engines are ready, then never receives: live engines whose side of the
+    transfer sits waiting while the learner's fails."""
+
+    def serve(self) -> None:
+        request = self._wait(self.param_prompt_Q.get, "the broadcast request", stop_aware=True)
+        request.engines_ready.set()
+        self._stop_requested.wait()
+
+
+class NeverReady(GenerationThread):
+    """Takes the broadcast request and never says the engines are ready (an engine still generating)."""
+
+    def serve(self) -> None:
+        self._wait(self.param_prompt_Q.get, "the broadcast request", stop_aware=True)
+        self._stop_requested.wait()
 
 
 class LearnerWhoseBroadcastBreaks:
     """Learner rank 0's side of the same broadcast: gloo fails at once when a receiver's connection drops."""
 
+    calls = 0
+
     def broadcast_weights(self):
+        self.calls += 1
         raise RuntimeError("learner rank 0 failed in broadcast_weights: RuntimeError: Connection reset by peer")
 
 
-def send_broadcast(thread: GenerationThread):
+def send_broadcast(thread: GenerationThread, learner=None):
     from open_instruct.generation.rollout_requests import RolloutRequests
 
-    thread.engine = "engine actors"  # what makes RolloutRequests broadcast instead of passing tensors
     thread.start()
-    requests = RolloutRequests(thread, LearnerWhoseBroadcastBreaks(), None, None, None, None, 0, 0, sync_timeout_s=60)
+    learner = learner or LearnerWhoseBroadcastBreaks()
+    requests = RolloutRequests(thread, learner, None, None, None, None, 0, 0, sync_timeout_s=60, broadcast=True)
     return requests.send_weights_and(GenerationRequest(1, None, [[1, 2]]))
 
 
@@ -155,7 +179,7 @@ def test_a_broadcast_that_fails_on_its_own_reports_the_learner_after_the_grace(m
     from open_instruct.generation import rollout_requests
 
     monkeypatch.setattr(rollout_requests, "PEER_DEATH_GRACE_S", 1.0)
-    thread = IdleGenerationThread(settings("unused"), poll_s=0.05, timeout_s=30.0)
+    thread = ReadyThenIdle(settings("unused"), poll_s=0.05, timeout_s=30.0)
     start = time.time()
     try:
         with pytest.raises(RuntimeError, match="^learner rank 0 failed in broadcast_weights"):
@@ -163,3 +187,18 @@ def test_a_broadcast_that_fails_on_its_own_reports_the_learner_after_the_grace(m
         assert 1.0 <= time.time() - start < 5.0
     finally:
         thread.shutdown()
+
+
+def test_learner_rank_0_sends_nothing_until_the_engines_are_ready_and_that_wait_has_its_own_deadline():
+    """The transfer starts only after the engines' round trip: engines that never get ready end the wait after
+    --queue_timeout_s (the generation wait, here 1 s), with a message naming that wait, and nothing was sent."""
+    thread = NeverReady(settings("unused"), poll_s=0.05, timeout_s=1.0)
+    learner = LearnerWhoseBroadcastBreaks()
+    start = time.time()
+    try:
+        with pytest.raises(TimeoutError, match="to have the engines ready to receive the weights; raise --queue_timeout_s"):
+            send_broadcast(thread, learner)
+    finally:
+        thread.shutdown()
+    assert learner.calls == 0, "learner rank 0 started sending before the engines were ready"
+    assert 1.0 <= time.time() - start < 3.0

@@ -15,6 +15,7 @@ The group-advantage math itself is tested in test_rl_math.py. Here:
 
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -167,7 +168,7 @@ def test_ray_learner_ranks_build_the_runs_learner_class(tiny_model_dir, monkeypa
     from open_instruct.learner.ray_group import LearnerRank
     from open_instruct.learner.single_process import SingleProcess
 
-    monkeypatch.setattr(deepspeed_backend, "init_process_group", lambda *args: None)
+    monkeypatch.setattr(deepspeed_backend, "init_process_group", lambda *args, **kwargs: None)
     monkeypatch.setattr(deepspeed_backend, "DeepSpeedBackend", lambda *args: SingleProcess())
     args = parse_args(["--model_name_or_path", tiny_model_dir, *LEARNER_FLAGS, "--beta", "0"], algorithm="grpo")
     rank = LearnerRank(0)
@@ -206,11 +207,12 @@ def test_algorithm_defaults_follow_the_entry_point_and_lose_to_given_flags():
                 args.run.output_dir)
 
     tiny = ["--model_name_or_path", "tiny"]
-    assert settings(parse_args(tiny, algorithm="grpo")) == ("grpo", True, "k3", 1, False, "output/grpo")
+    grpo_output = os.path.abspath("output/grpo")  # made absolute where the trainer starts
+    assert settings(parse_args(tiny, algorithm="grpo")) == ("grpo", True, "k3", 1, False, grpo_output)
     assert parse_args(tiny, algorithm="grpo").run.run_name.startswith("grpo__")
     given = parse_args([*tiny, "--num_epochs", "2", "--whiten_advantages", "true"], algorithm="grpo")
     assert (given.ppo.num_epochs, given.ppo.whiten_advantages) == (2, True)
-    assert settings(parse_args(tiny)) == ("ppo", False, "k1", 4, True, "output/ppo")
+    assert settings(parse_args(tiny)) == ("ppo", False, "k1", 4, True, os.path.abspath("output/ppo"))
     assert settings(parse_args([*tiny, "--algorithm", "grpo"]))[3] == 1  # --algorithm itself brings the defaults too
 
 

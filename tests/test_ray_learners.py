@@ -223,7 +223,8 @@ def assert_two_ranks_take_the_step(
     from open_instruct.learner.ray_group import LearnerGroup
 
     initial, expected_params, expected_metrics = single_process_step
-    flags = ["--num_learners_per_node", "1", "1", "--deepspeed_stage", str(stage), "--ray_address", ray_cluster.address]
+    flags = ["--num_learners_per_node", "1", "1", "--deepspeed_stage", str(stage), "--ray_address", ray_cluster.address,
+             "--output_dir", str(tmp_path / "output")]  # fmt: skip
     args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, *flags, *switches])
     sizes = compute_batch_sizes(args)
     assert (sizes.num_learners, sizes.gradient_accumulation_steps) == (2, 1)  # the single process accumulates 2
@@ -306,6 +307,10 @@ def test_ray_run_logs_every_metric_and_the_expected_policy_versions(ray_run):
         missing = [key for key in STEP_METRICS if key not in line]
         assert not missing, f"step {step} did not log {missing}"
         assert all(is_finite_number(line[key]) for key in STEP_METRICS), line
+        # The trainer's in-process engine got each new policy by learner rank 0's transfer (gloo here), which logs
+        # these, not by the whole model through Ray's object store (version 0 is the engine's own: no transfer).
+        transfer = ["time/engine_ready_wait", "time/weight_broadcast", "weight_broadcast/buckets"]
+        assert all(key in line for key in transfer) == (line["policy_version/rollout"] > 0), line
         assert line["policy_version/learner"] == step - 1
         assert line["policy_version/rollout"] == (max(0, step - 2) if ray_run.async_mode else step - 1)
         assert line["episode"] == step * 8

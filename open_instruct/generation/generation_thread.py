@@ -11,9 +11,12 @@ Size 1 is the whole scheduling policy: the learner can run at most one batch ahe
 generator, which gives the "generate with policy k while training policy k+1" overlap and never
 lets the data drift more than one version behind.
 
-Behind the thread sits either one vLLM engine in this process (`InProcessEngine`: the learner's tensors are
-handed over by reference) or engine actors on Ray (engine_group.EngineGroup, --vllm_num_engines): then a request
-with `broadcast=True` makes the engines receive the weights that learner rank 0 broadcasts at the same time.
+Behind the thread sits either one vLLM engine in this process (`InProcessEngine`: the single-process learner's
+tensors are handed over by reference) or engine actors on Ray (engine_actors.EngineGroup, --vllm_num_engines). With
+Ray learners, a request with `broadcast=True` makes the engines (actors, or the in-process one) receive the weights
+learner rank 0 sends: first a round trip in which every engine says it is ready (`engines_ready`, awaited by the
+learner under --queue_timeout_s, since the engines may still be generating), then the transfer itself, which the
+learner starts only then, under --vllm_sync_timeout_s (rollout_requests.py).
 
 Failure handling: any exception in the thread is stored and the thread ends; every queue wait in
 the learner wakes up at least every `poll_s` seconds, sees the failure and raises it with its
@@ -29,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from open_instruct.generation import vllm_engine
+from open_instruct.run.args import ConfigError
 
 
 @dataclass
@@ -37,7 +41,11 @@ class GenerationRequest:
     weights: list[tuple[str, torch.Tensor]] | None  # None: keep the engine's current weights
     prompt_token_ids: list[list[int]]
     run_eval: bool = False
-    broadcast: bool = False  # engine actors: receive this version's weights from learner rank 0's broadcast first
+    broadcast: bool = False  # Ray learners: receive this version's weights from learner rank 0 first
+    # The handshake of a broadcast: set by this thread when every engine is ready to receive (learner rank 0 starts
+    # sending then), and by the learner when its side of the transfer ended (IPC: it drove the engines itself).
+    engines_ready: threading.Event = field(default_factory=threading.Event)
+    learner_done: threading.Event = field(default_factory=threading.Event)
     # Re-seeds the sampling noise before this request's generation (sampled eval: sampling_seed + 1), so that its
     # samples depend only on (seed, weights, prompts), not on what the engine generated before: exact resume.
     sampling_seed: int | None = None
@@ -77,10 +85,42 @@ def seed_sampling(seed: int | None) -> None:
 
 
 class InProcessEngine:
-    """One vLLM engine inside this process: weights arrive as tensors (by reference) and are loaded in place."""
+    """One vLLM engine inside this process: weights arrive as tensors (by reference) and are loaded in place, or, beside
+    Ray learner ranks, from learner rank 0's transfer (the same receiving side as an engine actor's; no model travels
+    through Ray's object store)."""
+
+    num_workers = 1
 
     def __init__(self, config: vllm_engine.EngineConfig):
         self.llm = vllm_engine.create_engine(config)
+        self.transfer = None
+
+    # ---- the receiving side of a transfer from Ray learners (as engine_actors.EngineGroup) ----
+    def device_reports(self) -> list[dict]:
+        from open_instruct.generation.weight_transfer import engine_device_reports
+
+        return engine_device_reports(self.llm)
+
+    def join_weight_group(self, transfer) -> None:
+        from open_instruct.generation import weight_transfer
+
+        if transfer.transport == "ipc":
+            raise ConfigError(
+                "the trainer's in-process engine shares a GPU with a learner rank, which only engine actors can "
+                "(CUDA IPC); pass --vllm_num_engines N --single_gpu_mode, or --vllm_sync_backend gloo."
+            )
+        weight_transfer.join(self.llm, transfer, first_rank=1)
+        self.transfer = transfer
+
+    def ready_to_receive(self, policy_version: int) -> None:
+        pass  # it runs in the generation thread itself, which is between batches when it gets here
+
+    def receive_weights(self, policy_version: int, learner_done: threading.Event) -> list[dict]:
+        from open_instruct.generation.weight_transfer import receive, transfer_result
+
+        start = time.time()
+        per_worker = receive(self.llm, self.transfer)
+        return [transfer_result(per_worker, time.time() - start)]
 
     def generate(self, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None):
         seed_sampling(sampling_seed)
@@ -114,6 +154,7 @@ class GenerationThread(threading.Thread):
         self.error_traceback = ""
         self._stop_requested = threading.Event()
         self._engine_ready = threading.Event()
+        self.local_engine: InProcessEngine | None = None  # the engine of this thread, once created
 
     # ---- generator side (this thread) ----
     def run(self) -> None:
@@ -125,7 +166,9 @@ class GenerationThread(threading.Thread):
 
     def serve(self) -> None:
         settings = self.settings
-        engine = self.engine if self.engine is not None else InProcessEngine(settings.engine)
+        if self.engine is None:
+            self.local_engine = InProcessEngine(settings.engine)
+        engine = self.weight_receivers
         self._engine_ready.set()
         common = dict(
             max_tokens=settings.response_length, stop_token_ids=settings.stop_token_ids, stop_strings=settings.stop_strings
@@ -141,7 +184,9 @@ class GenerationThread(threading.Thread):
                 return
             timings, checksums = {}, []
             if request.broadcast:
-                synced = engine.receive_weights(request.policy_version)
+                engine.ready_to_receive(request.policy_version)
+                request.engines_ready.set()  # learner rank 0 starts its transfer now
+                synced = engine.receive_weights(request.policy_version, request.learner_done)
                 timings["weight_sync"] = max(result["seconds"] for result in synced)
                 checksums = [result["checksums"] for result in synced]
             elif request.weights is not None:
@@ -204,14 +249,24 @@ class GenerationThread(threading.Thread):
                         f"--queue_timeout_s if generation is this slow, or check that the engine is not stuck."
                     )
 
-    def wait_until_ready(self) -> None:
-        """Block until the engine is up (on a shared GPU, vLLM must size its cache before the learner allocates)."""
+    def wait_for(self, event: threading.Event, what: str) -> None:
+        """Wait for `event`, set by this thread, as for a rollout: its failure raises at once, and after --queue_timeout_s
+        a TimeoutError says what was awaited."""
 
-        def wait_for_engine(timeout: float) -> None:
-            if not self._engine_ready.wait(timeout):
+        def wait_for_event(timeout: float) -> None:
+            if not event.wait(timeout):
                 raise queue.Empty
 
-        self._learner_wait(wait_for_engine, "start the vLLM engine")
+        self._learner_wait(wait_for_event, what)
+
+    @property
+    def weight_receivers(self):
+        """What receives learner rank 0's transfers: the engine actors, or this thread's own engine."""
+        return self.engine if self.engine is not None else self.local_engine
+
+    def wait_until_ready(self) -> None:
+        """Block until the engine is up (on a shared GPU, vLLM must size its cache before the learner allocates)."""
+        self.wait_for(self._engine_ready, "start the vLLM engine")
         if self.engine is not None:
             self.engine.wait_until_ready()
 

@@ -1,14 +1,21 @@
 """The learner's side of the generation thread: which prompts go out with which weights, and what is in flight.
 
 `RolloutRequests.send(version)` takes the next prompts (reshuffled each pass over the data), attaches the learner's
-weights of that policy version (in the request for the in-process engine; with engine actors as a broadcast from
-learner rank 0 that runs while the engines receive it), and remembers the request until the learner receives its
-rollout. A received rollout is checked to come from exactly the weights sent (the engines' checksums).
+weights of that policy version (in the request for the single-process learner's in-process engine; with Ray learners
+as a transfer from learner rank 0 to the engines), and remembers the request until the learner receives its rollout.
+A received rollout is checked to come from exactly the weights sent (the engines' checksums).
+
+A transfer has two deadlines, one per wait: first the engines must say they are ready to receive, which they do
+when they have finished the batch (and eval) they were generating, within --queue_timeout_s like any wait on
+generation (`time/engine_ready_wait`); only then does learner rank 0 start sending, and the transfer itself must end
+within --vllm_sync_timeout_s (`time/weight_broadcast`). So a long generation never eats into the transfer's deadline
+(nor into NCCL's watchdog), and the transfer time measures the transfer.
 
 vLLM's sampling noise is seeded per request (`sampling_seed`), so every batch depends only on (seed, request number,
 weights, prompts): a resumed run regenerates nothing differently.
 """
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -49,7 +56,7 @@ class InFlight:
     run_eval: bool
     rollout: Rollout | None = None
     eval_rollout: Rollout | None = None
-    weights_sent: dict | None = None  # engine actors: what learner rank 0 broadcast before this request (its checksum)
+    weights_sent: dict | None = None  # Ray learners: what learner rank 0 sent before this request (its checksum)
     snapshot_slot: int | None = None  # in-process engine: the learner's buffer holding this request's weights
 
     def receive(self, generator: GenerationThread) -> Rollout:
@@ -91,10 +98,13 @@ class RolloutRequests:
     """
 
     def __init__(self, generator: GenerationThread, learner, dataset, tokenizer, prompt_order: ShufflingIterator,
-                 eval_prompts: PromptBatch | None, eval_freq: int, seed: int, sync_timeout_s: float):  # fmt: skip
+                 eval_prompts: PromptBatch | None, eval_freq: int, seed: int, sync_timeout_s: float,
+                 broadcast: bool):  # fmt: skip
+        """`broadcast`: the learner is Ray learner ranks, whose rank 0 sends the weights to the engines (else the
+        single-process learner's tensors travel in the request)."""
         self.generator, self.learner, self.dataset, self.tokenizer = generator, learner, dataset, tokenizer
         self.prompt_order, self.eval_prompts, self.eval_freq, self.seed = prompt_order, eval_prompts, eval_freq, seed
-        self.broadcast, self.sync_timeout_s = generator.engine is not None, sync_timeout_s  # engine actors?
+        self.broadcast, self.sync_timeout_s = broadcast, sync_timeout_s
         self.in_flight: deque[InFlight] = deque()
         self.evaluated_versions: set[int] = set()
         self.requests_sent = 0
@@ -112,8 +122,9 @@ class RolloutRequests:
     def send_weights_and(self, request: GenerationRequest, slot: int | None = None) -> dict | None:
         """Send `request` with the learner's weights of its policy version (version 0: the engine's initial ones).
 
-        In-process engine: the tensors travel in the request (copied into the learner's buffer `slot`). Engine actors: the request tells them to receive, and
-        learner rank 0 broadcasts now; returns what it sent (checksum, timings).
+        Single-process learner: the tensors travel in the request (copied into the learner's buffer `slot`). Ray
+        learners: the request tells the engines to receive; once every engine has said it is ready, learner rank 0
+        sends. Returns what it sent (checksum, timings) and how long the engines took to get ready.
         """
         if request.policy_version == 0:
             self.generator.send(request)
@@ -124,9 +135,15 @@ class RolloutRequests:
             return None
         request.broadcast = True
         self.generator.send(request)
+        waiting_since = time.time()
+        self.generator.wait_for(request.engines_ready, "have the engines ready to receive the weights")
+        ready_wait = time.time() - waiting_since
         sending = run_beside(self.learner.broadcast_weights)
         try:
-            return sending.result(self.sync_timeout_s, "broadcast its weights", watch=self.generator.raise_if_failed)
+            try:
+                sent = sending.result(self.sync_timeout_s, "send its weights", watch=self.generator.raise_if_failed)
+            finally:
+                request.learner_done.set()  # the engines' side of an IPC transfer waits for it
         except GenerationThreadError:
             raise  # the engines' side failed first: that is already the cause
         except Exception:
@@ -135,6 +152,7 @@ class RolloutRequests:
             # The death is the cause the user must read, so it goes first if it comes.
             self.generator.raise_if_it_fails_within(PEER_DEATH_GRACE_S)
             raise
+        return {**sent, "ready_wait_seconds": ready_wait}
 
     def send(self, version: int) -> None:
         indices = next(self.prompt_order)
@@ -201,12 +219,18 @@ def check_weight_sync(rollout: Rollout, sent: dict | None) -> None:
 
 
 def broadcast_metrics(sent: dict | None) -> dict:
-    """Learner rank 0's side of the weight broadcast to engine actors (absent with the in-process engine)."""
+    """Learner rank 0's side of the weight transfer from Ray learners (absent for the single-process learner):
+    `time/engine_ready_wait` the wait for the engines to be ready to receive, `time/weight_broadcast` the transfer
+    alone; the gloo transport's copy into buckets and bucket count besides."""
     if sent is None:
         return {}
-    return {
+    metrics = {
+        "time/engine_ready_wait": sent["ready_wait_seconds"],
         "time/weight_broadcast": sent["seconds"],
-        "time/weight_broadcast_copy": sent["copy_seconds"],
         "weight_broadcast/megabytes": sent["bytes"] / 2**20,
-        "weight_broadcast/buckets": sent["buckets"],
     }
+    if "copy_seconds" in sent:
+        metrics["time/weight_broadcast_copy"] = sent["copy_seconds"]
+    if "buckets" in sent:
+        metrics["weight_broadcast/buckets"] = sent["buckets"]
+    return metrics

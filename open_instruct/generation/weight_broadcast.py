@@ -1,4 +1,5 @@
-"""Weight broadcast from learner rank 0 to the vLLM engine actors' workers, in flat buckets.
+"""Weight broadcast from learner rank 0 to the vLLM engines' workers, in flat buckets (the gloo transport; see
+weight_transfer.py for the choice between it and vLLM's own NCCL and IPC transfer engines on GPUs).
 
 One torch.distributed group spans learner rank 0 (group rank 0) and every engine worker (ranks 1..). It is created
 with vLLM's `stateless_init_torch_distributed_process_group`, so neither the learners' DeepSpeed group nor vLLM's own
@@ -82,6 +83,23 @@ def add_to_checksum(checksum: dict[str, int], tensor: torch.Tensor) -> None:
     checksum["word_sum"] += int(words.sum(dtype=torch.int64).item())
 
 
+class StreamingChecksum:
+    """`add_to_checksum` for tensors on a GPU: each tensor's word sum stays on the device until `result()`, one host
+    sync per transfer instead of one per tensor (vLLM's NCCL and IPC transfers pack hundreds of tensors)."""
+
+    def __init__(self):
+        self.numel, self.partial_sums = 0, []
+
+    def add(self, tensor: torch.Tensor) -> None:
+        words = tensor.detach().contiguous().view(-1).view(WORD_DTYPES[tensor.element_size()])
+        self.numel += words.numel()
+        self.partial_sums.append(words.sum(dtype=torch.int64).reshape(1))
+
+    def result(self) -> dict[str, int]:
+        sums = torch.cat([part.cpu() for part in self.partial_sums]).tolist() if self.partial_sums else []
+        return {"numel": self.numel, "word_sum": sum(int(value) for value in sums)}
+
+
 def weights_checksum(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
     """The checksum of tensors taken in any order and layout (a sum: fused, reordered or concatenated alike)."""
     checksum = new_checksum()
@@ -106,13 +124,6 @@ def init_group(host: str, port: int, rank: int, world_size: int, backend: str, t
     return stateless_init_torch_distributed_process_group(
         host, port, rank, world_size, backend, timeout=timedelta(seconds=timeout_s)
     )
-
-
-def resolve_backend(requested: str) -> str:
-    """--vllm_sync_backend: auto is NCCL when this machine has CUDA, else gloo."""
-    if requested != "auto":
-        return requested
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def buffer_device(backend: str, device) -> torch.device:
@@ -186,11 +197,50 @@ class ReceivedWeights:
 
 
 class WeightReceiverExtension:
-    """Mixed into every vLLM worker (`worker_extension_cls`); methods are called with `llm.collective_rpc`.
+    """Mixed into every vLLM worker of an engine fed by Ray learners (`worker_extension_cls`, see
+    vllm_engine.WORKER_EXTENSION); methods are called with `llm.collective_rpc`.
 
     Names carry an `oi_` prefix: vLLM refuses an extension whose names clash with the worker's own
     (`update_weights`, `reload_weights`, ...).
     """
+
+    def oi_device_report(self) -> dict:
+        """This worker's device as it sees it (run.devices.device_report), its weights' dtype, and the vLLM
+        weight-transfer engine it built (None: ours receives, over gloo)."""
+        from open_instruct.run.devices import device_report
+
+        transfer_config = self.vllm_config.weight_transfer_config
+        return {
+            **device_report(torch.device(self.device)),
+            "dtype": str(self.model_config.dtype).removeprefix("torch."),
+            "transfer_engine": transfer_config.backend if transfer_config is not None else None,
+        }
+
+    # ---- vLLM's own transfer engines (nccl, ipc): the checksum of what they hand the loader ----
+    def oi_watch_transfers(self) -> None:
+        """vLLM's NCCL and IPC transfer engines hand every received chunk to the model's `load_weights`: wrap it, so
+        this worker sums the raw words of exactly what it loads (the same words learner rank 0 summed as it sent)."""
+        model = self.weight_transfer_engine.model
+        load_weights = model.load_weights
+        self.oi_reset_transfer_checksum()
+
+        def load_weights_and_sum(weights):
+            weights = list(weights)
+            for _, tensor in weights:
+                self.oi_transfer_checksum.add(tensor)
+            self.oi_transfer_tensors += len(weights)
+            return load_weights(weights)
+
+        model.load_weights = load_weights_and_sum
+
+    def oi_reset_transfer_checksum(self) -> None:
+        self.oi_transfer_checksum, self.oi_transfer_tensors, self.oi_transfer_start = StreamingChecksum(), 0, time.time()
+
+    def oi_transfer_report(self) -> dict:
+        return {"seconds": time.time() - self.oi_transfer_start, "checksum": self.oi_transfer_checksum.result(),
+                "tensors": self.oi_transfer_tensors}  # fmt: skip
+
+    # ---- our gloo broadcast ----
 
     def oi_join_weight_group(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
                              timeout_s: float, plan: list[Bucket]) -> int:  # fmt: skip

@@ -31,20 +31,28 @@ from open_instruct.run.checkpoint import NonFiniteError
 DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "ds_configs"
 
 
-def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float) -> None:
-    """Join the learner group: gloo on CPUs, NCCL on GPUs. Rank 0 listens on master_addr:master_port."""
+def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, timeout_s: float,
+                       local_rank: int | None = None) -> None:  # fmt: skip
+    """Join the learner group: gloo on CPUs, NCCL on GPUs. Rank 0 listens on master_addr:master_port.
+    `local_rank`: this rank's CUDA device index in its process (run.devices.local_gpu_index; None: no GPU)."""
     os.environ.update(
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
-        LOCAL_RANK="0",  # each rank sees only its own device (Ray sets CUDA_VISIBLE_DEVICES per actor)
+        LOCAL_RANK=str(local_rank or 0),  # DeepSpeed reads it to pick this rank's device
     )
     if master_addr.startswith("127."):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU inference at init (minutes on 2 cores);
     # training never uses it.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    if torch.cuda.is_available():
+        # NCCL without `device_id`: DeepSpeed would bind the communicator to the device eagerly at init, the pattern
+        # open-instruct avoids because it hangs next to a vLLM weight-transfer group; this way the communicator is
+        # created at the first collective, on the device set here. DeepSpeed then adopts the initialised group.
+        torch.cuda.set_device(local_rank or 0)
+        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), rank=rank, world_size=world_size)
     deepspeed.init_distributed(
         dist_backend="nccl" if torch.cuda.is_available() else "gloo",
         auto_mpi_discovery=False,
@@ -193,21 +201,25 @@ class DeepSpeedBackend:
         weights = list(self.iter_named_weights(model, dtype))
         return weights if self.rank == 0 else None
 
-    def iter_named_weights(self, model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """(name, copy in `dtype`) of each parameter as the engine computes with it, in order; the tensor is None on
-        ranks other than 0. Under ZeRO-3 every rank must run the iterator to the end: each step gathers a parameter
-        (or, with --gather_whole_model, the first step gathers all of them)."""
+    def iter_named_weights(
+        self, model: nn.Module, dtype: torch.dtype, every_rank: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(name, copy in `dtype`) of each parameter as the engine computes with it, in order; the tensor is None on ranks other than 0 unless
+        `every_rank` (a CUDA IPC transfer: each rank shares its own copy). Under ZeRO-3 every rank must run the
+        iterator to the end: each step gathers a parameter (or, with --gather_whole_model, the first step gathers
+        all of them)."""
         module = unwrap(model)
+        keep = every_rank or self.rank == 0
         if self.stage != 3:
             for name, param in module.named_parameters():
-                yield name, param.detach().to(dtype=dtype, copy=True) if self.rank == 0 else None
+                yield name, param.detach().to(dtype=dtype, copy=True) if keep else None
             return
         named_params = list(module.named_parameters())
         groups = [named_params] if self.gather_whole_model else [[item] for item in named_params]
         for group in groups:
             with deepspeed.zero.GatheredParameters([param for _, param in group]):
                 for name, param in group:
-                    yield name, param.detach().to(dtype=dtype, copy=True) if self.rank == 0 else None
+                    yield name, param.detach().to(dtype=dtype, copy=True) if keep else None
 
     def weight_shapes(self, model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
         """The parameters' full shapes (ZeRO-3 keeps a partition; `ds_shape` is the whole)."""

@@ -13,7 +13,6 @@ import torch
 from open_instruct import rl
 from open_instruct.data.batches import PromptBatch
 from open_instruct.data.tokenizer import check_same_vocab, load_tokenizer
-from open_instruct.generation import weight_broadcast
 from open_instruct.generation.vllm_engine import Completion, engine_dtype
 from open_instruct.learner import models, saving
 from open_instruct.learner.experience import (
@@ -135,30 +134,6 @@ class PPOLearner:
         buffer `slot` where the backend keeps one (see learner_backend)."""
         dtype = getattr(torch, engine_dtype(self.args.gen.vllm_dtype))
         return self.backend.named_weights(self.policy, dtype, slot)
-
-    # ---- the weight broadcast to vLLM engine actors (weight_sync.py) ----
-    def weight_bucket_plan(self, bucket_bytes: int) -> list[weight_broadcast.Bucket]:
-        """How the policy is cut into broadcast buckets (the same on every rank; the engines get it once)."""
-        dtype = getattr(torch, engine_dtype(self.args.gen.vllm_dtype))
-        self.weight_plan = weight_broadcast.plan_buckets(self.backend.weight_shapes(self.policy), dtype, bucket_bytes)
-        return self.weight_plan
-
-    def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
-        """Rank 0 becomes rank 0 of the broadcast group (the engines' workers join at the same time)."""
-        self.weight_group, self.weight_device = None, weight_broadcast.buffer_device(backend, self.device)
-        if getattr(self.backend, "rank", 0) == 0:
-            self.weight_group = weight_broadcast.init_group(host, port, 0, world_size, backend, timeout_s)
-
-    def broadcast_weights(self) -> dict | None:
-        """Send the policy to the engines in buckets (rank 0); under ZeRO-3 every rank takes part in gathering it.
-        Returns, on rank 0, the checksum of what was sent, timings and sizes."""
-        dtype = getattr(torch, engine_dtype(self.args.gen.vllm_dtype))
-        named = self.backend.iter_named_weights(self.policy, dtype)
-        if self.weight_group is None:
-            for _ in named:  # gathers a parameter at each step under ZeRO-3
-                pass
-            return None
-        return weight_broadcast.send_buckets(self.weight_group, self.weight_plan, named, self.weight_device)
 
     @property
     def lr(self) -> float:

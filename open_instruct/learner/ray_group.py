@@ -5,8 +5,11 @@ deepspeed_backend.DeepSpeedBackend. The driver sends every rank the
 whole rollout (token ids, a few KB); the ranks split the forward passes and the minibatches between them
 and keep their experience; metrics come back from rank 0 (every rank computes the same global ones).
 
-Placement: one bundle per node entry of --num_learners_per_node, STRICT_SPREAD over nodes when several
-are given, PACK for one. Rank 0 is created first and hosts the torch.distributed rendezvous.
+Placement: run/placement.py (one bundle per node entry of --num_learners_per_node, STRICT_SPREAD over nodes when
+several are given, PACK for one; with --single_gpu_mode one bundle per rank, shared with its engine). Rank 0 is
+created first and hosts the torch.distributed rendezvous. Each rank computes on the GPU Ray gave it (its index in
+this process from Ray's GPU ids, run.devices.local_gpu_index) and reports its device to the driver before it loads a
+model: the driver decides from those reports (memory, the weight transfer), never from its own view.
 
 Failures: every call waits on all ranks at once with a deadline, so a rank that dies (while the others
 may sit in a collective waiting for it) ends the run at once with its name and cause, not a hang.
@@ -17,22 +20,24 @@ Imported only when Ray is used: the single-process trainer never loads ray or de
 import atexit
 import logging
 import os
+from collections.abc import Callable
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from open_instruct.data.batches import PromptBatch
 from open_instruct.generation.vllm_engine import Completion
+from open_instruct.generation.weight_transfer import WeightTransfer
 from open_instruct.learner.algorithms import learner_class
 from open_instruct.learner.experience import Experience
 from open_instruct.learner.ppo import PPOLearner
 from open_instruct.learner.saving import SavedModel
+from open_instruct.learner.weight_sender import WeightSender
 from open_instruct.rl.rewards import RewardManager
-from open_instruct.run.args import Args, BatchSizes
-from open_instruct.run.cluster import node_address_with_free_port, start_ray, wait_for_actors
+from open_instruct.run import devices
+from open_instruct.run.args import Args, BatchSizes, ConfigError
+from open_instruct.run.cluster import folder_problem, node_address_with_free_port, wait_for_actors, write_folder_token
+from open_instruct.run.placement import Placement, reserve_placement
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +53,37 @@ class LearnerRank:
         self.rank = rank
         self.learner: PPOLearner | None = None
         self.experience: Experience | None = None
+        self.sender: WeightSender | None = None
+        self.local_gpu: int | None = None
+        self.gpu_bound = False
+
+    def bind_gpu(self) -> int | None:
+        """The GPU Ray gave this rank, as torch numbers it in this process (None: none), made the current CUDA device
+        at the first call: not a hard-coded 0, which is wrong when Ray leaves CUDA_VISIBLE_DEVICES alone
+        (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES)."""
+        if not self.gpu_bound and ray.is_initialized():  # outside a Ray actor (tests): no GPU of Ray's
+            self.local_gpu = devices.local_gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+            if self.local_gpu is not None and torch.cuda.is_available():
+                torch.cuda.set_device(self.local_gpu)
+            self.gpu_bound = True
+        return self.local_gpu
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host a process group on."""
         return node_address_with_free_port()
 
     def where(self) -> dict:
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": ray.get_gpu_ids(),
+                "local_gpu": self.bind_gpu()}  # fmt: skip
+
+    def device_report(self) -> dict:
+        """This rank's device as it sees it (before any model loads: free memory is what the learner will have)."""
+        self.bind_gpu()
+        return {**devices.device_report(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def output_dir_problem(self, output_dir: str, token: str) -> str | None:
+        """Why this rank cannot write the run's output_dir as the driver sees it, or None."""
+        return folder_problem(output_dir, token)
 
     def setup(
         self, args: Args, sizes: BatchSizes, policy_path: str, stop_token_ids: list[int], master: tuple[str, int]
@@ -64,7 +93,8 @@ class LearnerRank:
         from open_instruct.data.tokenizer import load_tokenizer
         from open_instruct.learner import deepspeed_backend
 
-        deepspeed_backend.init_process_group(self.rank, sizes.num_learners, *master, args.dist.learner_timeout_s)
+        deepspeed_backend.init_process_group(self.rank, sizes.num_learners, *master, args.dist.learner_timeout_s,
+                                             local_rank=self.bind_gpu())  # fmt: skip
         backend = deepspeed_backend.DeepSpeedBackend(
             args.dist.deepspeed_stage,
             args.ppo.per_device_train_batch_size,
@@ -94,14 +124,15 @@ class LearnerRank:
     def lr(self) -> float:
         return self.learner.lr
 
-    def weight_bucket_plan(self, bucket_bytes: int):
-        return self.learner.weight_bucket_plan(bucket_bytes)
+    def weight_bucket_plan(self, bucket_bytes: int, dtype_name: str):
+        self.sender = WeightSender(self.learner)
+        return self.sender.plan(bucket_bytes, dtype_name)
 
-    def join_weight_group(self, *group_args) -> None:
-        self.learner.join_weight_group(*group_args)
+    def join_weight_group(self, transfer: WeightTransfer, client) -> None:
+        self.sender.join(transfer, client)
 
     def broadcast_weights(self) -> dict | None:
-        return self.learner.broadcast_weights()
+        return self.sender.send()
 
     def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel | None:
         return self.learner.save(output_dir, extra_files)
@@ -111,55 +142,55 @@ class ExperienceOnRanks:
     """Stands for the experience the ranks keep: `make_experience` leaves it there for `train`."""
 
 
-def reserve_learner_placement(dist) -> tuple:
-    """The learner ranks' placement group (one bundle per node entry of --num_learners_per_node) and GPUs per rank.
-
-    Reserved before the engine actors are placed, so that engines landing first cannot take the CPUs or GPUs of a
-    node that the learners' STRICT_SPREAD needs.
-    """
-    start_ray(dist.ray_address, dist.num_learners + dist.vllm_num_engines * dist.vllm_tensor_parallel_size)
-    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-    gpu_per_rank = (0.5 if dist.single_gpu_mode else 1) if use_gpu else 0  # single GPU mode: an engine takes the rest
-    bundles = [{"CPU": n, **({"GPU": n * gpu_per_rank} if use_gpu else {})} for n in dist.num_learners_per_node]
-    strategy = "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
-    group = placement_group(bundles, strategy=strategy)
-    try:
-        ray.get(group.ready(), timeout=dist.learner_timeout_s)
-    except GetTimeoutError:
-        remove_placement_group(group)
-        raise LearnerFailed(
-            f"Ray could not place learners {bundles} ({strategy}) within {dist.learner_timeout_s:.0f}s on a cluster "
-            f"with {ray.cluster_resources()}; lower --num_learners_per_node or add nodes."
-        ) from None
-    return group, gpu_per_rank
-
-
 class LearnerGroup:
-    """PPOLearner's methods (make_experience, train, weights_for_engine, save, lr) over Ray learner ranks."""
+    """PPOLearner's methods (make_experience, train, save, lr) and the weight transfer's over Ray learner ranks."""
 
-    def __init__(self, args: Args, sizes: BatchSizes, policy_path: str, stop_token_ids: list[int], placement=None):
-        """`placement`: from `reserve_learner_placement`, when it had to come before the engine actors' placement."""
+    def __init__(self, args: Args, sizes: BatchSizes, policy_path: str, stop_token_ids: list[int],
+                 placement: Placement | None = None, check_devices: Callable[[list[dict]], None] | None = None):  # fmt: skip
+        """`placement`: from `run.placement.reserve_placement`, when it had to come before the engine actors'.
+        `check_devices(reports)`: checks of the ranks' own device reports, run before any rank loads a model."""
         dist = args.dist
         self.timeout_s = dist.learner_timeout_s
-        self.placement_group, gpu_per_rank = placement or reserve_learner_placement(dist)
+        self.placement = placement or reserve_placement(dist)
         atexit.register(self.shutdown)
-        actor_class = ray.remote(num_cpus=1, num_gpus=gpu_per_rank)(LearnerRank)
-        bundle_of_rank = [node for node, count in enumerate(dist.num_learners_per_node) for _ in range(count)]
-        self.names = [f"learner rank {rank}" for rank in range(len(bundle_of_rank))]
+        self.names = [f"learner rank {rank}" for rank in range(dist.num_learners)]
         self.ranks = []
         try:
-            for rank, bundle in enumerate(bundle_of_rank):
-                in_bundle = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle)
-                self.ranks.append(actor_class.options(scheduling_strategy=in_bundle).remote(rank))
+            for rank in range(dist.num_learners):
+                self.ranks.append(ray.remote(LearnerRank).options(**self.placement.learner_options(rank)).remote(rank))
                 if rank == 0:  # rank 0 first: it hosts the rendezvous the others connect to
                     master = self._call_rank(0, "rendezvous_address")
             for name, where in zip(self.names, self._call_all("where")):
-                log.info(f"[ppo] {name}: pid {where['pid']} on node {where['node_id'][:12]}")
+                gpus = f", GPU {','.join(map(str, where['gpu_ids']))}" if where["gpu_ids"] else ""
+                log.info(f"[ppo] {name}: pid {where['pid']} on node {where['node_id'][:12]}{gpus}")
+            self.check_output_dir(args.run.output_dir)
+            self.reports = self._call_all("device_report")
+            if check_devices is not None:
+                check_devices(self.reports)
             computes = self._call_all("setup", args, sizes, policy_path, stop_token_ids, master)
         except BaseException:
             self.shutdown()  # a group that failed to start frees its actors and placement at once, not at exit
             raise
         log.info(f"[learner] rank 0 of {len(self.ranks)}, {computes[0]}")
+
+    def check_output_dir(self, output_dir: str) -> None:
+        """Learner rank 0 writes the model and checkpoints on its node: `output_dir` (absolute, as the driver resolved
+        it) must be the driver's folder there, on a file system both see."""
+        os.makedirs(output_dir, exist_ok=True)  # the trainer's RunDirectory made it already; tests may not have
+        token_path, token = write_folder_token(output_dir)
+        try:
+            problem = self._call_rank(0, "output_dir_problem", output_dir, token)
+        finally:
+            os.remove(token_path)
+        if problem is not None:
+            raise ConfigError(
+                f"--output_dir {output_dir} is not the same folder on learner rank 0's node ({problem}); give a path on "
+                "a file system every node shares (e.g. a network file system mounted at the same path)."
+            )
+
+    def device_reports(self) -> list[dict]:
+        """Each rank's own report of its device (rank 0 first), taken before the models loaded."""
+        return self.reports
 
     def _call_rank(self, rank: int, method: str, *method_args):
         return self._wait([getattr(self.ranks[rank], method).remote(*method_args)], [self.names[rank]], method)[0]
@@ -183,6 +214,8 @@ class LearnerGroup:
         return self._call_all("train")[0]
 
     def weights_for_engine(self, slot: int | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The whole policy through Ray's object store: for tests and benchmarks only. The trainer never calls it:
+        Ray learners send their weights to every engine, the in-process one included, by a transfer from rank 0."""
         return self._call_all("weights_for_engine")[0]  # `slot` unused: Ray hands over a copy in fresh memory
 
     @property
@@ -192,14 +225,16 @@ class LearnerGroup:
     def weight_group_address(self) -> tuple[str, int]:
         return self._call_rank(0, "rendezvous_address")
 
-    def weight_bucket_plan(self, bucket_bytes: int):
-        return self._call_rank(0, "weight_bucket_plan", bucket_bytes)
+    def weight_bucket_plan(self, bucket_bytes: int, dtype_name: str):
+        """The policy's tensors in sending order in the engines' dtype (the same on every rank)."""
+        return self._call_all("weight_bucket_plan", bucket_bytes, dtype_name)[0]
 
-    def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
-        self._call_all("join_weight_group", host, port, world_size, backend, timeout_s)
+    def join_weight_group(self, transfer: WeightTransfer, client=None) -> None:
+        """Rank 0 joins the engines' group (gloo, nccl); with ipc every rank builds vLLM's trainer side."""
+        self._call_all("join_weight_group", transfer, client)
 
     def broadcast_weights(self) -> dict:
-        """Every rank gathers (ZeRO-3), rank 0 sends; rank 0's report: checksum of what was sent, timings."""
+        """Every rank gathers (ZeRO-3) or shares its copy (IPC), rank 0 sends; rank 0's report: checksum, timings."""
         return self._call_all("broadcast_weights")[0]
 
     def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel:
@@ -220,6 +255,6 @@ class LearnerGroup:
         for rank in self.ranks:
             ray.kill(rank, no_restart=True)
         self.ranks = []
-        if self.placement_group is not None:
-            remove_placement_group(self.placement_group)
-            self.placement_group = None
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None

