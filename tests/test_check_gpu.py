@@ -76,3 +76,25 @@ def test_a_check_runs_only_where_its_gpus_are(needs, has, skipped, monkeypatch):
                         subprocess.CompletedProcess(command, 0, json.dumps({"check": "x", "status": "PASS"}), ""))  # fmt: skip
     row = check_gpu.run_check(check_gpu.Check("x", needs, ""), type("O", (), {"model": "tiny"})(), gpus=has)
     assert (row.status == "SKIP") == skipped and bool(ran) != skipped
+
+
+def test_the_memory_plan_check_plans_its_gpu_step_offline_and_judges_within_its_tolerance():
+    """The GPU check's own plan (its flags, the embedded model's config, a GPU device) is computed here without a GPU,
+    and the verdict passes a plan within MEMORY_PLAN_TOLERANCE of the measured peak only."""
+    from open_instruct.data.embedded import resolve_model_path
+    from open_instruct.data.tokenizer import load_tokenizer
+    from open_instruct.run.args import parse_args
+    from open_instruct.run.memory_plan import plan_memory
+    from open_instruct.run.model_shapes import run_model_shapes
+
+    check_gpu = load_check_gpu()
+    path = resolve_model_path("embedded")
+    prompts, completions = check_gpu.synthetic_rollout(load_tokenizer(path), 8, 512)
+    assert [len(c.token_ids) for c in completions] == [512] * 8
+    args = parse_args(["--model_name_or_path", path, "--per_device_train_batch_size", "4", "--response_length", "512",
+                       "--max_token_length", "640", "--max_prompt_token_length", "128", "--beta", "0.05"])  # fmt: skip
+    plan = plan_memory(args, run_model_shapes(args), "gpu", None, max(len(ids) for ids in prompts.token_ids))
+    assert 1e9 < plan.peak < 20e9, plan.peak
+    tolerance = check_gpu.MEMORY_PLAN_TOLERANCE
+    assert check_gpu.memory_plan_verdict(plan.peak, plan.peak * (1 + tolerance * 0.9)) == "PASS"
+    assert check_gpu.memory_plan_verdict(plan.peak, plan.peak / (1 + tolerance * 1.5)) == "FAIL"
