@@ -9,7 +9,9 @@ size the chunks change are fp32 either way) takes `make_experience` and `train` 
 holds `--responses` x `--response_tokens` positions). The step's peak memory is the process's peak RSS (VmHWM)
 after it was reset (/proc/self/clear_refs) once the models were loaded, minus the RSS at that point: what the step
 itself needed on top of the models and optimizer. The step is timed twice (the first warms up oneDNN kernels) and
-the second timing is reported. The rows run in `--rounds` interleaved rounds (the machine may be shared: each row's
+the second timing is reported. Each row runs with glibc's MALLOC_MMAP_THRESHOLD_ at 64 KiB, so that every tensor
+above it is mapped on its own and leaves the resident set when freed: the peak RSS then follows the live tensors
+(with glibc's default, a freed 32 MB block may stay in the heap and count again later). The rows run in `--rounds` interleaved rounds (the machine may be shared: each row's
 fastest round is reported, and its peak memory, which does not depend on the load, from the same round). Prints a table and writes JSON with --json.
 """
 
@@ -107,7 +109,8 @@ def main() -> None:
             command = [sys.executable, __file__, "--row", str(chunk_size), "--responses", str(options.responses),
                        "--response_tokens", str(options.response_tokens), "--model", options.model,
                        *(["--gradient_checkpointing"] if options.gradient_checkpointing else [])]  # fmt: skip
-            done = subprocess.run(command, check=False, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO})
+            env = {**os.environ, "PYTHONPATH": REPO, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            done = subprocess.run(command, check=False, capture_output=True, text=True, env=env)
             if done.returncode != 0:
                 sys.exit(f"row {chunk_size} failed:\n{done.stderr[-3000:]}")
             row = json.loads(done.stdout.strip().splitlines()[-1])
