@@ -236,9 +236,14 @@ def load_data(args: Args) -> RunData:
         )
         validate_models(args, policy_path, tokenizer)
         longest_prompt = max(len(ids) for ids in train_dataset["input_ids_prompt"])
-        if not args.dist.uses_ray:  # this process is the learner; Ray learner ranks are checked where they run
+        if not args.dist.uses_ray:  # this process is the learner
             device = learner_device()
             validate_memory(args, longest_prompt, device.type, free_memory_bytes(device))
+        elif args.dist.device_memory_gb is not None:  # the user gave the learners' memory: refuse before Ray starts
+            # torch.cuda.is_available() asks NVML for a count: no CUDA context on the driver. A head node without GPUs
+            # plans its learners as CPU ranks; give the memory plan's CLI --device gpu to see the GPU plan.
+            validate_memory(args, longest_prompt, "cuda" if torch.cuda.is_available() else "cpu", None)
+        # else Ray learner ranks are checked against learner rank 0's own report, before any of them loads a model
     # The eval split is small and fixed: read it from the dataset once, not row by row at every eval.
     eval_prompts = None
     if eval_dataset is not None:
@@ -355,8 +360,10 @@ def build_learner(args: Args, sizes: BatchSizes, data: RunData, placement=None, 
     from open_instruct.learner.ray_group import LearnerGroup  # imports ray; the single-process path never does
 
     def check_devices(reports: list[dict]) -> None:  # learner rank 0's own measure, before any rank loads a model
-        rank0 = reports[0]
-        validate_memory(args, data.longest_prompt, rank0["device_type"], rank0["free_memory_bytes"], "learner rank 0's")
+        if args.dist.device_memory_gb is None:  # else checked against it before Ray started
+            rank0 = reports[0]
+            validate_memory(args, data.longest_prompt, rank0["device_type"], rank0["free_memory_bytes"],
+                            "learner rank 0's")  # fmt: skip
 
     return LearnerGroup(args, sizes, data.policy_path, data.stop_token_ids, placement, check_devices)
 

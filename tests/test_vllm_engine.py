@@ -75,7 +75,7 @@ def test_learner_logprobs_match_the_engine_on_left_padded_batches(engine_and_mod
     from vllm import SamplingParams
 
     from open_instruct.data.batches import left_pad
-    from open_instruct.learner.models import response_logprobs
+    from open_instruct.learner.models import TokenLogprobs, response_logprobs
 
     llm, model, tokenizer, prompts = engine_and_model
     params = SamplingParams(n=2, temperature=1.0, max_tokens=16, logprobs=0, seed=0)
@@ -89,9 +89,8 @@ def test_learner_logprobs_match_the_engine_on_left_padded_batches(engine_and_mod
         response[row, : len(sample.token_ids)] = torch.tensor(sample.token_ids)
         response_mask[row, : len(sample.token_ids)] = 1
     with torch.no_grad():
-        learner_logprob, _ = response_logprobs(
-            model, torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1), query.shape[1], 1.0
-        )
+        query_response, attention_mask = torch.cat([query, response], 1), torch.cat([query_mask, response_mask], 1)
+        learner_logprob, _ = response_logprobs(TokenLogprobs(model), query_response, attention_mask, query.shape[1], 1.0)
     tolerance = 1e-3 if engine_dtype() == "float32" else 0.1
     for row, (_, sample) in enumerate(samples):
         engine_logprob = torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])

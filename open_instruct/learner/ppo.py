@@ -95,7 +95,7 @@ class PPOLearner:
             value_path = model_args.value_model_path or model_args.reward_model_path or policy_path
             value = ModelSpec("value model", value_path, scalar_head=True, pad_token_id=tokenizer.pad_token_id)
             self.value_model = models.TokenScores(load(value))
-        self.initial_weight_norm = weight_norm(self.policy)  # the divergence guard's yardstick
+        self.initial_weight_norm = weight_norm(self.policy, self.backend)  # the divergence guard's yardstick
         if model_args.gradient_checkpointing:
             self.policy.hf_model.gradient_checkpointing_enable()
         self.policy.train()
@@ -370,9 +370,8 @@ class PPOLearner:
         value_metrics = {}
         if self.value_model is not None:
             value_metrics = {"loss/value_avg": mean("vf_loss"), "val/clipfrac_avg": mean("vf_clipfrac")}
-        norm = weight_norm(self.policy)  # for the trainer's divergence guard (run/divergence.py)
-        if norm is not None and self.initial_weight_norm:
-            value_metrics["policy/weight_norm_vs_start"] = norm / self.initial_weight_norm
+        norm = weight_norm(self.policy, self.backend)  # for the trainer's divergence guard (run/divergence.py)
+        value_metrics["policy/weight_norm_vs_start"] = norm / self.initial_weight_norm
         return {
             "train/skipped_updates": float(skipped_updates),
             "loss/policy_avg": mean("pg_loss"),
@@ -456,10 +455,21 @@ class PPOLearner:
         )
 
 
-def weight_norm(model) -> float | None:
-    """The global L2 norm of a model's weights; None under ZeRO-3, where each rank holds only a shard of them."""
-    params = list(model.parameters())
-    if any(hasattr(param, "ds_tensor") for param in params):
-        return None
+def weight_norm(model, backend) -> float:
+    """The global L2 norm of a model's weights (the divergence guard's yardstick). Under ZeRO-3 each rank holds only
+    its partition of every tensor: each sums the squares of its own share and the ranks add them up (a collective:
+    every rank calls it)."""
+    squares, partitioned = torch.zeros((), dtype=torch.float64), False
     with torch.no_grad():
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.float()) for p in params])).item()
+        for param in backend.hf_model(model).parameters():
+            if hasattr(param, "ds_tensor"):
+                partitioned = True
+                share = param.ds_tensor.reshape(-1)
+                start = backend.rank * share.numel()  # a rank's flat range; the last one ends in padding
+                share = share[: max(0, min(share.numel(), param.ds_numel - start))]
+            else:
+                share = param
+            squares += torch.linalg.vector_norm(share, dtype=torch.float32).double().cpu() ** 2  # no copy of share
+    if partitioned:
+        squares = backend.all_sum(squares)
+    return float(squares.sqrt())
