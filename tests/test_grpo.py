@@ -89,13 +89,18 @@ def row_advantages(exp) -> list[float]:
 def test_grpo_learner_builds_no_value_model_and_its_advantages_are_the_group_normalised_scores(
     tiny_model_dir, rollout, monkeypatch
 ):
-    scalar_models = []
-    real_load = models.load_scalar_model
-    monkeypatch.setattr(models, "load_scalar_model", lambda *a, **k: scalar_models.append(a) or real_load(*a, **k))
+    loaded_roles = []  # every model the learner's backend loads (SingleProcess.load_model -> models.load_model)
+    real_load = models.load_model
+    def logged_load(spec, *rest):
+        loaded_roles.append(spec.role)
+        return real_load(spec, *rest)
+
+    monkeypatch.setattr(models, "load_model", logged_load)
     prompts, completions = rollout
     learner, reward_manager = build_grpo_learner(tiny_model_dir)
     assert isinstance(learner, GRPOLearner) and learner.args.ppo.algorithm == "grpo"
-    assert scalar_models == [] and learner.value_model is None and learner.trainers == (learner.policy_trainer,)
+    assert loaded_roles == ["policy", "reference policy"]  # no scalar-head model: no value model
+    assert learner.value_model is None and learner.trainers == (learner.policy_trainer,)
     assert learner.ref_policy is not None  # --beta 0.05 by default: the KL to the reference is a loss term
 
     exp, metrics, samples = learner.make_experience(prompts, completions, reward_manager)

@@ -96,7 +96,8 @@ def test_attention_dropout_in_the_checkpoint_is_off_in_train_mode(tiny_model_dir
     input_ids = torch.tensor([[1, 5, 9, 14, 3, 8]])
     for load in (
         lambda: models.load_policy(str(folder), torch.device("cpu")),
-        lambda: models.load_scalar_model(str(folder), torch.device("cpu"), trainable=True, pad_token_id=0),
+        lambda: models.load_model(models.ModelSpec("value model", str(folder), scalar_head=True, pad_token_id=0),
+                                  torch.device("cpu")),
     ):
         model = load().train()
         with torch.no_grad():
@@ -189,5 +190,6 @@ def test_a_checkpoint_missing_weights_is_said_in_one_line_of_ours(tiny_model_dir
     models.load_policy(str(broken), torch.device("cpu"))
     err = capsys.readouterr().err
     assert "the policy checkpoint" in err and "lacks 1 weight(s) (model.layers.1.mlp.down_proj.weight)" in err
-    models.load_scalar_model(str(tiny_model_dir), torch.device("cpu"), trainable=True, pad_token_id=0)
+    value = models.ModelSpec("value model", str(tiny_model_dir), scalar_head=True, pad_token_id=0)
+    models.load_model(value, torch.device("cpu"))
     assert "lacks" not in capsys.readouterr().err  # the value model's new score head is expected to be missing

@@ -111,18 +111,6 @@ def load_policy(path: str, device: torch.device, revision: str | None = None, tr
     return load_model(ModelSpec("policy" if trainable else "reference policy", path, revision, trainable), device)
 
 
-def load_scalar_model(
-    path: str, device: torch.device, *, trainable: bool, pad_token_id: int, revision: str | None = None
-) -> nn.Module:
-    """A backbone with a 1-output `score` head: the value model (trainable) or a reward model (frozen).
-
-    A causal-LM checkpoint has no score head, so transformers creates one; its init is then reset
-    to the PPO value-head init. A reward-model checkpoint keeps its trained head.
-    """
-    role = "value model" if trainable else "reward model"
-    return load_model(ModelSpec(role, path, revision, trainable, scalar_head=True, pad_token_id=pad_token_id), device)
-
-
 def restate_missing_weights(role: str, path: str, missing: list[str]) -> None:
     """One warning line of ours for weights the checkpoint lacked (transformers' own report goes to the library log):
     they start from random values, which for a policy or a reward model's head means a broken run."""
