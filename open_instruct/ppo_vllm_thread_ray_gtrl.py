@@ -18,6 +18,7 @@ rollout, score + advantages, PPO epochs, log, eval, save} -> final eval, save, p
 """
 
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -109,7 +110,7 @@ def train(
     logger = open_logger(args, sizes, resume, data)
     last_step = resume.step if resume else 0
     try:
-        with start_workers(args, sizes, data, resume) as (generator, learner, rollouts):
+        with start_workers(args, sizes, data, resume, stop) as (generator, learner, rollouts):
             run = Run(args, sizes, data, logger, RewardManager(args.reward), generator, learner, rollouts, stop,
                       start_time, run_dir)  # fmt: skip
             if not rollouts.in_flight:
@@ -128,6 +129,11 @@ def train(
         except OSError as failure:  # a full disk: the error line matters more than summary.json
             say(f"[ppo] warning: could not record the failure in summary.json: {one_line(failure)}", error=True)
         raise
+    finally:
+        if args.dist.uses_ray:  # this job's actors go now, while Ray's last worker logs still go to the library log
+            from open_instruct.run.cluster import stop_ray
+
+            stop_ray()
     result["time/from_scratch"] = time.time() - start_time
     return result
 
@@ -138,7 +144,11 @@ def train_step(run: "Run", step: int) -> None:
     policy k-1's batch); sync mode after."""
     args, sizes, learner, rollouts = run.args, run.sizes, run.learner, run.rollouts
     if run.stop.requested:  # SIGTERM/SIGINT: stop between steps, with a checkpoint of the last one
-        raise Preempted(run.stop.signum, step - 1, save_checkpoint(run, step - 1))
+        # Half of what is left of --preemption_timeout_s may go to waiting for a rollout in flight; the rest is the
+        # checkpoint's (a rollout it cannot wait for is generated again on resume).
+        if run.checkpointed is None or run.checkpointed[0] != step - 1:  # --save_freq may have just written it
+            save_checkpoint(run, step - 1, wait_s=run.stop.seconds_left() / 2)
+        raise Preempted(run.stop.signum, step - 1, run.checkpointed[1])
     step_start = time.time()
     sends_again = step < sizes.num_training_steps
     if args.gen.async_mode and sends_again:
@@ -181,6 +191,8 @@ def train_step(run: "Run", step: int) -> None:
     check_divergence(metrics, step, args.ppo.learning_rate)  # after logging (metrics.jsonl shows it), before saving
     if sizes.save_freq > 0 and step % sizes.save_freq == 0:
         save_checkpoint(run, step)
+    if args.run.save_model_freq > 0 and step % args.run.save_model_freq == 0 and step < sizes.num_training_steps:
+        save_model_snapshot(run, step)
 
 
 def expected_rollout_version(step: int, async_mode: bool) -> int:
@@ -223,6 +235,7 @@ class Run:
     start_time: float
     run_dir: RunDirectory  # the output_dir; holds an overwritten run until this one has a checkpoint or model
     progress: tqdm | None = None
+    checkpointed: tuple[int, str] | None = None  # the step and folder of the newest checkpoint this process wrote
 
 
 def load_data(args: Args) -> RunData:
@@ -276,14 +289,16 @@ def open_logger(args: Args, sizes: BatchSizes, resume: checkpoint.Checkpoint | N
 
 
 @contextmanager
-def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoint.Checkpoint | None):
+def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoint.Checkpoint | None,
+                  stop: StopRequest):  # fmt: skip
     """The generation thread (its engine loads while the learner does), the learner, and the rollout requests between
-    them, restored from `resume`; the generation side is stopped on the way out."""
-    placement = None
+    them, restored from `resume`; the generation side is stopped on the way out, and the learner too on an error."""
+    placement = learner = None
     if args.dist.uses_ray:  # reserve the learners' bundles first: engine actors placed before could take them
         from open_instruct.run.placement import reserve_placement
 
-        placement = reserve_placement(args.dist)
+        placement = reserve_placement(args.dist)  # starts Ray, or joins --ray_address
+        stop.install()  # ray.init replaced our SIGTERM handler with its own (sys.exit): a preemption must checkpoint
     compute_dtype = None
     if not args.dist.uses_ray:  # the dtype probe times matmuls: run it before the engine loads on the same cores
         compute_dtype = learner_compute_dtype(args.model.learner_compute_dtype, learner_device())
@@ -304,9 +319,17 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
                                    data.eval_prompts, sizes.eval_freq, args.run.seed, args.dist.vllm_sync_timeout_s,
                                    broadcast=args.dist.uses_ray)  # fmt: skip
         if resume is not None:
-            learner.load_state_dict(resume.learner_state)
+            learner.read_checkpoint(resume.path)
             rollouts.load_state_dict(resume.trainer_state)
+            for version in rollouts.send_unfinished(learner_version=resume.step):
+                say(f"[ppo] warning: the batch of policy {version} was not finished when {resume.path} was written; "
+                    f"policy {resume.step} generates it again, so from here this run differs from an uninterrupted one",
+                    error=True)  # fmt: skip
         yield generator, learner, rollouts
+    except BaseException:
+        if learner is not None and hasattr(learner, "shutdown"):  # Ray learner ranks: stopped now, not at exit
+            learner.shutdown()  # (after a run that ends well they still save the final model, then stop at exit)
+        raise
     finally:
         generator.shutdown()
         if generator.engine is not None:
@@ -379,8 +402,9 @@ def log_eval(run: Run, eval_rollout, step: int) -> dict:
     return metrics
 
 
-def save_checkpoint(run: Run, step: int) -> str:
-    """checkpoints/step_{step}: the learner's state, the trainer's (with the rollouts in flight) and every flag."""
+def save_checkpoint(run: Run, step: int, wait_s: float | None = None) -> checkpoint.SavedCheckpoint:
+    """checkpoints/step_{step}: the learner's state (Ray learner ranks write theirs in parallel), the trainer's (with
+    the rollouts in flight, waited for at most `wait_s`) and every flag."""
     trainer_state = {
         "step": step,
         "episode": step * run.sizes.rollout_batch_size,
@@ -388,13 +412,48 @@ def save_checkpoint(run: Run, step: int) -> str:
         "run_id": run.args.run.run_name,
         "wandb_run_id": run.logger.wandb_run_id,
         "time_from_scratch": time.time() - run.start_time,
-        **run.rollouts.state_dict(),
+        **run.rollouts.state_dict(learner_version=step, wait_s=wait_s),
     }
-    path = checkpoint.save_checkpoint(
-        run.args.run.output_dir, step, run.learner.state_dict(), trainer_state, run.args, run.args.run.keep_last_n
+    saved = checkpoint.save_checkpoint(
+        run.args.run.output_dir, step, run.learner, trainer_state, run.args, run.args.run.keep_last_n
     )
+    say(f"[ppo] checkpoint {os.path.relpath(saved.path, run.args.run.output_dir)}: {saved.bytes / 1e9:.2f} GB in "
+        f"{saved.seconds:.1f}s")  # fmt: skip
     run.run_dir.release_earlier_run()
-    return path
+    run.checkpointed = (step, saved.path)
+    return saved
+
+
+def save_model_snapshot(run: Run, step: int) -> None:
+    """--save_model_freq: the current policy as a loadable HF folder, output_dir/model_step_{step} (fp32 masters by
+    default, in --save_dtype), so a long run leaves a usable model before its end; only the newest --keep_last_n stay.
+    A snapshot that does not fit on the disk is skipped with a warning: the run goes on."""
+    args = run.args
+    folder = os.path.join(args.run.output_dir, f"model_step_{step}")
+    started = time.time()
+    needed = final_model_size(args, run.data)
+    try:
+        if needed is not None:
+            disk_space.require_space(args.run.output_dir, needed, f"model_step_{step} not written")
+        with disk_space.out_of_space_as_error(args.run.output_dir, needed, f"model_step_{step} not written"):
+            saved = run.learner.save(folder, extra_files={"open_instruct_args.json": args.as_flat_dict()})
+    except disk_space.DiskFullError as error:
+        say(f"[ppo] warning: {error}; the run goes on", error=True)
+        return
+    say(f"[ppo] model snapshot {os.path.basename(folder)} ({saved.dtype}, weights_sha256 {saved.weights_sha256[:12]}) "
+        f"in {time.time() - started:.1f}s")  # fmt: skip
+    for old in model_snapshots(args.run.output_dir)[: -args.run.keep_last_n]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def model_snapshots(output_dir: str) -> list[str]:
+    """The model_step_N folders of `output_dir` that a save completed, oldest first."""
+    found = []
+    for name in os.listdir(output_dir):
+        prefix, _, number = name.rpartition("_")
+        if prefix == "model_step" and number.isdigit() and os.path.isfile(os.path.join(output_dir, name, "config.json")):
+            found.append((int(number), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found)]
 
 
 def evaluate_final_policy(run: Run) -> dict:

@@ -9,11 +9,14 @@ Faults:
   generating with its start weights while the learner moves on.
 - `nan_loss`: the third call of `rl.policy_loss` (made by the learner) returns a NaN loss, still attached to
   the graph, so backward sends NaN into every gradient.
+- `learner_rank_dies_in_checkpoint`: Ray learner rank 1 dies (os._exit) in the middle of writing the checkpoint of
+  step 4: after its share of the policy's DeepSpeed checkpoint, before the value model's and its own file.
 
 tests/test_ppo_trainer.py and tests/test_resume.py check that each ends the run (or, for `nan_loss` with
 --skip_nonfinite_updates, skips that one update) with its cause, without hanging, and that nothing bad reaches disk.
 """
 
+import os
 import sys
 
 from open_instruct import ppo_vllm_thread_ray_gtrl
@@ -53,6 +56,20 @@ def policy_loss_with_one_nan(*args, **kwargs):
     return (pg_loss, *rest)
 
 
+def learner_rank_dying_in_checkpoint():
+    from open_instruct.learner import ray_group
+
+    class RankDyingInCheckpoint(ray_group.LearnerRank):  # defined in __main__: Ray ships the class itself to the actor
+        def write_checkpoint(self, folder: str) -> int:
+            if self.rank == 1 and os.path.basename(folder).startswith(".step_4-"):
+                backend = self.learner.backend
+                backend.save_engine_checkpoint(self.learner.policy_trainer, os.path.join(folder, "policy"), "policy")
+                os._exit(1)
+            return super().write_checkpoint(folder)
+
+    return RankDyingInCheckpoint
+
+
 FAULTS = {
     "generation_crash": (vllm_engine, "generate", generate_then_fail),
     "skip_weight_sync": (vllm_engine, "load_weights", load_nothing),
@@ -60,6 +77,10 @@ FAULTS = {
 }
 
 if __name__ == "__main__":
+    if sys.argv[1] == "learner_rank_dies_in_checkpoint":
+        from open_instruct.learner import ray_group
+
+        FAULTS[sys.argv[1]] = (ray_group, "LearnerRank", learner_rank_dying_in_checkpoint())
     module, name, replacement = FAULTS[sys.argv[1]]
     setattr(module, name, replacement)  # callers look it up on the module at each call
     ppo_vllm_thread_ray_gtrl.cli(sys.argv[2:])

@@ -206,12 +206,12 @@ def setup_half(tmp: Path, out: Path) -> None:
 
 
 def setup_checkpoint_at_lr_3e_6(tmp: Path, out: Path) -> None:
-    from open_instruct.run.checkpoint import save_checkpoint
+    from open_instruct.run.checkpoint import LearnerStateFile, save_checkpoint
     from open_instruct.run.args import parse_args
 
     args = parse_args(BASE + ["--dataset_mixer_list", str(tmp / "train.jsonl"), "1.0", "--output_dir", str(out)])
     state = {"policy": {}, "value_model": {}}
-    save_checkpoint(str(out), 2, state, {"step": 2}, args, keep_last_n=1)
+    save_checkpoint(str(out), 2, LearnerStateFile(state), {"step": 2}, args, keep_last_n=1)
 
 
 def setup_locked(tmp: Path, out: Path):

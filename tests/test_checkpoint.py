@@ -31,31 +31,61 @@ def learner_state(value: float = 1.0) -> dict:
 def test_save_checkpoint_writes_a_complete_folder_and_keeps_the_newest(tmp_path):
     args = make_args(tmp_path)
     for step in (2, 4, 6):
-        checkpoint.save_checkpoint(str(tmp_path), step, learner_state(step), {"step": step}, args, keep_last_n=2)
+        checkpoint.save_checkpoint(str(tmp_path), step, checkpoint.LearnerStateFile(learner_state(step)), {"step": step}, args, keep_last_n=2)
     found = checkpoint.complete_checkpoints(str(tmp_path))
     assert [os.path.basename(path) for path in found] == ["step_4", "step_6"]
-    assert sorted(os.listdir(found[-1])) == ["COMPLETE", "args.json", "learner.pt", "trainer_state.json"]
+    assert sorted(os.listdir(found[-1])) == ["COMPLETE", "args.json", "learner.pt", "topology.json", "trainer_state.json"]
     assert torch.load(os.path.join(found[-1], "learner.pt"))["policy"]["w"].tolist() == [6.0, 6.0]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_4", "step_6"]  # no staging folder left
 
 
 def test_non_finite_weights_are_never_saved(tmp_path):
     with pytest.raises(checkpoint.NonFiniteError, match="the policy's weight w holds NaN or inf"):
-        checkpoint.save_checkpoint(str(tmp_path), 1, learner_state(float("nan")), {}, make_args(tmp_path), keep_last_n=1)
-    assert not (tmp_path / "checkpoints").exists()
+        checkpoint.save_checkpoint(str(tmp_path), 1, checkpoint.LearnerStateFile(learner_state(float("nan"))), {},
+                                   make_args(tmp_path), keep_last_n=1)  # fmt: skip
+    assert os.listdir(tmp_path / "checkpoints") == []  # no checkpoint, no staging folder left
 
 
 def test_resume_refuses_other_settings(tmp_path):
     args = make_args(tmp_path, "--learning_rate", "1e-4", "--resume")
     saved = make_args(tmp_path, "--learning_rate", "3e-6")
-    checkpoint.save_checkpoint(str(tmp_path), 2, learner_state(), {"step": 2}, saved, keep_last_n=1)
+    checkpoint.save_checkpoint(str(tmp_path), 2, checkpoint.LearnerStateFile(learner_state()), {"step": 2}, saved, keep_last_n=1)
     with pytest.raises(ConfigError, match=r"--learning_rate 0.0001 \(checkpoint: 3e-06\)"):
         checkpoint.load_checkpoint(args)
 
 
+@pytest.mark.parametrize(
+    "resumed_with, refusal",
+    [
+        (["--num_learners_per_node", "1", "1", "--deepspeed_stage", "3"], None),  # the same 2 ranks, spread over two nodes: allowed
+        (["--num_learners_per_node", "4", "--deepspeed_stage", "3"], "resume it with 2 learner ranks in all (--num_learners_per_node, over any "
+                                           "nodes) and --deepspeed_stage 3, or start a new run without --resume."),
+        (["--num_learners_per_node", "2", "--deepspeed_stage", "2"], "2 DeepSpeed learner rank(s) at ZeRO-3 and this "
+                                                                     "run has 2 DeepSpeed learner rank(s) at ZeRO-2"),
+        ([], "this run has the single-process learner: its learner state only loads into the same layout"),
+        (["--num_learners_per_node", "2", "--deepspeed_stage", "3", "--vllm_num_engines", "2"], "resume with --vllm_num_engines 0."),
+    ],
+)
+def test_resume_needs_the_learner_layout_that_wrote_the_checkpoint(tmp_path, resumed_with, refusal):
+    """DeepSpeed partitions are per rank: another rank count or stage is refused in one line before any model loads
+    (how the ranks spread over nodes may change, e.g. a requeued job on another allocation)."""
+    written_by = make_args(tmp_path, "--num_learners_per_node", "2", "--deepspeed_stage", "3")
+    checkpoint.save_checkpoint(str(tmp_path), 2, checkpoint.LearnerStateFile(learner_state()), {"step": 2}, written_by,
+                               keep_last_n=1)  # fmt: skip
+    topology = json.loads((tmp_path / "checkpoints" / "step_2" / "topology.json").read_text())
+    assert topology == {"learner": "deepspeed", "learner_ranks": 2, "deepspeed_stage": 3, "vllm_num_engines": 0}
+    args = make_args(tmp_path, *resumed_with, "--resume")
+    if refusal is None:
+        assert checkpoint.load_checkpoint(args).step == 2
+    else:
+        with pytest.raises(ConfigError) as refused:
+            checkpoint.load_checkpoint(args)
+        assert refusal in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_resume_keeps_the_runs_name(tmp_path):
     saved = make_args(tmp_path, "--run_name", "first-run")
-    checkpoint.save_checkpoint(str(tmp_path), 2, learner_state(), {"step": 2}, saved, keep_last_n=1)
+    checkpoint.save_checkpoint(str(tmp_path), 2, checkpoint.LearnerStateFile(learner_state()), {"step": 2}, saved, keep_last_n=1)
     args = make_args(tmp_path, "--resume")
     resumed = checkpoint.load_checkpoint(args)
     assert resumed.step == 2 and args.run.run_name == "first-run"
@@ -120,7 +150,7 @@ def test_overwrite_output_dir_deletes_the_earlier_run_once_the_new_one_has_a_che
         start_of_a_new_run(tmp_path)
         run_dir.release_earlier_run()  # nothing saved yet: kept
         assert (tmp_path / run_directory.EARLIER_RUN / "model" / "config.json").exists()
-        checkpoint.save_checkpoint(str(tmp_path), 1, learner_state(), {"step": 1}, args, keep_last_n=1)
+        checkpoint.save_checkpoint(str(tmp_path), 1, checkpoint.LearnerStateFile(learner_state()), {"step": 1}, args, keep_last_n=1)
         run_dir.release_earlier_run()
         assert not (tmp_path / run_directory.EARLIER_RUN).exists()
     assert sorted(os.listdir(tmp_path)) == [".run.lock", "checkpoints", "metrics.jsonl", "notes.txt", "samples.jsonl"]
@@ -243,7 +273,7 @@ report = {}
 
 def save(step, learner_state, keep_last_n=2):
     try:
-        checkpoint.save_checkpoint(out, step, learner_state, {"step": step}, args, keep_last_n=keep_last_n)
+        checkpoint.save_checkpoint(out, step, checkpoint.LearnerStateFile(learner_state), {"step": step}, args, keep_last_n=keep_last_n)
         return "saved"
     except disk_space.DiskFullError as error:
         return str(error)

@@ -152,7 +152,7 @@ def test_grpo_checkpoint_holds_no_value_model_and_resumes_only_into_grpo(tiny_mo
     learner.train(exp)
     state = learner.state_dict()
     assert "value_model" not in state and len(state["optimizers"]) == len(state["schedulers"]) == 1
-    path = save_checkpoint(str(tmp_path), 1, state, {"step": 1}, learner.args, keep_last_n=1)
+    path = save_checkpoint(str(tmp_path), 1, learner, {"step": 1}, learner.args, keep_last_n=1).path
     saved = torch.load(Path(path) / "learner.pt", weights_only=False)
     assert json.loads((Path(path) / "args.json").read_text())["algorithm"] == "grpo"
 

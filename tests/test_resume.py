@@ -269,7 +269,7 @@ def test_a_resumed_learner_computes_in_the_dtype_its_run_computed_in(learner_and
     chosen_at_start = learner.compute_dtype
     other = torch.bfloat16 if chosen_at_start == torch.float32 else torch.float32
     learner.compute_dtype = other  # the run before the checkpoint computed in the other dtype
-    path = save_checkpoint(str(tmp_path), 1, learner.state_dict(), {"step": 1}, learner.args, keep_last_n=1)
+    path = save_checkpoint(str(tmp_path), 1, learner, {"step": 1}, learner.args, keep_last_n=1).path
     learner.compute_dtype = chosen_at_start  # a new start: its probe chose otherwise
 
     state = torch.load(Path(path) / "learner.pt", weights_only=False)

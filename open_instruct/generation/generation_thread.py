@@ -227,22 +227,26 @@ class GenerationThread(threading.Thread):
     def send(self, request: GenerationRequest) -> None:
         self._learner_wait(lambda timeout: self.param_prompt_Q.put(request, timeout=timeout), "take new prompts")
 
-    def receive(self) -> Rollout:
-        return self._learner_wait(self.response_Q.get, "return a rollout")
+    def receive(self, within_s: float | None = None) -> Rollout | None:
+        """The next rollout; with `within_s`, None if it has not come by then (a preempted run's checkpoint)."""
+        return self._learner_wait(self.response_Q.get, "return a rollout", within_s)
 
-    def receive_eval(self) -> Rollout:
-        return self._learner_wait(self.eval_Q.get, "return the eval rollout")
+    def receive_eval(self, within_s: float | None = None) -> Rollout | None:
+        return self._learner_wait(self.eval_Q.get, "return the eval rollout", within_s)
 
-    def _learner_wait(self, call, what: str):
+    def _learner_wait(self, call, what: str, within_s: float | None = None):
         deadline = time.time() + self.timeout_s
+        give_up = None if within_s is None else time.time() + within_s
         while True:
             self.raise_if_failed()
             try:
-                return call(timeout=self.poll_s)
+                return call(timeout=self.poll_s if give_up is None else max(0.0, min(self.poll_s, give_up - time.time())))
             except (queue.Empty, queue.Full):
                 if not self.is_alive():
                     self.raise_if_failed()
                     raise GenerationThreadError(f"The generation thread ended without an error before it could {what}.")
+                if give_up is not None and time.time() >= give_up:
+                    return None
                 if time.time() > deadline:
                     raise TimeoutError(
                         f"Waited {self.timeout_s:.0f}s for the generation thread to {what}; raise "

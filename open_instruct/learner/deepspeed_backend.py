@@ -26,7 +26,10 @@ from torch import nn
 from open_instruct.learner import models, saving
 from open_instruct.learner.single_process import OptimizerSettings, adamw, lr_scheduler
 from open_instruct.run import devices
-from open_instruct.run.checkpoint import NonFiniteError
+from open_instruct.run.checkpoint import NonFiniteError, fsync_files
+
+# The tag (subfolder) of the DeepSpeed checkpoint each trained model writes inside a checkpoints/step_N/<role>/ folder.
+ENGINE_TAG = "engine"
 
 DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "ds_configs"
 
@@ -123,6 +126,8 @@ class DeepSpeedBackend:
     in bf16 where the learner chose it).
     """
 
+    saves_engines = True  # a checkpoint holds each engine's own DeepSpeed checkpoint, every rank writing its part
+
     def __init__(self, stage: int, micro_batch_size: int, gather_whole_model: bool, weights_dtype: str = "float32"):
         self.stage, self.micro_batch_size, self.gather_whole_model = stage, micro_batch_size, gather_whole_model
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -174,6 +179,49 @@ class DeepSpeedBackend:
         engine, *_ = deepspeed.initialize(model=model, config=self.inference_config())
         engine.eval()  # DeepSpeedEngine.eval returns None, not the engine
         return engine
+
+    # ---- checkpoints: DeepSpeed's own, every rank writing its partition in parallel ----
+
+    def save_engine_checkpoint(self, trainer: DeepSpeedTrainer, folder: str, role: str) -> int:
+        """`trainer`'s DeepSpeed checkpoint in folder/engine/ (a collective: every rank calls it): the module weights,
+        this rank's partition of the fp32 masters and AdamW moments, the LR scheduler. Returns the bytes this rank
+        wrote, fsynced (DeepSpeed does not fsync). Refuses to write non-finite weights."""
+        for name, param in unwrap(trainer.engine).named_parameters():
+            local = getattr(param, "ds_tensor", param)  # ZeRO-3: this rank's partition
+            if local.is_floating_point() and not torch.isfinite(local).all():
+                raise NonFiniteError(f"the {role}'s weight {name} holds NaN or inf on rank {self.rank}; refusing to save it")
+        os.makedirs(folder, exist_ok=True)
+        trainer.engine.save_checkpoint(folder, tag=ENGINE_TAG, save_latest=False)
+        written = os.path.join(folder, ENGINE_TAG)
+        # Each rank's files name it (zero_pp_rank_<r>_...); the others (the replicated states of ZeRO-0/2, DeepSpeed's
+        # own notes) come from rank 0.
+        own = [name for name in os.listdir(written)
+               if f"zero_pp_rank_{self.rank}_" in name or (self.rank == 0 and "zero_pp_rank_" not in name)]  # fmt: skip
+        return fsync_files(written, own)
+
+    def load_engine_checkpoint(self, trainer: DeepSpeedTrainer, folder: str) -> None:
+        """Restore what `save_engine_checkpoint` wrote into this run's engine (same rank count and stage)."""
+        path, _ = trainer.engine.load_checkpoint(
+            folder, tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True
+        )
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {os.path.join(folder, ENGINE_TAG)}")
+
+    def engine_checkpoint_bytes(self, trainers: list[DeepSpeedTrainer]) -> int:
+        """About what this rank writes: its share of the fp32 masters and two AdamW moments (12 bytes a weight), and,
+        on rank 0 at ZeRO-0/2 or on every rank at ZeRO-3 (its partition), the module weights in their dtype."""
+        total = 0
+        for trainer in trainers:
+            params = [p for p in unwrap(trainer.engine).parameters()]
+            numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+            weight_bytes = 2 if self.bf16 else 4
+            if self.stage == 0:
+                total += numel * (weight_bytes + 8) if self.rank == 0 else 0
+            elif self.stage == 2:
+                total += numel * 12 // self.world_size + (numel * weight_bytes if self.rank == 0 else 0)
+            else:
+                total += numel * (12 + weight_bytes) // self.world_size
+        return total
 
     def hf_model(self, model: nn.Module) -> nn.Module:
         """The Hugging Face model inside an engine's wrapper (its parameter names are the checkpoint's)."""

@@ -7,6 +7,7 @@ model and with its own `compute_advantages`.
 """
 
 import logging
+import os
 
 import torch
 
@@ -29,9 +30,8 @@ from open_instruct.learner.models import ModelSpec
 from open_instruct.learner.saving import SavedModel
 from open_instruct.learner.single_process import OptimizerSettings, SingleProcess
 from open_instruct.rl.rewards import RewardManager
-from open_instruct.run import devices
+from open_instruct.run import checkpoint, devices, disk_space
 from open_instruct.run.args import Args, BatchSizes
-from open_instruct.run.checkpoint import NonFiniteError
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class PPOLearner:
         )
         score = score.to(self.device)
         if not torch.isfinite(score).all():
-            raise NonFiniteError(f"a reward score is NaN or inf ({score.tolist()}); check the reward model")
+            raise checkpoint.NonFiniteError(f"a reward score is NaN or inf ({score.tolist()}); check the reward model")
         return score, reward_metrics
 
     def rewards_and_advantages(
@@ -233,7 +233,7 @@ class PPOLearner:
         if ppo.whiten_advantages:
             experience.advantage = rl.masked_whiten(experience.advantage, response_mask)
         if not torch.isfinite(torch.where(response_mask, experience.advantage, 0.0)).all():
-            raise NonFiniteError("an advantage is NaN or inf (from the logprobs, values or KL of this batch)")
+            raise checkpoint.NonFiniteError("an advantage is NaN or inf (from the logprobs, values or KL of this batch)")
         masked_kl = torch.where(response_mask, kl, torch.zeros_like(kl))
         metrics = {
             # Absent with --beta 0: no reference model; policy/approxkl_avg still shows how far each update moves.
@@ -352,7 +352,7 @@ class PPOLearner:
                 # A non-finite loss or gradient norm is never applied to the weights (see AdamWTrainer.step).
                 applied = [trainer.step(apply=finite_losses) for trainer in self.trainers]
                 if not all(applied) and not self.args.run.skip_nonfinite_updates:
-                    raise NonFiniteError(
+                    raise checkpoint.NonFiniteError(
                         f"non-finite {'loss' if not finite_losses else 'gradient'} in a PPO minibatch; the update was "
                         "not applied. Lower the learning rate, or pass --skip_nonfinite_updates true to skip such updates."
                     )
@@ -384,6 +384,76 @@ class PPOLearner:
             **agreement,
         }
 
+    # ---- checkpoints (run/checkpoint.py writes the folder around these; the trainer's state is its own) ----
+
+    def checkpoint_bytes(self) -> int:
+        """About how many bytes this rank's part of a checkpoint takes (the free-space check before writing)."""
+        if not self.backend.saves_engines:
+            return disk_space.tensor_bytes(self.state_dict())
+        return self.backend.engine_checkpoint_bytes([trainer for _, trainer in self.named_trainers])
+
+    def write_checkpoint(self, folder: str) -> int:
+        """This rank's part of checkpoint `folder` (already there); returns the bytes it wrote, fsynced.
+
+        One process: learner.pt, the `state_dict`. DeepSpeed ranks: each trained model's DeepSpeed checkpoint in
+        `folder/<role>/` (every rank writes its own partition of the weights, fp32 masters, optimizer state and the
+        scheduler, in parallel: a collective) and `rank_<r>.pt`, this rank's generators and compute dtype. Non-finite
+        weights are never written."""
+        if not self.backend.saves_engines:
+            return checkpoint.write_learner_file(folder, self.state_dict())
+        written = 0
+        for role, trainer in self.named_trainers:
+            written += self.backend.save_engine_checkpoint(trainer, os.path.join(folder, role), role)
+        rank_file = os.path.join(folder, f"rank_{self.backend.rank}.pt")
+        return written + checkpoint.write_torch_file(rank_file, self.rank_state())
+
+    def read_checkpoint(self, folder: str) -> None:
+        """Restore what `write_checkpoint` wrote (on DeepSpeed ranks: into engines built as the run built them, so the
+        checkpoint's rank count and ZeRO stage must be this run's: checkpoint.check_topology said so before)."""
+        if not self.backend.saves_engines:
+            path = os.path.join(folder, checkpoint.LEARNER_FILE)
+            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+            return
+        rank_state = torch.load(os.path.join(folder, f"rank_{self.backend.rank}.pt"), weights_only=False)
+        self.check_same_algorithm(rank_state["trains_value_model"])
+        for role, trainer in self.named_trainers:
+            self.backend.load_engine_checkpoint(trainer, os.path.join(folder, role))
+        self.restore_rank_state(rank_state)
+
+    @property
+    def named_trainers(self) -> list[tuple[str, object]]:
+        """The trained models by the folder name of their part of a checkpoint."""
+        return [("policy", self.policy_trainer)] + ([("value_model", self.value_trainer)] if self.value_trainer else [])
+
+    def rank_state(self) -> dict:
+        """What of a checkpoint belongs to this rank, not to a model: its generators and the compute dtype."""
+        return {
+            "shuffle_generator": self.shuffle_generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "compute_dtype": devices.dtype_name(self.compute_dtype),
+            "trains_value_model": self.value_model is not None,
+        }
+
+    def check_same_algorithm(self, checkpoint_has_value_model: bool) -> None:
+        if checkpoint_has_value_model != (self.value_model is not None):
+            held, wanted = ("a", "no") if checkpoint_has_value_model else ("no", "a")
+            raise ValueError(
+                f"the checkpoint holds {held} value model but this {type(self).__name__} trains {wanted} value model "
+                "(a PPO checkpoint resumed by GRPO, or the reverse); resume with the trainer that wrote it."
+            )
+
+    def restore_rank_state(self, state: dict) -> None:
+        self.shuffle_generator.set_state(state["shuffle_generator"])
+        torch.set_rng_state(state["torch_rng"])
+        # `--learner_compute_dtype auto` decides by a timing probe, which a busy machine can tip the other way: a
+        # resumed run computes in the dtype the run computed in, so that it goes on as the uninterrupted one would.
+        run_dtype = state.get("compute_dtype")  # absent from checkpoints written before it was saved
+        if run_dtype is not None and getattr(torch, run_dtype) != self.compute_dtype:
+            if self.backend.rank == 0:
+                log.info(f"[learner] computing in {run_dtype}, as the run did before this checkpoint "
+                         f"(this start alone chose {devices.dtype_name(self.compute_dtype)})")  # fmt: skip
+            self.compute_dtype = getattr(torch, run_dtype)
+
     def state_dict(self) -> dict:
         """Everything of the learner a resumed run needs; the frozen reference (and reward) model are reloaded from
         their original paths instead, so the KL reference stays the run's initial policy (with --beta 0 there is
@@ -396,34 +466,18 @@ class PPOLearner:
             **state,
             "optimizers": [trainer.optimizer.state_dict() for trainer in self.trainers],
             "schedulers": [trainer.scheduler.state_dict() for trainer in self.trainers],
-            "shuffle_generator": self.shuffle_generator.get_state(),
-            "torch_rng": torch.get_rng_state(),
-            "compute_dtype": devices.dtype_name(self.compute_dtype),
+            **self.rank_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if ("value_model" in state) != (self.value_model is not None):
-            held, wanted = ("a", "no") if "value_model" in state else ("no", "a")
-            raise ValueError(
-                f"the checkpoint holds {held} value model but this {type(self).__name__} trains {wanted} value model "
-                "(a PPO checkpoint resumed by GRPO, or the reverse); resume with the trainer that wrote it."
-            )
+        self.check_same_algorithm("value_model" in state)
         self.backend.hf_model(self.policy).load_state_dict(state["policy"])
         if self.value_model is not None:
             self.backend.hf_model(self.value_model).load_state_dict(state["value_model"])
         for trainer, optimizer_state, scheduler_state in zip(self.trainers, state["optimizers"], state["schedulers"]):
             trainer.optimizer.load_state_dict(optimizer_state)
             trainer.scheduler.load_state_dict(scheduler_state)
-        self.shuffle_generator.set_state(state["shuffle_generator"])
-        torch.set_rng_state(state["torch_rng"])
-        # `--learner_compute_dtype auto` decides by a timing probe, which a busy machine can tip the other way: a
-        # resumed run computes in the dtype the run computed in, so that it goes on as the uninterrupted one would.
-        run_dtype = state.get("compute_dtype")  # absent from checkpoints written before it was saved
-        if run_dtype is not None and getattr(torch, run_dtype) != self.compute_dtype:
-            if self.backend.rank == 0:
-                log.info(f"[learner] computing in {run_dtype}, as the run did before this checkpoint "
-                         f"(this start alone chose {devices.dtype_name(self.compute_dtype)})")  # fmt: skip
-            self.compute_dtype = getattr(torch, run_dtype)
+        self.restore_rank_state(state)
 
     def initial_weights(self):
         """The run's initial policy weights by name (`.get(name)`), for the rounding report: read one tensor at a

@@ -137,13 +137,23 @@ class LearnerRank:
     def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel | None:
         return self.learner.save(output_dir, extra_files)
 
+    def checkpoint_bytes(self) -> int:
+        return self.learner.checkpoint_bytes()
+
+    def write_checkpoint(self, folder: str) -> int:
+        return self.learner.write_checkpoint(folder)
+
+    def read_checkpoint(self, folder: str) -> None:
+        self.learner.read_checkpoint(folder)
+
 
 class ExperienceOnRanks:
     """Stands for the experience the ranks keep: `make_experience` leaves it there for `train`."""
 
 
 class LearnerGroup:
-    """PPOLearner's methods (make_experience, train, save, lr) and the weight transfer's over Ray learner ranks."""
+    """PPOLearner's methods (make_experience, train, save, lr, the checkpoint's) and the weight transfer's over Ray
+    learner ranks."""
 
     def __init__(self, args: Args, sizes: BatchSizes, policy_path: str, stop_token_ids: list[int],
                  placement: Placement | None = None, check_devices: Callable[[list[dict]], None] | None = None):  # fmt: skip
@@ -241,12 +251,24 @@ class LearnerGroup:
         """Rank 0 writes the gathered policy; its SavedModel says where, in which dtype, and the weights' digest."""
         return self._call_all("save", output_dir, extra_files)[0]
 
-    def state_dict(self) -> dict:
-        """Asked for by a checkpoint (only on SIGTERM/SIGINT: validation refuses --save_freq in Ray mode)."""
-        raise NotImplementedError(
-            "checkpoints of Ray learner ranks are not supported yet (their DeepSpeed optimizer states are not saved); "
-            "the run stops without one"
-        )
+    def checkpoint_bytes(self) -> int:
+        """About what all ranks together write into a checkpoint (the driver's free-space check)."""
+        return sum(self._call_all("checkpoint_bytes"))
+
+    def write_checkpoint(self, folder: str) -> int:
+        """Every rank writes its part of the checkpoint into `folder` (the driver's temporary folder, on a file system
+        every node shares) in parallel; returns the bytes they wrote. A rank that dies or raises meanwhile ends the
+        run (LearnerFailed naming it): the group is stopped first, so no rank goes on writing into a folder the
+        checkpoint then deletes."""
+        try:
+            return sum(self._call_all("write_checkpoint", folder))
+        except LearnerFailed:
+            self.shutdown()
+            raise
+
+    def read_checkpoint(self, folder: str) -> None:
+        """Every rank restores its part (DeepSpeed loads each rank's own partitions)."""
+        self._call_all("read_checkpoint", folder)
 
     def shutdown(self) -> None:
         """Kill the ranks (some may hang in a collective with a dead peer) and release their placement."""

@@ -11,7 +11,9 @@ behind a backend with these members (`deepspeed_utils.DeepSpeedBackend` is the o
   `all_sum(t)`: a tensor summed over ranks;
 - `named_weights(model, dtype[, slot])`: the full weights with HF names on rank 0 (None elsewhere); `slot`: a
   reusable buffer the single-process backend copies into (the DeepSpeed one ignores it: its copies travel by Ray);
-  `full_model(model)`: a context giving rank 0 the complete HF model (to save it), None elsewhere.
+  `full_model(model)`: a context giving rank 0 the complete HF model (to save it), None elsewhere;
+- `saves_engines`: whether a checkpoint holds each trainer's own checkpoint, written by every rank
+  (`save_engine_checkpoint`, `load_engine_checkpoint`, `engine_checkpoint_bytes`), or one state_dict.
 
 This module imports neither torch.distributed nor deepspeed: the single-process path never needs them.
 """
@@ -90,6 +92,7 @@ class SingleProcess:
     """Today's learner: every model on this process's device, collectives are the identity."""
 
     rank, world_size = 0, 1
+    saves_engines = False  # a checkpoint holds the learner's state_dict in one file (PPOLearner.write_checkpoint)
 
     SNAPSHOT_SLOTS = 3  # at most two requests with weights are in flight (async), plus the one being written
 

@@ -169,14 +169,24 @@ class RunArgs:
     output_dir: str = arg(
         "output/ppo", "Where metrics, checkpoints and the final model go (made absolute where the trainer starts)."
     )
-    save_freq: int = arg(-1, "Save a full checkpoint (resumable) every N steps (-1: only the final model).")
+    save_freq: int = arg(
+        -1, "Save a full checkpoint (resumable, in either mode: Ray learner ranks write theirs in parallel) every N "
+        "steps (-1: only the final model, and a checkpoint on SIGTERM/SIGINT)."
+    )
+    save_model_freq: int = arg(
+        -1, "Also save the current policy as a loadable HF folder output_dir/model_step_N (fp32 masters in --save_dtype, "
+        "sharded safetensors) every N steps, keeping the newest --keep_last_n (-1: only the final model)."
+    )
     save_dtype: str = arg(
         "float32",
         "dtype of the saved model, checkpoints and what is pushed. float32: the trained (fp32 master) weights "
         "exactly. bfloat16 halves the files but can round small updates away: the run then reports how much.",
         choices=["float32", "bfloat16", "float16"],
     )
-    keep_last_n: int = arg(2, "Keep the newest N complete checkpoints in output_dir/checkpoints; delete older ones.")
+    keep_last_n: int = arg(
+        2, "Keep the newest N complete checkpoints in output_dir/checkpoints (and N model_step_* snapshots); delete "
+        "older ones."
+    )
     fallback_save_dir: str | None = arg(
         None, "Where the final model goes when output_dir's disk has no room for it: FOLDER/<run_name>/model (default: "
         "$OPEN_INSTRUCT_CACHE/rescued). The run then ends with exit code 1 and a line naming the folder. Pick a disk "

@@ -65,6 +65,12 @@ def start_ray(ray_address: str | None, num_actors: int) -> None:
     log.info(f"[ppo] Ray {'joined at ' + ray_address if ray_address else 'started locally'} in {time.time() - started:.1f}s")
 
 
+def stop_ray() -> None:
+    """Disconnect this driver: Ray ends the job's actors (and a cluster `start_ray` started here)."""
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 def wait_for_actors(refs: list, names: list[str], method: str, timeout_s: float, failure: type[RuntimeError],
                     timeout_advice: str) -> list:  # fmt: skip
     """All results, in order; the first actor to die or raise ends the wait (as `failure`, naming it), whatever the

@@ -42,11 +42,19 @@ class StopRequest:
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else ""
 
+    def seconds_left(self) -> float | None:
+        """Of the preemption's budget (None: no stop requested)."""
+        if not self.requested:
+            return None
+        return max(0.0, self.timeout_s - (time.monotonic() - self.received_at))
+
     def install(self) -> None:
+        """Set the handlers; again after `ray.init`, which sets its own SIGTERM handler (sys.exit) in the driver."""
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread (e.g. when called from a test's thread)
         for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.signal(signum, self._handle)
+            previous = signal.signal(signum, self._handle)
+            self._previous.setdefault(signum, previous)  # uninstall restores what was there before the first install
 
     def uninstall(self) -> None:
         if self._deadline is not None:

@@ -103,6 +103,7 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("dataset_seed", data.dataset_seed, NON_NEGATIVE_INT),
         ("seed", run.seed, NON_NEGATIVE_INT),
         ("save_freq", run.save_freq, (lambda v: v == -1 or v >= 1, "-1 (no checkpoints) or steps >= 1")),
+        ("save_model_freq", run.save_model_freq, (lambda v: v == -1 or v >= 1, "-1 (final model only) or steps >= 1")),
         ("keep_last_n", run.keep_last_n, AT_LEAST_1),
         ("fallback_save_dir", run.fallback_save_dir, FOLDER),
         ("num_evals", run.num_evals, (lambda v: v >= 0, "an integer >= 0 (0: no evals)")),
@@ -162,11 +163,6 @@ def validate_flags(args: Args) -> None:
         raise ConfigError("--resume continues the run in --output_dir and --overwrite_output_dir deletes it; pick one.")
     validate_engine_flags(args.dist)
     validate_deepspeed_flags(args.dist)
-    if args.dist.uses_ray and (args.run.save_freq > 0 or args.run.resume is not None):
-        raise ConfigError(
-            "resumable checkpoints (--save_freq, --resume) are not supported with Ray learners yet "
-            "(--num_learners_per_node); run without them, or with one learner in this process."
-        )
 
 
 def validate_grpo_flags(args: Args) -> None:
