@@ -72,6 +72,8 @@ CASES = [
     Case("unknown scheduler", ["--lr_scheduler_type", "bogus"], "--lr_scheduler_type 'bogus' is not valid; expected one of"),
     Case("zero GPU memory", ["--vllm_gpu_memory_utilization", "0"], "--vllm_gpu_memory_utilization 0.0 is not valid"),
     Case("save_freq 0", ["--save_freq", "0"], "--save_freq 0 is not valid; expected -1 (no checkpoints) or steps >= 1"),
+    Case("save_model_freq 0", ["--save_model_freq", "0"],
+         "--save_model_freq 0 is not valid; expected -1 (final model only) or steps >= 1"),
     Case("keep_last_n 0", ["--keep_last_n", "0"], "--keep_last_n 0 is not valid"),
     Case("negative seed", ["--seed", "-1"], "--seed -1 is not valid"),
     Case("negative num_evals", ["--num_evals", "-1"], "--num_evals -1 is not valid"),

@@ -12,7 +12,8 @@ checkpoint every 2, against the same flags interrupted:
   end. In sync mode the rollout in flight at a checkpoint is the checkpoint's own policy's: it is not waited for
   but generated again on resume, and gives the same batch.
 
-Every metric of every step, evals included (timings aside), and the saved final model equal the reference's.
+Every metric of every step, evals included (timings aside), and the saved final model equal the reference's, and
+so does the model snapshot of step 4 (--save_model_freq).
 """
 
 import signal
@@ -25,7 +26,7 @@ import pytest
 from open_instruct.run.tracking import read_metrics
 from tests.test_ppo_trainer import FP32_LEARNER, RUN_TIMEOUT_S, TESTS_DIR, TRAINER, last_lines, run_command
 from tests.test_ray_learners import eval_file, needs_loopback_namespace, ray_cluster, ray_trainer_command  # noqa: F401
-from tests.test_resume import assert_same_run, finish, logged_steps, offline_env
+from tests.test_resume import assert_same_model, assert_same_run, finish, logged_steps, offline_env
 
 pytestmark = needs_loopback_namespace
 
@@ -36,6 +37,7 @@ FLAGS = [
     "--num_evals", "2",
     "--eval_samples_per_prompt", "2",
     "--save_freq", "2",
+    "--save_model_freq", "4",
     "--keep_last_n", "2",
     "--learning_rate", "1e-3",
     "--lr_scheduler_type", "linear",
@@ -121,7 +123,8 @@ def test_zero3_sigterm_then_kill_9_then_resume_gives_the_uninterrupted_runs_metr
 
     # 2. Resume; kill -9 the driver once the checkpoint of step 4 is complete.
     resumed = start(cmd + ["--resume"], tmp_path / "resumed.log")
-    wait_until(resumed, lambda: (output_dir / "checkpoints" / "step_4" / "COMPLETE").is_file(), "checkpoint step_4")
+    wait_until(resumed, lambda: (output_dir / "checkpoints" / "step_4" / "COMPLETE").is_file()
+               and (output_dir / "model_step_4" / "config.json").is_file(), "checkpoint and model snapshot of step 4")
     resumed.kill()
     resumed.wait()
     resumed_log = resumed.log_path.read_text(errors="replace")
@@ -132,6 +135,8 @@ def test_zero3_sigterm_then_kill_9_then_resume_gives_the_uninterrupted_runs_metr
     assert final.returncode == 0, last_lines(final.stderr)
     assert "from " + str(output_dir / "checkpoints" / "step_4") in final.stderr + final.stdout
     assert_same_run(output_dir, zero3_reference)
+    # --save_model_freq 4: the Ray ranks' fp32 masters of step 4 as a loadable folder, as the reference's.
+    assert_same_model(output_dir / "model_step_4", zero3_reference / "model_step_4")
 
 
 def test_zero2_a_rank_dying_while_writing_a_checkpoint_leaves_the_previous_one_to_resume_exactly(

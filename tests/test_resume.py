@@ -39,6 +39,7 @@ RUN_FLAGS = [
     "--num_evals", "2",
     "--eval_samples_per_prompt", "2",
     "--save_freq", "2",
+    "--save_model_freq", "4",
     "--keep_last_n", "2",
     *FP32_LEARNER,
     *SMALL_RUN,
@@ -110,11 +111,21 @@ def assert_same_run(output_dir: Path, reference: Path) -> None:
             else:
                 assert got[key] == value, f"step {want['step']} {key}"
 
-    reference_weights = load_file(str(reference / "model" / "model.safetensors"))
-    resumed_weights = load_file(str(output_dir / "model" / "model.safetensors"))
-    assert reference_weights.keys() == resumed_weights.keys()
+    assert_same_model(output_dir / "model", reference / "model")
+
+
+def assert_same_model(model_dir: Path, reference_dir: Path) -> None:
+    """Two saved HF folders hold the same weights (to float tolerance), and the first loads with transformers."""
+    from transformers import AutoModelForCausalLM
+
+    reference_weights = load_file(str(reference_dir / "model.safetensors"))
+    weights = load_file(str(model_dir / "model.safetensors"))
+    assert reference_weights.keys() == weights.keys()
     for name, tensor in reference_weights.items():
-        torch.testing.assert_close(resumed_weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    loaded = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    name, tensor = next(iter(reference_weights.items()))
+    torch.testing.assert_close(loaded[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @dataclass
@@ -198,6 +209,11 @@ def test_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(refer
     assert interrupted.checkpoints_at_kill[-1] == "step_4"  # the kill came after the checkpoint of step 4
     assert "resuming run" in interrupted.resume_stderr and "from " in interrupted.resume_stderr
     assert "dropped a cut-off last line" in interrupted.resume_stderr  # the torn line was repaired, with a warning
+    # --save_model_freq 4: a loadable model of step 4 before the end, the same in both runs (the last step's is the
+    # final model, not written twice).
+    for run in (reference, interrupted.output_dir):
+        assert sorted(path.name for path in run.glob("model_step_*")) == ["model_step_4"]
+    assert_same_model(interrupted.output_dir / "model_step_4", reference / "model_step_4")
 
     rows = read_metrics(str(interrupted.output_dir / "metrics.jsonl"))
     assert len({row["run_id"] for row in rows}) == 1, "a resumed run keeps its run id"

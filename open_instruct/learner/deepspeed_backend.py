@@ -209,18 +209,18 @@ class DeepSpeedBackend:
 
     def engine_checkpoint_bytes(self, trainers: list[DeepSpeedTrainer]) -> int:
         """About what this rank writes: its share of the fp32 masters and two AdamW moments (12 bytes a weight), and,
-        on rank 0 at ZeRO-0/2 or on every rank at ZeRO-3 (its partition), the module weights in their dtype."""
+        at ZeRO-0/2, on rank 0, the module weights in their dtype (at ZeRO-3 they are the masters' partitions: measured,
+        the tiny model's 6.59M weights at 2 ranks wrote 39.5 MB of optimizer state per rank and 13 KB of module state)."""
         total = 0
         for trainer in trainers:
-            params = [p for p in unwrap(trainer.engine).parameters()]
-            numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+            numel = sum(getattr(p, "ds_numel", p.numel()) for p in unwrap(trainer.engine).parameters())
             weight_bytes = 2 if self.bf16 else 4
             if self.stage == 0:
                 total += numel * (weight_bytes + 8) if self.rank == 0 else 0
             elif self.stage == 2:
                 total += numel * 12 // self.world_size + (numel * weight_bytes if self.rank == 0 else 0)
             else:
-                total += numel * (12 + weight_bytes) // self.world_size
+                total += numel * 12 // self.world_size
         return total
 
     def hf_model(self, model: nn.Module) -> nn.Module:
