@@ -138,6 +138,9 @@ class RolloutRequests:
         waiting_since = time.time()
         self.generator.wait_for(request.engines_ready, "have the engines ready to receive the weights")
         ready_wait = time.time() - waiting_since
+        receivers = self.generator.weight_receivers
+        if receivers.regroup_pending:  # an engine was lost, or its replacement loaded: a new group before sending
+            receivers.regroup(self.learner)
         sending = run_beside(self.learner.broadcast_weights)
         try:
             try:
