@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ from open_instruct.rl.rewards import RewardManager
 from open_instruct.data.tokenizer import load_tokenizer
 from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.data.tokenizer import stop_token_ids_for
+from open_instruct.generation.generation_thread import GenerationSettings
 from open_instruct.generation.vllm_engine import EngineConfig
 from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout, needs_loopback_namespace, one_ppo_step, wait_for
 from tests.test_ppo_trainer import last_lines
@@ -227,6 +229,32 @@ def test_killing_an_engine_actor_ends_the_run_naming_it(ray_cluster, engines, ti
     assert seconds < 60, f"the run took {seconds:.0f}s to end after its engine died"
 
 
+@contextmanager
+def generation_beside_learners(args, engines, settings: GenerationSettings, tokenizer, model_dir: str):
+    """A one-rank Ray learner connected to `engines`, the generation thread over them and the learner's rollout
+    requests (no dataset: tests send their own requests); everything is shut down on the way out, the engines too."""
+    from open_instruct.generation.engine_actors import connect_engines
+    from open_instruct.generation.generation_thread import GenerationThread
+    from open_instruct.generation.rollout_requests import RolloutRequests
+    from open_instruct.learner.ray_group import LearnerGroup
+
+    learners = generator = None
+    try:
+        learners = LearnerGroup(args, compute_batch_sizes(args), model_dir, stop_token_ids_for(tokenizer, "eos"))
+        generator = GenerationThread(settings, timeout_s=180, engine=engines)
+        generator.start()
+        generator.wait_until_ready()
+        connect_engines(learners, engines, args.dist)
+        yield learners, generator, RolloutRequests(generator, learners, None, tokenizer, None, None, 0, 0,
+                                                   args.dist.vllm_sync_timeout_s, broadcast=True)  # fmt: skip
+    finally:
+        if generator is not None:
+            generator.shutdown()
+        if learners is not None:
+            learners.shutdown()
+        engines.shutdown()
+
+
 # ---- engines that come back (--max_engine_restarts) ------------------------------------------------------------------
 
 
@@ -245,10 +273,9 @@ def test_a_dead_engines_prompts_come_again_from_its_seed_and_its_replacement_joi
     samples what engine 0 samples from the same prompts and seed."""
     import ray
 
-    from open_instruct.generation.engine_actors import EngineActor, EngineGroup, connect_engines
-    from open_instruct.generation.generation_thread import GenerationRequest, GenerationSettings, GenerationThread
-    from open_instruct.generation.rollout_requests import RolloutRequests, check_weight_sync
-    from open_instruct.learner.ray_group import LearnerGroup
+    from open_instruct.generation.engine_actors import EngineActor, EngineGroup
+    from open_instruct.generation.generation_thread import GenerationRequest
+    from open_instruct.generation.rollout_requests import check_weight_sync
 
     marker = tmp_path / "engine_1_died"
 
@@ -271,15 +298,8 @@ def test_a_dead_engines_prompts_come_again_from_its_seed_and_its_replacement_joi
                                   stop_strings=None)  # fmt: skip
     engines = EngineGroup(config, 2, timeout_s=180, sync_timeout_s=120, actor_class=DiesInItsSecondGenerate,
                           max_restarts=1)  # fmt: skip
-    learners = generator = None
     prompts = prompt_ids(tiny_model_dir, 4)
-    try:
-        learners = LearnerGroup(args, compute_batch_sizes(args), tiny_model_dir, stop_token_ids_for(tokenizer, "eos"))
-        generator = GenerationThread(settings, timeout_s=180, engine=engines)
-        generator.start()
-        generator.wait_until_ready()
-        connect_engines(learners, engines, args.dist)
-        rollouts = RolloutRequests(generator, learners, None, tokenizer, None, None, 0, 0, 120, broadcast=True)
+    with generation_beside_learners(args, engines, settings, tokenizer, tiny_model_dir) as (learners, generator, rollouts):
 
         def rollout(version: int, seed: int):
             sent = rollouts.send_weights_and(GenerationRequest(version, None, prompts, sampling_seed=seed))
@@ -298,12 +318,6 @@ def test_a_dead_engines_prompts_come_again_from_its_seed_and_its_replacement_joi
             joined, _ = rollout(2, 11)
         train_params = dict(n=2, temperature=1.0, with_logprobs=True, max_tokens=8, stop_token_ids=[], stop_strings=None)
         engine_0_alone = ray.get(engines.actors[0].generate.remote(prompts[2:], 12, train_params))["completions"]
-    finally:
-        if generator is not None:
-            generator.shutdown()
-        if learners is not None:
-            learners.shutdown()
-        engines.shutdown()
     console = caplog.text
     print(f"engine 1 restart: {joined.engine_metrics}; members while it loaded {members_without}")
     assert samples(again) == samples(before), "the regenerated batch differs from the one both engines gave"
@@ -369,10 +383,9 @@ def test_an_engine_slower_to_get_ready_than_the_transfer_deadline_delays_the_tra
     it said it is ready; the transfer then takes a fraction of its own deadline and the next batch comes from the new
     weights. (Before the handshake, learner rank 0 sat in the broadcast while the engine generated, and the transfer
     deadline ended the run.)"""
-    from open_instruct.generation.engine_actors import EngineActor, EngineGroup, connect_engines
-    from open_instruct.generation.generation_thread import GenerationRequest, GenerationSettings, GenerationThread
-    from open_instruct.generation.rollout_requests import RolloutRequests, broadcast_metrics, check_weight_sync
-    from open_instruct.learner.ray_group import LearnerGroup
+    from open_instruct.generation.engine_actors import EngineActor, EngineGroup
+    from open_instruct.generation.generation_thread import GenerationRequest
+    from open_instruct.generation.rollout_requests import broadcast_metrics, check_weight_sync
 
     generation_s, transfer_timeout_s = 8.0, 4.0
 
@@ -389,25 +402,11 @@ def test_an_engine_slower_to_get_ready_than_the_transfer_deadline_delays_the_tra
     settings = GenerationSettings(config, samples_per_prompt=1, temperature=1.0, response_length=8, stop_token_ids=[],
                                   stop_strings=None)  # fmt: skip
     engines = EngineGroup(config, 1, timeout_s=180, sync_timeout_s=transfer_timeout_s, actor_class=SlowToFinishGenerating)
-    learners = generator = None
-    try:
-        learners = LearnerGroup(args, compute_batch_sizes(args), tiny_model_dir, stop_token_ids_for(tokenizer, "eos"))
-        generator = GenerationThread(settings, timeout_s=180, engine=engines)
-        generator.start()
-        generator.wait_until_ready()
-        connect_engines(learners, engines, args.dist)
-        rollouts = RolloutRequests(generator, learners, None, tokenizer, None, None, 0, 0, transfer_timeout_s,
-                                   broadcast=True)  # fmt: skip
+    with generation_beside_learners(args, engines, settings, tokenizer, tiny_model_dir) as (_, generator, rollouts):
         prompts = prompt_ids(tiny_model_dir, 2)
         rollouts.send_weights_and(GenerationRequest(0, None, prompts))  # the engine generates this for 8 s
         sent = rollouts.send_weights_and(GenerationRequest(1, None, prompts))  # policy version 1, meanwhile
         first, second = generator.receive(), generator.receive()
-    finally:
-        if generator is not None:
-            generator.shutdown()
-        if learners is not None:
-            learners.shutdown()
-        engines.shutdown()
     metrics = broadcast_metrics(sent)
     print(f"engine ready wait {metrics['time/engine_ready_wait']:.2f}s, transfer {metrics['time/weight_broadcast']:.2f}s")
     assert [first.policy_version, second.policy_version] == [0, 1]
