@@ -178,6 +178,7 @@ def train_step(run: "Run", step: int) -> None:
         "time/generation": rollout.timings.get("generation", 0.0),
         "time/weight_sync": rollout.timings.get("weight_sync", 0.0),
         **broadcast_metrics(request.weights_sent),
+        **rollout.engine_metrics,  # engine actors: engine/restarts, time/engine_restart
         "time/learner_wait": learner_wait,
         "time/scoring": training_start - scoring_start,
         "time/training": training_time,

@@ -11,6 +11,8 @@ Faults:
   the graph, so backward sends NaN into every gradient.
 - `learner_rank_dies_in_checkpoint`: Ray learner rank 1 dies (os._exit) in the middle of writing the checkpoint of
   step 4: after its share of the policy's DeepSpeed checkpoint, before the value model's and its own file.
+- `engine_1_dies` (engine actors): vLLM engine 1's process exits (os._exit) in the middle of its second `generate`
+  call, once per run (a replacement of engine 1 does not die again).
 
 tests/test_ppo_trainer.py and tests/test_resume.py check that each ends the run (or, for `nan_loss` with
 --skip_nonfinite_updates, skips that one update) with its cause, without hanging, and that nothing bad reaches disk.
@@ -70,6 +72,33 @@ def learner_rank_dying_in_checkpoint():
     return RankDyingInCheckpoint
 
 
+def engine_1_dies() -> None:
+    """Engine actors are created from a subclass that lets engine 1 die in its second generate. Ray ships a class
+    defined here (in __main__) to the actor by value; the marker file makes the death happen once per run."""
+    import os
+    import tempfile
+
+    from open_instruct.generation import engine_actors
+
+    marker = os.path.join(tempfile.mkdtemp(prefix="engine_1_died_"), "died")
+
+    class EngineThatDiesOnce(engine_actors.EngineActor):
+        generate_calls = 0
+
+        def generate(self, *args, **kwargs):
+            self.generate_calls += 1
+            if self.index == 1 and self.generate_calls == 2 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)  # no Python clean-up: as a crash or a kill -9 of the engine's process
+            return super().generate(*args, **kwargs)
+
+    class EngineGroupWithADyingEngine(engine_actors.EngineGroup):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, actor_class=EngineThatDiesOnce, **kwargs)
+
+    engine_actors.EngineGroup = EngineGroupWithADyingEngine  # start_engine_actors looks it up at each call
+
+
 FAULTS = {
     "generation_crash": (vllm_engine, "generate", generate_then_fail),
     "skip_weight_sync": (vllm_engine, "load_weights", load_nothing),
@@ -77,10 +106,13 @@ FAULTS = {
 }
 
 if __name__ == "__main__":
-    if sys.argv[1] == "learner_rank_dies_in_checkpoint":
+    if sys.argv[1] == "engine_1_dies":
+        engine_1_dies()  # imports ray: only for the fault that needs it
+    elif sys.argv[1] == "learner_rank_dies_in_checkpoint":
         from open_instruct.learner import ray_group
 
-        FAULTS[sys.argv[1]] = (ray_group, "LearnerRank", learner_rank_dying_in_checkpoint())
-    module, name, replacement = FAULTS[sys.argv[1]]
-    setattr(module, name, replacement)  # callers look it up on the module at each call
+        ray_group.LearnerRank = learner_rank_dying_in_checkpoint()  # LearnerGroup looks it up at each call
+    else:
+        module, name, replacement = FAULTS[sys.argv[1]]
+        setattr(module, name, replacement)  # callers look it up on the module at each call
     ppo_vllm_thread_ray_gtrl.cli(sys.argv[2:])

@@ -121,6 +121,9 @@ CASES = [
          "--logprob_chunk_size", "0", "--gradient_checkpointing", "true"],
         "the biggest item is logits over 49152 tokens (whole: 256 x 1000)",
     ),
+    Case("engine restarts with one engine", ["--vllm_num_engines", "1", "--max_engine_restarts", "1"],
+         "--max_engine_restarts 1 needs --vllm_num_engines 2 or more (got 1): a surviving engine generates a dead one's prompts"),  # fmt: skip
+    Case("negative engine restarts", ["--max_engine_restarts", "-1"], "--max_engine_restarts -1 is not valid; expected an integer >= 0"),
     Case("zero device memory", ["--device_memory_gb", "0"], "--device_memory_gb 0.0 is not valid; expected a number of GB > 0"),
     # ---- rewards, models, hub ----
     Case("reward model weight without a model", ["--reward_model_multiplier", "1"], "needs a reward model; pass --reward_model_path"),

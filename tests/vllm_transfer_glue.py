@@ -71,7 +71,8 @@ def main(model_dir: str) -> dict:
     vllm_engine.vllm_transfer_backend = original
     reports = weight_transfer.engine_device_reports(llm)
     plan = weight_broadcast.plan_buckets([("unused", (1,))], torch.float32, 1)
-    weight_transfer.join(llm, weight_transfer.WeightTransfer("ipc", "", 0, 2, plan, 1, 60), first_rank=1)
+    for _ in range(2):  # joined twice, as after an engine restart re-forms the group: its loads are summed once
+        weight_transfer.join(llm, weight_transfer.WeightTransfer("ipc", "", 0, 2, plan, 1, 60), first_rank=1)
     prompt = [[1, 2, 3, 4, 5]]
     greedy = vllm_engine.sampling_params(n=1, temperature=0.0, max_tokens=8, stop_token_ids=[])
     before = vllm_engine.generate(llm, prompt, greedy)[0].token_ids

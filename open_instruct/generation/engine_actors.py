@@ -12,29 +12,55 @@ learner rank 0 runs at the same time; weight_transfer.py says which transfer and
 
 Failures: every call waits on all engines with a deadline; an engine that dies or raises ends the call at once
 with the engine's name and cause (EngineFailed), which the generation thread hands to the learner.
+
+Restarts (--max_engine_restarts K, with 2+ engines): an engine that dies while it generates or waits between batches
+is replaced instead. Its slice of the batch is generated again at once by a surviving engine, with the dead engine's
+seed (`sampling_seed + i`) and the same weights, so the batch is the very one it would have given (vLLM on CPU draws
+from torch's seeded generator: bit for bit; tests/test_engine_actors.py checks it). A new actor for the dead one's
+index loads meanwhile in its place (same config, same placement bundle); until it has loaded, its slices go to the
+survivors, and nobody waits for it. At each weight sync, once every engine has said it is ready, the engines that
+hold the weights, and a replacement that has loaded, form a new weight group with learner rank 0 (`regroup`, on a new
+rendezvous port; the old group is dropped), and the transfer gives the replacement the current weights, checked by
+the same checksums. A death during a weight transfer, a replacement that fails to load, or a death with no restart
+(or no surviving engine) left ends the run as before.
 """
 
 import atexit
+import dataclasses
 import logging
 import os
 import threading
 import time
 
 import ray
-from ray.exceptions import GetTimeoutError
+from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from open_instruct.generation import vllm_engine, weight_transfer
 from open_instruct.generation.weight_broadcast import run_beside
 from open_instruct.generation.weight_transfer import WeightTransfer
-from open_instruct.run.cluster import start_ray, wait_for_actors
+from open_instruct.run.cluster import ActorDied, first_line, start_ray, wait_for_actors
 
 log = logging.getLogger(__name__)
 
 
 class EngineFailed(RuntimeError):
     """An engine actor died, raised, or did not answer in time; the message names it and says why."""
+
+
+class EngineDied(EngineFailed, ActorDied):
+    """An engine actor's process is gone (`position`: its call among those waited on); with restarts left, replaced."""
+
+
+@dataclasses.dataclass
+class Replacement:
+    """A new actor for a dead engine's index, loading (or loaded) until it joins the weight group."""
+
+    actor: object
+    loaded: object  # ObjectRef of its `where()`, answered once its engine has loaded
+    died_at: float  # when the death was seen: the restart's seconds run from here to the replacement holding weights
+    restart: int  # 1..--max_engine_restarts
 
 
 class EngineActor:
@@ -136,13 +162,15 @@ class EngineActorsClient:
 
 
 class EngineGroup:
-    """N engine actors: `generate` over all of them, `receive_weights` from learner rank 0, checksums, shutdown."""
+    """N engine actors: `generate` over all of them, `receive_weights` from learner rank 0, checksums, restarts,
+    shutdown."""
 
     def __init__(self, config: vllm_engine.EngineConfig, num_engines: int, tensor_parallel_size: int = 1,
                  placement=None, timeout_s: float = 1800.0, sync_timeout_s: float = 600.0,
-                 actor_class: type = EngineActor):  # fmt: skip
+                 actor_class: type = EngineActor, max_restarts: int = 0):  # fmt: skip
         """`placement`: the learners' (run/placement.py); with --single_gpu_mode engine i goes into learner i's bundle.
-        `actor_class`: EngineActor, or a subclass (tests slow an engine down with one)."""
+        `actor_class`: EngineActor, or a subclass (tests slow an engine down with one). `max_restarts`:
+        --max_engine_restarts, the engine deaths the run survives (needs 2+ engines)."""
         self.timeout_s, self.sync_timeout_s = timeout_s, sync_timeout_s
         self.names = [f"vLLM engine {i}" for i in range(num_engines)]
         self.tensor_parallel_size = tensor_parallel_size
@@ -167,7 +195,8 @@ class EngineGroup:
                     f"Ray could not place {num_engines} vLLM engine(s) x {tensor_parallel_size} GPU(s) within "
                     f"{timeout_s:.0f}s on a cluster with {ray.cluster_resources()}; lower --vllm_num_engines or add nodes."
                 ) from None
-        self.actors = []
+        self.actor_class = actor_class
+        self.specs = []  # per engine: its config and Ray options (a replacement is created from the same)
         for index in range(num_engines):
             engine_config = vllm_engine.EngineConfig(
                 **{**vars(config), "seed": config.seed + index, "tensor_parallel_size": tensor_parallel_size,
@@ -182,18 +211,33 @@ class EngineGroup:
                 strategy = PlacementGroupSchedulingStrategy(self.placement_groups[index], placement_group_capture_child_tasks=True)
                 options = dict(num_cpus=0, num_gpus=0, scheduling_strategy=strategy)
                 engine_config.distributed_executor_backend = "ray"
-            self.actors.append(ray.remote(actor_class).options(**options).remote(engine_config, index))
+            self.specs.append((engine_config, options))
+        self.actors = [self._create_actor(index) for index in range(num_engines)]
         self.ready = False
         self.reports: list[dict] = []
         self.created = time.time()  # the engines load in their processes now; wait_until_ready waits for them
+        # Restarts. `serving[i]`: engine i holds the current weights and generates its own slice; `members`: the
+        # engines whose workers are in the weight group (or join it at the next sync), in rank order.
+        self.max_restarts, self.restarts = max_restarts, 0
+        self.serving = [True] * num_engines
+        self.members = list(range(num_engines))
+        self.replacements: dict[int, Replacement] = {}
+        self.joining: list[int] = []  # loaded replacements that join the group at this sync
+        self.regroup_pending = False  # set by the generation thread; the learner side re-forms the group (`regroup`)
+        self.regrouped = threading.Event()
+        self.regroup_error: BaseException | None = None
+        self.restart_seconds: list[float] = []  # restarts completed since the last `restart_metrics()`
+
+    def _create_actor(self, index: int):
+        engine_config, options = self.specs[index]
+        return ray.remote(self.actor_class).options(**options).remote(engine_config, index)
 
     def wait_until_ready(self) -> None:
         """Wait for every engine to load (vLLM has then sized its KV cache) and keep its workers' device reports."""
         if self.ready:
             return
         for name, where in zip(self.names, self._call_all("where")):
-            gpus = f", GPU {','.join(map(str, where['gpu_ids']))}" if where["gpu_ids"] else ""
-            log.info(f"[vllm] {name}: pid {where['pid']} on node {where['node_id'][:12]}{gpus}")
+            log.info(f"[vllm] {name}: {describe_where(where)}")
         self.reports = [report for reports in self._call_all("device_reports") for report in reports]
         log.info(f"[vllm] {len(self.actors)} engine actor(s) ready {time.time() - self.created:.1f}s after their creation")
         self.ready = True
@@ -205,35 +249,61 @@ class EngineGroup:
 
     @property
     def num_workers(self) -> int:
-        return len(self.actors) * self.tensor_parallel_size
+        """The engine workers in the weight group (all of them, unless an engine was lost and not yet replaced)."""
+        return len(self.members) * self.tensor_parallel_size
 
-    def _call_all(self, method: str, *per_engine_args, timeout_s: float | None = None, same_args=()) -> list:
-        """Call `method` on every engine (engine i gets per_engine_args[k][i] for each k, then same_args)."""
+    def _call_all(self, method: str, *per_engine_args, timeout_s: float | None = None, same_args=(),
+                  engines: list[int] | None = None) -> list:  # fmt: skip
+        """Call `method` on every engine (or those of `engines`; the k-th gets per_engine_args[j][k], then same_args)."""
+        engines = list(range(len(self.actors))) if engines is None else engines
         refs = []
-        for i, actor in enumerate(self.actors):
-            call_args = [values[i] for values in per_engine_args] + list(same_args)
-            refs.append(getattr(actor, method).remote(*call_args))
-        return self._wait(refs, method, self.timeout_s if timeout_s is None else timeout_s)
+        for k, index in enumerate(engines):
+            call_args = [values[k] for values in per_engine_args] + list(same_args)
+            refs.append(getattr(self.actors[index], method).remote(*call_args))
+        return self._wait(refs, method, self.timeout_s if timeout_s is None else timeout_s, engines)
 
-    def _wait(self, refs: list, method: str, timeout_s: float) -> list:
+    def _wait(self, refs: list, method: str, timeout_s: float, engines: list[int]) -> list:
+        """The results of calls to `engines` (engine indices, one per ref); a death raises EngineDied."""
         transfer_calls = ("receive_weights", "weights_received", "join_weight_group")
         flag = "--vllm_sync_timeout_s" if method in transfer_calls else "--queue_timeout_s"
         advice = f"raise {flag} if the work is that slow, else look for a stuck engine in the Ray logs"
-        return wait_for_actors(refs, self.names, method, timeout_s, EngineFailed, advice)
+        names = [self.names[index] for index in engines]
+        return wait_for_actors(refs, names, method, timeout_s, EngineFailed, advice, died=EngineDied)
 
     # ---- what the generation thread calls ----
     def generate(self, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None):
-        """Completions of all prompts in prompt order (`prompt_index` into `prompt_token_ids`)."""
+        """Completions of all prompts in prompt order (`prompt_index` into `prompt_token_ids`). Slice i, with engine i's
+        seed, is generated by engine i, or, while it is lost, by a surviving engine (the same completions)."""
         slices = split_evenly(len(prompt_token_ids), len(self.actors))
         prompts = [prompt_token_ids[part] for part in slices]
         seeds = [None if sampling_seed is None else sampling_seed + i for i in range(len(self.actors))]
-        results = self._call_all("generate", prompts, seeds, same_args=(params,))
+        runs_on = [None] * len(slices)  # the engine that generates each slice
+
+        def start(i: int):
+            runs_on[i] = i if self.serving[i] else self._stand_in(runs_on)
+            return self.actors[runs_on[i]].generate.remote(prompts[i], seeds[i], params)
+
+        refs = [start(i) for i in range(len(slices))]
+        while True:
+            try:
+                results = self._wait(refs, "generate", self.timeout_s, runs_on)
+                break
+            except EngineDied as death:  # its slices start again on survivors; the others' calls go on
+                dead = runs_on[death.position]
+                self._lose(dead, death)
+                lost = [i for i in range(len(slices)) if runs_on[i] == dead]
+                for i in lost:
+                    refs[i] = start(i)
+                count = sum(len(prompts[i]) for i in lost)
+                took_over = ", ".join(sorted({self.names[runs_on[i]] for i in lost}))
+                log.info(f"[vllm] {death}; its {count} prompt(s) are generated again on {took_over} with its seed; "
+                         f"{self._replacement_line(dead)}")  # fmt: skip
         completions = []
-        for name, part, result in zip(self.names, slices, results):
+        for i, part, result in zip(range(len(slices)), slices, results):
             if result["policy_version"] != self.policy_version:
                 raise EngineFailed(
-                    f"{name} generated with policy version {result['policy_version']}, not {self.policy_version}: "
-                    f"it missed a weight sync."
+                    f"{self.names[runs_on[i]]} generated with policy version {result['policy_version']}, not "
+                    f"{self.policy_version}: it missed a weight sync."
                 )
             for completion in result["completions"]:
                 completion.prompt_index += part.start
@@ -241,42 +311,147 @@ class EngineGroup:
         return completions
 
     def ready_to_receive(self, policy_version: int) -> None:
-        """Every engine answers that it is idle and alive (bounded by --queue_timeout_s, the generation wait)."""
-        self._call_all("ready_to_receive", same_args=(policy_version,))
+        """Every engine answers that it is idle and alive (bounded by --queue_timeout_s, the generation wait). With
+        restarts: an engine found dead is replaced, a replacement that has loaded is taken in, and if the engines of
+        the weight group change, the learner re-forms it (`regroup_pending`) before learner rank 0 sends."""
+        answering = [index for index in range(len(self.actors)) if self.serving[index]]
+        refs = [self.actors[index].ready_to_receive.remote(policy_version) for index in answering]
+        while True:
+            try:
+                self._wait(refs, "ready_to_receive", self.timeout_s, answering)
+                break
+            except EngineDied as death:
+                dead = answering.pop(death.position)
+                refs.pop(death.position)
+                self._lose(dead, death)
+                log.info(f"[vllm] {death}; {self._replacement_line(dead)}")
+        self._take_in_loaded_replacements()
+        members = sorted([index for index in range(len(self.actors)) if self.serving[index]] + self.joining)
+        if members != self.members:
+            self.members, self.regroup_pending, self.regroup_error = members, True, None
+            self.regrouped.clear()
 
     def receive_weights(self, policy_version: int, learner_done: threading.Event) -> list[dict]:
         """The engines' side of one transfer (learner rank 0 sends at the same time); per engine: seconds, checksums.
         ipc: learner rank 0 drives the engines itself; this waits for it (`learner_done`) and collects what they
-        loaded."""
+        loaded. After a change of engines, the learner's `regroup` comes first."""
+        if self.regroup_pending:
+            if not self.regrouped.wait(self.sync_timeout_s):
+                raise EngineFailed(f"the learner did not re-form the weight group within {self.sync_timeout_s:.0f}s; "
+                                   "raise --vllm_sync_timeout_s if it is that slow")  # fmt: skip
+            if self.regroup_error is not None:
+                raise EngineFailed(f"re-forming the weight group failed: {first_line(self.regroup_error)}")
+            self.regroup_pending = False
         if self.transfer.transport == "ipc":
             if not learner_done.wait(self.sync_timeout_s):
                 raise EngineFailed(f"learner rank 0 did not finish its IPC transfer within {self.sync_timeout_s:.0f}s; "
                                    "raise --vllm_sync_timeout_s if it is that slow")  # fmt: skip
-            results = self._call_all("weights_received", timeout_s=self.sync_timeout_s, same_args=(policy_version,))
+            results = self._call_all("weights_received", timeout_s=self.sync_timeout_s, same_args=(policy_version,),
+                                     engines=self.members)  # fmt: skip
         else:
-            results = self._call_all("receive_weights", timeout_s=self.sync_timeout_s, same_args=(policy_version,))
+            results = self._call_all("receive_weights", timeout_s=self.sync_timeout_s, same_args=(policy_version,),
+                                     engines=self.members)  # fmt: skip
         self.policy_version = policy_version
+        for index in self.joining:  # it holds the current weights now (checked by the learner, as every engine's)
+            replacement = self.replacements.pop(index)
+            seconds = time.time() - replacement.died_at
+            self.serving[index] = True
+            self.restart_seconds.append(seconds)
+            log.info(f"[vllm] {self.names[index]} is back: its replacement joined the weight group and received policy "
+                     f"version {policy_version}, {seconds:.1f}s after the death (restart {replacement.restart} of "
+                     f"{self.max_restarts})")  # fmt: skip
+        self.joining = []
         return results
+
+    def restart_metrics(self) -> dict[str, float]:
+        """For the learner's metrics: the restarts so far, and the seconds of one completed since the last call."""
+        metrics = {"engine/restarts": float(self.restarts)}
+        if self.restart_seconds:
+            metrics["time/engine_restart"] = max(self.restart_seconds)
+            self.restart_seconds = []
+        return metrics
+
+    # ---- restarts ----
+    def _lose(self, index: int, death: EngineDied) -> None:
+        """Engine `index` is dead: replace it if a restart and a surviving engine are left, else end the run."""
+        if self.max_restarts == 0:
+            raise death  # today's behaviour: the run ends naming the engine
+        if self.restarts >= self.max_restarts:
+            raise EngineFailed(f"{death}; no engine restart left (--max_engine_restarts {self.max_restarts} used up)")
+        self.serving[index] = False
+        if not any(self.serving):
+            raise EngineFailed(f"{death}; no engine is left to generate its prompts until its replacement loads")
+        self.restarts += 1
+        ray.kill(self.actors[index], no_restart=True)  # gone already, or lost to Ray: either way, free its bundle
+        replacement = self._create_actor(index)
+        self.replacements[index] = Replacement(replacement, replacement.where.remote(), time.time(), self.restarts)
+
+    def _replacement_line(self, index: int) -> str:
+        return (f"a replacement is loading (restart {self.replacements[index].restart} of {self.max_restarts}); "
+                "the other engines take its prompts until it joins")  # fmt: skip
+
+    def _stand_in(self, runs_on: list[int | None]) -> int:
+        """The serving engine with the fewest slices of this batch so far (it takes a lost engine's slice)."""
+        serving = [index for index in range(len(self.actors)) if self.serving[index]]
+        return min(serving, key=lambda index: (runs_on.count(index), index))
+
+    def _take_in_loaded_replacements(self) -> None:
+        """A replacement that has loaded takes its engine's place (it joins the weight group at this sync)."""
+        for index, replacement in self.replacements.items():
+            if index in self.joining or not ray.wait([replacement.loaded], timeout=0)[0]:
+                continue
+            try:
+                where = ray.get(replacement.loaded)
+            except RayError as error:
+                raise EngineFailed(f"the replacement of {self.names[index]} failed to load: {first_line(error)}") from None
+            log.info(f"[vllm] {self.names[index]} (replacement {replacement.restart}): {describe_where(where)}, loaded "
+                     f"{time.time() - replacement.died_at:.1f}s after the death; it joins at this weight sync")  # fmt: skip
+            self.actors[index] = replacement.actor
+            self.joining.append(index)
+
+    def regroup(self, learner) -> None:
+        """The learner's side of a change of engines (main thread, after the engines said they are ready and before
+        learner rank 0 sends): the same transfer over a new group of learner rank 0 and the `members`' workers."""
+        started = time.time()
+        try:
+            host, port = learner.weight_group_address()  # a new rendezvous port: the old group's may still be bound
+            transfer = dataclasses.replace(self.transfer, host=host, port=port, world_size=1 + self.num_workers)
+            join_transfer(learner, self, transfer)
+        except BaseException as error:
+            self.regroup_error = error
+            raise
+        finally:
+            self.regrouped.set()  # the generation thread waits for it before it receives
+        log.info(f"[vllm] weight group re-formed: learner rank 0 + {', '.join(self.names[i] for i in self.members)} "
+                 f"({time.time() - started:.1f}s)")
 
     # ---- set-up and checks ----
     def join_weight_group(self, transfer: WeightTransfer) -> None:
-        """Engine workers take ranks 1.. of the transfer group (rank 0: learner rank 0, joining at the same time)."""
-        first_ranks = [1 + i * self.tensor_parallel_size for i in range(len(self.actors))]
-        self._call_all("join_weight_group", first_ranks, timeout_s=self.sync_timeout_s, same_args=(transfer,))
+        """The members' workers take ranks 1.. of the transfer group (rank 0: learner rank 0, joining at the same time)."""
+        first_ranks = [1 + k * self.tensor_parallel_size for k in range(len(self.members))]
+        self._call_all("join_weight_group", first_ranks, timeout_s=self.sync_timeout_s, same_args=(transfer,),
+                       engines=self.members)  # fmt: skip
         self.transfer = transfer
 
     def client(self) -> EngineActorsClient:
-        return EngineActorsClient(self.actors, self.names, self.sync_timeout_s)
+        members = self.members
+        return EngineActorsClient([self.actors[i] for i in members], [self.names[i] for i in members], self.sync_timeout_s)
 
     def shutdown(self) -> None:
         if not ray.is_initialized():
             return
-        for actor in getattr(self, "actors", []):
+        for actor in getattr(self, "actors", []) + [r.actor for r in getattr(self, "replacements", {}).values()]:
             ray.kill(actor, no_restart=True)
         self.actors = []
+        self.replacements = {}
         for group in self.placement_groups:
             remove_placement_group(group)
         self.placement_groups = []
+
+
+def describe_where(where: dict) -> str:
+    gpus = f", GPU {','.join(map(str, where['gpu_ids']))}" if where["gpu_ids"] else ""
+    return f"pid {where['pid']} on node {where['node_id'][:12]}{gpus}"
 
 
 def split_evenly(count: int, parts: int) -> list[slice]:
@@ -302,6 +477,7 @@ def start_engine_actors(args, engine_config: vllm_engine.EngineConfig, placement
         placement=placement,
         timeout_s=args.gen.queue_timeout_s,
         sync_timeout_s=dist.vllm_sync_timeout_s,
+        max_restarts=dist.max_engine_restarts,
     )
     atexit.register(engines.shutdown)
     return engines
@@ -320,13 +496,7 @@ def connect_engines(learner, engines, dist) -> WeightTransfer:
     plan = learner.weight_bucket_plan(bucket_bytes, dtype_name)
     host, port = learner.weight_group_address()  # rank 0 hosts the group's rendezvous, on its node
     transfer = WeightTransfer(transport, host, port, 1 + engines.num_workers, plan, bucket_bytes, dist.vllm_sync_timeout_s)
-    if transport == "ipc":  # no rendezvous: the engines watch their loaders, then every rank builds vLLM's trainer side
-        engines.join_weight_group(transfer)
-        learner.join_weight_group(transfer, engines.client())
-    else:  # both sides block in the group's rendezvous until all have joined
-        learner_side = run_beside(learner.join_weight_group, transfer, None)
-        engines.join_weight_group(transfer)
-        learner_side.result(dist.vllm_sync_timeout_s, "join the weight transfer group")
+    join_transfer(learner, engines, transfer)
     buckets = f", {len(plan)} bucket(s) of <= {dist.vllm_sync_bucket_mb:g} MB" if transport == "gloo" else ""
     log.info(
         f"[vllm] weight transfer: learner rank 0 -> {engines.num_workers} engine worker(s) over {transport} ({why}), "
@@ -334,3 +504,14 @@ def connect_engines(learner, engines, dist) -> WeightTransfer:
         f"({time.time() - started:.1f}s to set up)"
     )
     return transfer
+
+
+def join_transfer(learner, engines, transfer: WeightTransfer) -> None:
+    """Learner rank 0 and the engine workers join `transfer` (at the start, and again after a change of engines)."""
+    if transfer.transport == "ipc":  # no rendezvous: the engines watch their loaders, then every rank builds vLLM's trainer side
+        engines.join_weight_group(transfer)
+        learner.join_weight_group(transfer, engines.client())
+    else:  # both sides block in the group's rendezvous until all have joined
+        learner_side = run_beside(learner.join_weight_group, transfer, None)
+        engines.join_weight_group(transfer)
+        learner_side.result(transfer.timeout_s, "join the weight transfer group")

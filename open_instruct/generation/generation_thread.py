@@ -60,6 +60,8 @@ class Rollout:
     # Engine actors: per engine, the checksums of the weights each of its workers received in the sync before this
     # rollout (the learner compares them with what it sent); empty for the in-process engine.
     weight_checksums: list[list[dict]] = field(default_factory=list)
+    # Engine actors: `engine/restarts` so far, and `time/engine_restart` when a replacement joined in this sync.
+    engine_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,6 +92,7 @@ class InProcessEngine:
     through Ray's object store)."""
 
     num_workers = 1
+    regroup_pending = False  # the weight group never changes (engine actors: restarts)
 
     def __init__(self, config: vllm_engine.EngineConfig):
         self.llm = vllm_engine.create_engine(config)
@@ -128,6 +131,9 @@ class InProcessEngine:
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> float:
         return vllm_engine.load_weights(self.llm, named_tensors)
+
+    def restart_metrics(self) -> dict[str, float]:
+        return {}  # it lives and dies with this process
 
     def shutdown(self) -> None:
         pass  # the engine goes with this process
@@ -195,7 +201,8 @@ class GenerationThread(threading.Thread):
                 start = time.time()
                 completions = engine.generate(request.prompt_token_ids, train_params, request.sampling_seed)
                 timings["generation"] = time.time() - start
-                rollout = Rollout(request.policy_version, completions, timings, weight_checksums=checksums)
+                rollout = Rollout(request.policy_version, completions, timings, weight_checksums=checksums,
+                                  engine_metrics=engine.restart_metrics())  # fmt: skip
                 self._put(self.response_Q, rollout)
             if request.run_eval and settings.eval_prompt_token_ids:
                 start = time.time()
@@ -303,4 +310,5 @@ def rollout_from_dict(data: dict | None):
         return None
     completions = [Completion(**c) for c in data["completions"]]
     sampled = [Completion(**c) for c in data.get("sampled_completions", [])]
-    return Rollout(data["policy_version"], completions, data.get("timings", {}), sampled)
+    return Rollout(data["policy_version"], completions, data.get("timings", {}), sampled,
+                   engine_metrics=data.get("engine_metrics", {}))  # fmt: skip

@@ -148,6 +148,9 @@ class RolloutRequests:
         waiting_since = time.time()
         self.generator.wait_for(request.engines_ready, "have the engines ready to receive the weights")
         ready_wait = time.time() - waiting_since
+        receivers = self.generator.weight_receivers  # (None only for a generation thread without an engine: tests)
+        if receivers is not None and receivers.regroup_pending:  # an engine was lost, or its replacement loaded:
+            receivers.regroup(self.learner)  # a new weight group before learner rank 0 sends
         sending = run_beside(self.learner.broadcast_weights)
         try:
             try:

@@ -219,10 +219,13 @@ class WeightReceiverExtension:
     # ---- vLLM's own transfer engines (nccl, ipc): the checksum of what they hand the loader ----
     def oi_watch_transfers(self) -> None:
         """vLLM's NCCL and IPC transfer engines hand every received chunk to the model's `load_weights`: wrap it, so
-        this worker sums the raw words of exactly what it loads (the same words learner rank 0 summed as it sent)."""
-        model = self.weight_transfer_engine.model
-        load_weights = model.load_weights
+        this worker sums the raw words of exactly what it loads (the same words learner rank 0 summed as it sent).
+        Once per worker: a group formed again after an engine restart must not wrap it twice (each word summed twice)."""
         self.oi_reset_transfer_checksum()
+        model = self.weight_transfer_engine.model
+        if getattr(model, "oi_summing_loads", False):
+            return
+        load_weights = model.load_weights
 
         def load_weights_and_sum(weights):
             weights = list(weights)
@@ -232,6 +235,7 @@ class WeightReceiverExtension:
             return load_weights(weights)
 
         model.load_weights = load_weights_and_sum
+        model.oi_summing_loads = True
 
     def oi_reset_transfer_checksum(self) -> None:
         self.oi_transfer_checksum, self.oi_transfer_tensors, self.oi_transfer_start = StreamingChecksum(), 0, time.time()

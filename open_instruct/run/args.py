@@ -280,6 +280,13 @@ class DistributedArgs:
     single_gpu_mode: bool = arg(
         False, "Engine actors share the learner ranks' GPUs (one learner and one engine per GPU) instead of their own."
     )
+    max_engine_restarts: int = arg(
+        0,
+        "vLLM engine actor deaths the run survives. A dead engine's prompts are generated again by a surviving engine "
+        "with the dead one's seed (the same batch), while a new actor loads in its place and joins the weight group "
+        "at a later weight sync. 0: a dead engine ends the run, naming it. Needs --vllm_num_engines 2 or more; a "
+        "death during a weight transfer still ends the run. See docs/distributed.md.",
+    )
     device_memory_gb: float | None = arg(
         None,
         "Memory of each learner rank's device in GB (1e9 bytes; an 80 GB H100 is 80): the memory plan printed at "

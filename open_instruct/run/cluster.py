@@ -71,10 +71,21 @@ def stop_ray() -> None:
         ray.shutdown()
 
 
+class ActorDied(RuntimeError):
+    """An actor's process is gone (`position`: its call's index in the refs waited on). Raised by `wait_for_actors`
+    only for a caller that can carry on without the actor (engine restarts); an exception raised inside an actor is
+    never one."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(message)
+        self.position = position
+
+
 def wait_for_actors(refs: list, names: list[str], method: str, timeout_s: float, failure: type[RuntimeError],
-                    timeout_advice: str) -> list:  # fmt: skip
+                    timeout_advice: str, died: type[ActorDied] | None = None) -> list:  # fmt: skip
     """All results, in order; the first actor to die or raise ends the wait (as `failure`, naming it), whatever the
-    others are doing, and so does the deadline."""
+    others are doing, and so does the deadline. `died`: what the death of an actor raises instead of `failure` (the
+    same message), for a caller that replaces dead actors."""
     name_of = dict(zip(refs, names))
     results, pending = {}, list(refs)
     deadline = time.time() + timeout_s
@@ -87,7 +98,8 @@ def wait_for_actors(refs: list, names: list[str], method: str, timeout_s: float,
         try:
             results[ref] = ray.get(ref)
         except RayActorError as error:
-            raise failure(f"{name_of[ref]} died during {method}: {death_cause(error)}") from None
+            message = f"{name_of[ref]} died during {method}: {death_cause(error)}"
+            raise (died(message, refs.index(ref)) if died else failure(message)) from None
         except RayTaskError as error:
             cause = error.cause if error.cause is not None else error
             failed = f"{name_of[ref]} failed in {method}: {type(cause).__name__}: {first_line(cause)}"
@@ -96,7 +108,8 @@ def wait_for_actors(refs: list, names: list[str], method: str, timeout_s: float,
                 raise failure(f"{death} (then {failed})") from error
             raise failure(failed) from error
         except RayError as error:  # e.g. OutOfMemoryError: Ray's memory monitor killed the actor's worker
-            raise failure(f"{name_of[ref]} was lost during {method}: {type(error).__name__}: {first_line(error)}") from None
+            message = f"{name_of[ref]} was lost during {method}: {type(error).__name__}: {first_line(error)}"
+            raise (died(message, refs.index(ref)) if died else failure(message)) from None
     return [results[ref] for ref in refs]
 
 

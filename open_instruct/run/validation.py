@@ -121,6 +121,7 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("vllm_tensor_parallel_size", args.dist.vllm_tensor_parallel_size, AT_LEAST_1),
         ("vllm_sync_bucket_mb", args.dist.vllm_sync_bucket_mb, POSITIVE),
         ("vllm_sync_timeout_s", args.dist.vllm_sync_timeout_s, POSITIVE),
+        ("max_engine_restarts", args.dist.max_engine_restarts, NON_NEGATIVE_INT),
         ("learner_timeout_s", args.dist.learner_timeout_s, POSITIVE),
         ("logprob_chunk_size", args.ppo.logprob_chunk_size, (lambda v: v >= 0, "an integer >= 0 (0: all positions at once)")),
         ("device_memory_gb", args.dist.device_memory_gb, (lambda v: v is None or POSITIVE[0](v), "a number of GB > 0")),
@@ -227,6 +228,12 @@ def validate_engine_flags(dist) -> None:
             "--vllm_sync_backend sets how Ray learner ranks send weights to the engines; the single-process learner "
             "hands its tensors to its engine directly. Drop it, or use Ray learners (--num_learners_per_node, "
             "--vllm_num_engines)."
+        )
+    if dist.max_engine_restarts > 0 and dist.vllm_num_engines < 2:
+        raise ConfigError(
+            f"--max_engine_restarts {dist.max_engine_restarts} needs --vllm_num_engines 2 or more (got "
+            f"{dist.vllm_num_engines}): a surviving engine generates a dead one's prompts while its replacement loads; "
+            "pass --vllm_num_engines 2 or more, or drop --max_engine_restarts."
         )
     if dist.single_gpu_mode and (dist.vllm_num_engines != dist.num_learners or dist.vllm_tensor_parallel_size != 1):
         raise ConfigError(
