@@ -18,10 +18,12 @@ from open_instruct.generation.vllm_engine import Completion, engine_dtype
 from open_instruct.learner import models, saving
 from open_instruct.learner.experience import (
     Experience,
+    MicroBatch,
     RolloutTensors,
     agreement_metrics,
     check_engine_matches_learner,
     layout_rollout,
+    micro_batches,
     needs_learner_logprobs,
     old_logprobs,
     timed,
@@ -285,66 +287,43 @@ class PPOLearner:
         return {"val/value_mean": rl.masked_mean(exp.value, exp.response_mask).item()}
 
     def train(self, exp: Experience) -> dict[str, float]:
-        """`num_epochs` PPO epochs over shuffled minibatches; one optimizer step per minibatch."""
-        ppo, temperature = self.args.ppo, self.args.gen.temperature
-        micro_size = ppo.per_device_train_batch_size
-        stats: dict[str, list[float]] = {}
+        """`num_epochs` PPO epochs over shuffled minibatches; one optimizer step per minibatch. Micro-batches are
+        --per_device_train_batch_size padded rows, or packed by --max_tokens_per_micro_batch (experience.micro_batches):
+        the same update and metrics either way when the padded micro-batch is the whole minibatch."""
+        ppo = self.args.ppo
+        stats: dict[str, list[float]] = {}  # key: [sum of values, sum of weights]
         skipped_updates = 0
         agreement: dict[str, float] = {}
+        work = {"perf/real_tokens": 0, "perf/token_slots": 0}
 
-        def record(**values: torch.Tensor) -> None:
+        def record(weight: float, **values: torch.Tensor) -> None:
             for key, value in values.items():
-                stats.setdefault(key, []).append(value.item())
+                total = stats.setdefault(key, [0.0, 0.0])
+                total[0] += value.item()
+                total[1] += weight
 
         for epoch in range(ppo.num_epochs):
-            # The same order on every rank (same seed); each rank trains on its equal slice of each minibatch.
+            # The same order on every rank (same seed); each rank trains on its share of each minibatch.
             order = torch.randperm(exp.query_response.shape[0], generator=self.shuffle_generator)
             for index, minibatch in enumerate(order.split(self.sizes.mini_batch_size)):
                 finite_losses = True
                 # Before the first update the policy is still the one the batch was made with: its logprobs here are
                 # the learner's old ones, which make_experience did not compute with --old_logprobs_from vllm.
                 check_agreement = epoch == 0 and index == 0 and exp.engine_logprob_to_check is not None
-                first_logprobs = []
-                local_minibatch = minibatch.tensor_split(self.backend.world_size)[self.backend.rank]
-                for micro in local_minibatch.split(micro_size):
-                    mask = exp.response_mask[micro]
-                    qr, am = exp.query_response[micro], exp.attention_mask[micro]
-                    with devices.autocast(self.device, self.compute_dtype):
-                        new_logprob, entropy = models.response_logprobs(
-                            self.policy, qr, am, exp.context_length, temperature, with_entropy=True
-                        )
+                first_logprobs = torch.zeros(len(minibatch), exp.response_mask.shape[1], device=self.device)
+                plan = micro_batches(
+                    exp, minibatch, ppo.per_device_train_batch_size, ppo.max_tokens_per_micro_batch,
+                    self.backend.rank, self.backend.world_size,
+                )  # fmt: skip
+                for number, micro in enumerate(plan):
+                    finite, new_logprob = self.train_micro_batch(exp, micro, number == len(plan) - 1, record)
+                    finite_losses &= finite
                     if check_agreement:
-                        first_logprobs.append(new_logprob.detach())
-                    tis_weight = exp.tis_weight[micro] if exp.tis_weight is not None else None
-                    pg_loss, pg_clipfrac, approxkl, ratio = rl.policy_loss(
-                        new_logprob, exp.logprob[micro], exp.advantage[micro], mask, ppo.cliprange, tis_weight,
-                        ppo.loss_aggregation,
-                    )  # fmt: skip
-                    policy_objective = pg_loss
-                    if ppo.kl_in_loss and exp.ref_logprob is not None:  # --beta 0: no KL term
-                        policy_objective = policy_objective + ppo.beta * rl.kl_penalty_loss(
-                            new_logprob, exp.ref_logprob[micro], mask, "k3", ppo.loss_aggregation
-                        )
-                    loss = policy_objective.detach()
-                    self.policy_trainer.backward(policy_objective)
-                    if self.value_model is not None:
-                        with devices.autocast(self.device, self.compute_dtype):
-                            new_value = models.response_values(self.value_model, qr, am, exp.context_length).float()
-                        vf_loss, vf_clipfrac = rl.value_loss(
-                            new_value, exp.value[micro], exp.return_[micro], mask, ppo.cliprange_value
-                        )
-                        # The two models share no parameter: separate backward passes give the gradients of the sum.
-                        self.value_trainer.backward(ppo.vf_coef * vf_loss)
-                        loss = loss + ppo.vf_coef * vf_loss.detach()  # vf_loss is logged unweighted
-                        record(vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
-                    finite_losses &= bool(torch.isfinite(loss))
-                    entropy = rl.masked_mean(entropy, mask)  # of each position's distribution, computed beside the logprobs
-                    record(
-                        pg_loss=pg_loss, loss=loss, pg_clipfrac=pg_clipfrac, approxkl=approxkl, ratio=ratio,
-                        entropy=entropy,
-                    )
-                if check_agreement:  # gathered over ranks: the minibatch's rows in `minibatch` order
-                    learner_logprob = self.backend.gather_rows(torch.cat(first_logprobs))
+                        first_logprobs[micro.positions] = new_logprob
+                    work["perf/real_tokens"] += micro.real_tokens
+                    work["perf/token_slots"] += micro.token_slots
+                if check_agreement:  # summed over ranks: each rank filled its rows of the minibatch
+                    learner_logprob = self.backend.all_sum(first_logprobs)
                     agreement = agreement_metrics(
                         learner_logprob, exp.engine_logprob_to_check[minibatch], exp.response_mask[minibatch]
                     )
@@ -358,10 +337,10 @@ class PPOLearner:
                     )
                 skipped_updates += not all(applied)
 
-        # Means over every micro-batch of every rank: [key, (sum, count)] summed over ranks.
-        totals = self.backend.all_sum(
-            torch.tensor([[sum(values), len(values)] for values in stats.values()], dtype=torch.float64)
-        )
+        # Means over every micro-batch of every rank: [key, (sum, weight)] summed over ranks (a packed micro-batch's
+        # value is its part of its minibatch's mean, and its weight its share of the minibatch).
+        totals = self.backend.all_sum(torch.tensor(list(stats.values()), dtype=torch.float64))
+        work_totals = self.backend.all_sum(torch.tensor(list(work.values()), dtype=torch.float64))
         global_mean = {key: (total / count).item() for key, (total, count) in zip(stats, totals)}
 
         def mean(key: str) -> float:
@@ -382,7 +361,67 @@ class PPOLearner:
             "val/ratio": mean("ratio"),
             **value_metrics,
             **agreement,
+            # The tokens one model's passes computed on in this step, every epoch and rank (the value model runs the
+            # same micro-batches): real ones, and every slot, real or padding.
+            **{key: float(total) for key, total in zip(work, work_totals)},
         }
+
+    def train_micro_batch(
+        self, exp: Experience, micro: MicroBatch, last: bool, record
+    ) -> tuple[bool, torch.Tensor]:
+        """One micro-batch's forward and backward passes (policy, then value model), its stats recorded with its
+        weight. Returns whether its loss is finite, and its new logprobs [rows, response_len] (detached)."""
+        ppo, temperature, rows = self.args.ppo, self.args.gen.temperature, micro.rows
+        mask = exp.response_mask[rows]
+        qr, am = exp.query_response[rows], exp.attention_mask[rows]
+        with devices.autocast(self.device, self.compute_dtype):
+            if micro.packed is None:
+                new_logprob, entropy = models.response_logprobs(
+                    self.policy, qr, am, exp.context_length, temperature, with_entropy=True
+                )
+            else:
+                new_logprob, entropy = models.packed_response_logprobs(
+                    self.policy, micro.packed, temperature, with_entropy=True
+                )
+        tis_weight = exp.tis_weight[rows] if exp.tis_weight is not None else None
+        pg_loss, pg_clipfrac, approxkl, ratio = rl.policy_loss(
+            new_logprob, exp.logprob[rows], exp.advantage[rows], mask, ppo.cliprange, tis_weight,
+            ppo.loss_aggregation, micro.whole,
+        )  # fmt: skip
+        policy_objective = pg_loss
+        if ppo.kl_in_loss and exp.ref_logprob is not None:  # --beta 0: no KL term
+            policy_objective = policy_objective + ppo.beta * rl.kl_penalty_loss(
+                new_logprob, exp.ref_logprob[rows], mask, "k3", ppo.loss_aggregation, micro.whole
+            )
+        loss = policy_objective.detach()
+        self.backward(self.policy_trainer, policy_objective, micro, last)
+        if self.value_model is not None:
+            with devices.autocast(self.device, self.compute_dtype):
+                if micro.packed is None:
+                    new_value = models.response_values(self.value_model, qr, am, exp.context_length)
+                else:
+                    new_value = models.packed_response_values(self.value_model, micro.packed)
+            vf_loss, vf_clipfrac = rl.value_loss(
+                new_value.float(), exp.value[rows], exp.return_[rows], mask, ppo.cliprange_value, whole=micro.whole
+            )
+            # The two models share no parameter: separate backward passes give the gradients of the sum.
+            self.backward(self.value_trainer, ppo.vf_coef * vf_loss, micro, last)
+            loss = loss + ppo.vf_coef * vf_loss.detach()  # vf_loss is logged unweighted
+            record(micro.weight, vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
+        # Of each position's distribution, computed beside the logprobs.
+        entropy = rl.masked_aggregate(entropy, mask, "token", micro.whole)
+        record(micro.weight, pg_loss=pg_loss, loss=loss, pg_clipfrac=pg_clipfrac, approxkl=approxkl, ratio=ratio,
+               entropy=entropy)  # fmt: skip
+        return bool(torch.isfinite(loss)), new_logprob.detach()
+
+    @staticmethod
+    def backward(trainer, loss: torch.Tensor, micro: MicroBatch, last: bool) -> None:
+        """A padded micro-batch's loss is its own mean (the trainer averages them); a packed one's is its part of the
+        minibatch's mean (the parts add up)."""
+        if micro.whole is None:
+            trainer.backward(loss)
+        else:
+            trainer.backward_part(loss, last)
 
     # ---- checkpoints (run/checkpoint.py writes the folder around these; the trainer's state is its own) ----
 
