@@ -116,9 +116,9 @@ def learner_step(model_dir: str, algorithm: str, *flags: str):
     cls = GRPOLearner if algorithm == "grpo" else PPOLearner
     learner = cls(args, compute_batch_sizes(args), tokenizer, model_dir, stop_token_ids_for(tokenizer, "eos"))
     prompts, completions = mixed_length_rollout(tokenizer)
-    exp, _, _ = learner.make_experience(prompts, completions, RewardManager(args.reward))
+    exp, experience_metrics, _ = learner.make_experience(prompts, completions, RewardManager(args.reward))
     plans = [micro_batches(exp, m, 2, args.ppo.max_tokens_per_micro_batch, 0, 1) for m in torch.arange(8).split(4)]
-    metrics = learner.train(exp)
+    metrics = {**experience_metrics, **learner.train(exp)}
     weights = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
     return metrics, exp, weights, plans
 
@@ -127,18 +127,24 @@ def learner_step(model_dir: str, algorithm: str, *flags: str):
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_packed_micro_batches_take_the_padded_step(tiny_model_dir, algorithm, aggregation):
     """The padded reference holds each minibatch (4 rows) in one micro-batch: its losses are the minibatch's means.
-    Packed at 100 tokens the same minibatches run as several micro-batches of 1-3 sequences each."""
+    Packed at 100 tokens the same minibatches run as several micro-batches of 1-3 sequences each, and so do
+    make_experience's forward passes (old and reference logprobs, values)."""
     common = ["--loss_aggregation", aggregation, "--per_device_train_batch_size"]
     padded, exp, padded_weights, _ = learner_step(tiny_model_dir, algorithm, *common, "4")
-    packed, _, packed_weights, plans = learner_step(tiny_model_dir, algorithm, *common, "2",
+    packed, packed_exp, packed_weights, plans = learner_step(tiny_model_dir, algorithm, *common, "2",
                                                     "--max_tokens_per_micro_batch", "100")  # fmt: skip
     lengths = exp.attention_mask.sum(1)
     assert lengths.min() < 0.6 * lengths.max()  # a mixed-length rollout
     assert all(1 < len(plan) < 4 for plan in plans)  # packed: more than one micro-batch, fewer than one per row
     assert all(micro.real_tokens <= 100 for plan in plans for micro in plan)
+    mask = exp.response_mask
+    for field in ["logprob", "ref_logprob", "value", "advantage", "return_"]:
+        if getattr(exp, field) is not None:
+            torch.testing.assert_close(getattr(packed_exp, field)[mask], getattr(exp, field)[mask], rtol=0, atol=1e-6)
+    assert (packed_exp.value is None) == (algorithm == "grpo")
     assert set(packed) == set(padded)
     for key in padded:
-        if not key.startswith("perf/"):
+        if not key.startswith(("perf/", "time/")):
             assert packed[key] == pytest.approx(padded[key], abs=1e-6), key
     for name, weight in padded_weights.items():
         torch.testing.assert_close(packed_weights[name], weight, rtol=0, atol=1e-5, msg=name)

@@ -31,6 +31,7 @@ from open_instruct.learner.experience import (
 from open_instruct.learner.models import ModelSpec
 from open_instruct.learner.saving import SavedModel
 from open_instruct.learner.single_process import OptimizerSettings, SingleProcess
+from open_instruct.rl.packing import pack_rows, plan_micro_batches
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run import checkpoint, devices, disk_space
 from open_instruct.run.args import Args, BatchSizes
@@ -176,17 +177,22 @@ class PPOLearner:
         def logprob_of(model):
             return lambda qr, am: models.response_logprobs(model, qr, am, rollout.context_length, temperature)[0]
 
+        def packed_logprob_of(model):
+            return lambda packed: models.packed_response_logprobs(model, packed, temperature)[0]
+
         learner_logprob = ref_logprob = None
         if needs_learner_logprobs(rollout, ppo.old_logprobs_from, ppo.truncated_importance_sampling_ratio_cap):
             with timed(timings, "time/old_logprob_forward"):
                 learner_logprob = self.forward_on_all_rows(
-                    logprob_of(self.policy), rollout.query_response, rollout.attention_mask
-                )
+                    logprob_of(self.policy), rollout.query_response, rollout.attention_mask,
+                    packed_fn=packed_logprob_of(self.policy), context_length=rollout.context_length,
+                )  # fmt: skip
         if self.ref_policy is not None:
             with timed(timings, "time/ref_logprob_forward"):
                 ref_logprob = self.forward_on_all_rows(
-                    logprob_of(self.ref_policy), rollout.query_response, rollout.attention_mask
-                )
+                    logprob_of(self.ref_policy), rollout.query_response, rollout.attention_mask,
+                    packed_fn=packed_logprob_of(self.ref_policy), context_length=rollout.context_length,
+                )  # fmt: skip
         return learner_logprob, ref_logprob
 
     def score(
@@ -203,6 +209,8 @@ class PPOLearner:
                         self.reward_model, qr, am, rollout.context_length, length
                     ),
                     rollout.query_response, rollout.attention_mask, rollout.response_length,
+                    packed_fn=lambda packed: models.packed_reward_model_scores(self.reward_model, packed),
+                    context_length=rollout.context_length,
                 ).cpu()  # fmt: skip
         score, reward_metrics = reward_manager.score(
             [c.text for c in completions],
@@ -260,14 +268,35 @@ class PPOLearner:
             "policy/tis_capped_frac": rl.masked_mean((weight >= cap).float(), mask).item(),
         }
 
-    def forward_on_all_rows(self, fn, *tensors: torch.Tensor) -> torch.Tensor:
-        """`fn` (no grad, in micro-batches) on this rank's rows, gathered: every rank gets the whole batch's outputs."""
+    def forward_on_all_rows(self, fn, *tensors: torch.Tensor, packed_fn=None, context_length: int = 0) -> torch.Tensor:
+        """`fn` (no grad, in micro-batches) on this rank's rows, gathered: every rank gets the whole batch's outputs.
+        With --max_tokens_per_micro_batch, `packed_fn` instead, on packed rows (tensors[0] and tensors[1] are the
+        query_response and the attention mask) of this rank's share by tokens; 0 on padding."""
+        if self.args.ppo.max_tokens_per_micro_batch:
+            return self.packed_forward_on_all_rows(packed_fn, tensors[0], tensors[1], context_length)
         rows = self.backend.local_rows(tensors[0].shape[0])
         chunk = self.args.ppo.per_device_train_batch_size
         local = models.no_grad_in_chunks(
             fn, chunk, *(t[rows] for t in tensors), device=self.device, dtype=self.compute_dtype
         )
         return self.backend.gather_rows(local)
+
+    def packed_forward_on_all_rows(
+        self, packed_fn, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int
+    ) -> torch.Tensor:
+        """`forward_on_all_rows` in packed micro-batches: this rank's groups of the whole batch's plan (rl/packing.py,
+        the same on every rank), their outputs put in their rows of a zero tensor and summed over ranks."""
+        budget, world_size = self.args.ppo.max_tokens_per_micro_batch, self.backend.world_size
+        plan = plan_micro_batches(attention_mask.sum(dim=1).tolist(), budget, world_size)[self.backend.rank]
+        outputs = None
+        with torch.no_grad(), devices.autocast(self.device, self.compute_dtype):
+            for group in plan:
+                rows = torch.tensor(group, device=query_response.device)
+                result = packed_fn(pack_rows(query_response[rows], attention_mask[rows], context_length)).float()
+                if outputs is None:
+                    outputs = result.new_zeros((query_response.shape[0], *result.shape[1:]))
+                outputs[rows] = result
+        return self.backend.all_sum(outputs)
 
     def compute_advantages(
         self, exp: Experience, score: torch.Tensor, reward: torch.Tensor, completions: list[Completion], timings: dict
@@ -280,6 +309,8 @@ class PPOLearner:
             exp.value = self.forward_on_all_rows(
                 lambda qr, am: models.response_values(self.value_model, qr, am, exp.context_length),
                 exp.query_response, exp.attention_mask,
+                packed_fn=lambda packed: models.packed_response_values(self.value_model, packed),
+                context_length=exp.context_length,
             )  # fmt: skip
         if ppo.whiten_rewards:
             reward = rl.masked_whiten(reward, exp.response_mask, shift_mean=False)
