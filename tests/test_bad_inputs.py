@@ -125,6 +125,8 @@ CASES = [
          "--max_engine_restarts 1 needs --vllm_num_engines 2 or more (got 1): a surviving engine generates a dead one's prompts"),  # fmt: skip
     Case("negative engine restarts", ["--max_engine_restarts", "-1"], "--max_engine_restarts -1 is not valid; expected an integer >= 0"),
     Case("zero device memory", ["--device_memory_gb", "0"], "--device_memory_gb 0.0 is not valid; expected a number of GB > 0"),
+    Case("negative token budget", ["--max_tokens_per_micro_batch", "-1"],
+         "--max_tokens_per_micro_batch -1 is not valid; expected an integer >= 0"),
     # ---- rewards, models, hub ----
     Case("reward model weight without a model", ["--reward_model_multiplier", "1"], "needs a reward model; pass --reward_model_path"),
     Case("no reward at all", ["--apply_verifiable_reward", "false"], "No reward is enabled"),

@@ -95,6 +95,17 @@ class DeepSpeedTrainer:
         self.engine.backward(loss)
         self.engine.step()
 
+    def backward_part(self, loss: torch.Tensor, last: bool) -> None:
+        """`loss` is one micro-batch's part of the minibatch's loss (packed micro-batches: every rank runs the same
+        number, which may differ from minibatch to minibatch): the parts' gradients add up over micro-batches and
+        ranks. The engine divides by its gradient_accumulation_steps and averages over ranks, which the scale undoes;
+        the minibatch's end is marked by hand instead of counted."""
+        if not torch.isfinite(loss):
+            raise NonFiniteError(f"a non-finite loss ({loss.item()}) on this learner rank; lower the learning rate")
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss * self.engine.gradient_accumulation_steps() * dist.get_world_size())
+        self.engine.step()
+
     def step(self, apply: bool = True) -> bool:
         if not self.engine.was_step_applied():
             raise RuntimeError(

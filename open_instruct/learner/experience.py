@@ -18,6 +18,7 @@ import torch
 from open_instruct import rl
 from open_instruct.data.batches import PromptBatch, left_pad
 from open_instruct.generation.vllm_engine import Completion
+from open_instruct.rl.packing import PackedRows, pack_rows, plan_micro_batches
 
 
 @dataclass
@@ -105,6 +106,50 @@ class Experience:
     # [batch, response_len] the engine's logprobs (NaN where it gave none), kept when make_experience ran no learner
     # forward to compare them with: `train` then compares them with the first minibatch's logprobs. Else None.
     engine_logprob_to_check: torch.Tensor | None = None
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward pass of `train`: rows of the experience, padded or packed into one row (`packed`)."""
+
+    positions: torch.Tensor  # [rows]: the rows' places in the minibatch
+    rows: torch.Tensor  # [rows]: the rows' indices in the experience
+    packed: PackedRows | None  # None: the padded rows themselves
+    # Packed: the whole minibatch's real tokens and responses, which each micro-batch's losses are divided by, so that
+    # the micro-batches' parts add up to the minibatch's mean; None: each micro-batch's mean, averaged (equal rows).
+    whole: rl.WholeBatch | None
+    weight: float  # the micro-batch's share of its minibatch in the means of the logged stats
+    real_tokens: int  # the real tokens a model pass computes on
+    token_slots: int  # the token positions it computes on (real tokens plus padding)
+
+
+def micro_batches(
+    exp: Experience, minibatch: torch.Tensor, rows_per_micro_batch: int, max_tokens: int, rank: int, world_size: int
+) -> list[MicroBatch]:
+    """This rank's micro-batches of `minibatch` (indices into the experience).
+
+    max_tokens 0: an equal slice of the rows per rank, `rows_per_micro_batch` padded rows at a time. Else the packed
+    plan (rl/packing.py: groups of at most `max_tokens` real tokens, the same number on every rank, dealt by tokens),
+    the same on every rank because it depends only on the rows' lengths."""
+    if max_tokens == 0:
+        local = torch.arange(len(minibatch)).tensor_split(world_size)[rank]
+        micro = []
+        for positions in local.split(rows_per_micro_batch):
+            rows = minibatch[positions]
+            real, slots = int(exp.attention_mask[rows].sum()), rows.numel() * exp.query_response.shape[1]
+            micro.append(MicroBatch(positions, rows, None, None, 1.0, real, slots))
+        return micro
+    lengths = exp.attention_mask[minibatch].sum(dim=1).tolist()
+    plan = plan_micro_batches(lengths, max_tokens, world_size)
+    whole = rl.WholeBatch(tokens=int(exp.response_mask[minibatch].sum()), sequences=len(minibatch))
+    weight = 1.0 / (len(plan[rank]) * world_size)
+    micro = []
+    for group in plan[rank]:
+        positions = torch.tensor(group, dtype=torch.long)
+        rows = minibatch[positions]
+        packed = pack_rows(exp.query_response[rows], exp.attention_mask[rows], exp.context_length)
+        micro.append(MicroBatch(positions, rows, packed, whole, weight, packed.num_tokens, packed.num_tokens))
+    return micro
 
 
 def engine_logprobs(completions: list[Completion], width: int) -> torch.Tensor:

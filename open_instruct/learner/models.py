@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from open_instruct.data.tokenizer import explain_load_error
 from open_instruct.rl.logprobs import logprobs_and_entropy, projected_logprobs
+from open_instruct.rl.packing import PackedRows
 from open_instruct.run.devices import autocast, inference_dtype
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,13 @@ def forward_backbone(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     )
 
 
+def forward_packed(model: nn.Module, packed: PackedRows, **kwargs):
+    """One packed row (rl/packing.py): no 2D mask, positions restarting per sequence, from which transformers builds
+    the block-diagonal causal mask (eager/SDPA) or flash-attention's varlen sequence starts."""
+    return model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids, use_cache=False,
+                 **kwargs)  # fmt: skip
+
+
 # Config keys of architectures whose causal-LM forward does more to the hidden states than the LM head (Gemma's logit
 # soft-capping, Cohere's logit scale): their logprobs are computed from the model's own logits, never projected here.
 LOGIT_TRANSFORM_CONFIG_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -184,9 +192,12 @@ class TokenLogprobs(nn.Module):
 
     def forward(
         self, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int, temperature: float,
-        with_entropy: bool = False,
+        with_entropy: bool = False, packed: PackedRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """(logprob, entropy or None), float32 [batch, response_len] each."""
+        """(logprob, entropy or None), float32 [batch, response_len] each; from `packed` when given (then
+        query_response and attention_mask are None), 0 on padding."""
+        if packed is not None:
+            return self.packed_forward(packed, temperature, with_entropy)
         response = query_response[:, context_length:]
         if self.chunk_size == 0:
             logits = forward_backbone(self.hf_model, query_response, attention_mask,
@@ -199,6 +210,19 @@ class TokenLogprobs(nn.Module):
         head = self.hf_model.get_output_embeddings()
         return projected_logprobs(hidden, response, head, temperature, self.chunk_size, with_entropy)
 
+    def packed_forward(self, packed: PackedRows, temperature: float, with_entropy: bool):
+        """Only the positions that predict a real response token reach the LM head: [1, real response tokens]."""
+        labels = packed.response_labels.unsqueeze(0)
+        if self.chunk_size == 0:
+            logits = forward_packed(self.hf_model, packed).logits[:, packed.predict_index]
+            logprob, entropy = logprobs_and_entropy(logits, labels, temperature, with_entropy)
+        else:
+            backbone = getattr(self.hf_model, self.hf_model.base_model_prefix)
+            hidden = forward_packed(backbone, packed).last_hidden_state[:, packed.predict_index]
+            head = self.hf_model.get_output_embeddings()
+            logprob, entropy = projected_logprobs(hidden, labels, head, temperature, self.chunk_size, with_entropy)
+        return packed.unpack(logprob), (packed.unpack(entropy) if entropy is not None else None)
+
 
 class TokenScores(nn.Module):
     """A value or reward model as one module whose forward returns its score head at every position, [batch, seq]:
@@ -210,9 +234,15 @@ class TokenScores(nn.Module):
         super().__init__()
         self.hf_model = classifier
 
-    def forward(self, query_response: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, query_response: torch.Tensor, attention_mask: torch.Tensor, packed: PackedRows | None = None
+    ) -> torch.Tensor:
+        """[batch, seq]; with `packed` (query_response and attention_mask None): [1, packed tokens]."""
         backbone = getattr(self.hf_model, self.hf_model.base_model_prefix)
-        hidden = forward_backbone(backbone, query_response, attention_mask).last_hidden_state
+        if packed is not None:
+            hidden = forward_packed(backbone, packed).last_hidden_state
+        else:
+            hidden = forward_backbone(backbone, query_response, attention_mask).last_hidden_state
         return self.hf_model.score(hidden).squeeze(-1)
 
 
@@ -239,6 +269,23 @@ def response_values(
 ) -> torch.Tensor:
     """V(s) for the state before each response token; `value_model` is a TokenScores.  # [batch, response_len]"""
     return value_model(query_response, attention_mask)[:, context_length - 1 : -1]
+
+
+def packed_response_logprobs(
+    policy: nn.Module, packed: PackedRows, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_logprobs` of packed rows (rl/packing.py): the same [rows, response_len] outputs, 0 on padding."""
+    return policy(None, None, 0, temperature, with_entropy, packed=packed)
+
+
+def packed_response_values(value_model: nn.Module, packed: PackedRows) -> torch.Tensor:
+    """`response_values` of packed rows: [rows, response_len], 0 on padding."""
+    return packed.unpack(value_model(None, None, packed=packed)[0, packed.predict_index])
+
+
+def packed_reward_model_scores(reward_model: nn.Module, packed: PackedRows) -> torch.Tensor:
+    """`reward_model_scores` of packed rows: each sequence's score at its last real token.  # [rows]"""
+    return reward_model(None, None, packed=packed)[0, packed.last_index]
 
 
 def reward_model_scores(

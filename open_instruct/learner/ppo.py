@@ -18,10 +18,12 @@ from open_instruct.generation.vllm_engine import Completion, engine_dtype
 from open_instruct.learner import models, saving
 from open_instruct.learner.experience import (
     Experience,
+    MicroBatch,
     RolloutTensors,
     agreement_metrics,
     check_engine_matches_learner,
     layout_rollout,
+    micro_batches,
     needs_learner_logprobs,
     old_logprobs,
     timed,
@@ -29,6 +31,7 @@ from open_instruct.learner.experience import (
 from open_instruct.learner.models import ModelSpec
 from open_instruct.learner.saving import SavedModel
 from open_instruct.learner.single_process import OptimizerSettings, SingleProcess
+from open_instruct.rl.packing import pack_rows, plan_micro_batches
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run import checkpoint, devices, disk_space
 from open_instruct.run.args import Args, BatchSizes
@@ -174,17 +177,22 @@ class PPOLearner:
         def logprob_of(model):
             return lambda qr, am: models.response_logprobs(model, qr, am, rollout.context_length, temperature)[0]
 
+        def packed_logprob_of(model):
+            return lambda packed: models.packed_response_logprobs(model, packed, temperature)[0]
+
         learner_logprob = ref_logprob = None
         if needs_learner_logprobs(rollout, ppo.old_logprobs_from, ppo.truncated_importance_sampling_ratio_cap):
             with timed(timings, "time/old_logprob_forward"):
                 learner_logprob = self.forward_on_all_rows(
-                    logprob_of(self.policy), rollout.query_response, rollout.attention_mask
-                )
+                    logprob_of(self.policy), rollout.query_response, rollout.attention_mask,
+                    packed_fn=packed_logprob_of(self.policy), context_length=rollout.context_length,
+                )  # fmt: skip
         if self.ref_policy is not None:
             with timed(timings, "time/ref_logprob_forward"):
                 ref_logprob = self.forward_on_all_rows(
-                    logprob_of(self.ref_policy), rollout.query_response, rollout.attention_mask
-                )
+                    logprob_of(self.ref_policy), rollout.query_response, rollout.attention_mask,
+                    packed_fn=packed_logprob_of(self.ref_policy), context_length=rollout.context_length,
+                )  # fmt: skip
         return learner_logprob, ref_logprob
 
     def score(
@@ -201,6 +209,8 @@ class PPOLearner:
                         self.reward_model, qr, am, rollout.context_length, length
                     ),
                     rollout.query_response, rollout.attention_mask, rollout.response_length,
+                    packed_fn=lambda packed: models.packed_reward_model_scores(self.reward_model, packed),
+                    context_length=rollout.context_length,
                 ).cpu()  # fmt: skip
         score, reward_metrics = reward_manager.score(
             [c.text for c in completions],
@@ -258,14 +268,35 @@ class PPOLearner:
             "policy/tis_capped_frac": rl.masked_mean((weight >= cap).float(), mask).item(),
         }
 
-    def forward_on_all_rows(self, fn, *tensors: torch.Tensor) -> torch.Tensor:
-        """`fn` (no grad, in micro-batches) on this rank's rows, gathered: every rank gets the whole batch's outputs."""
+    def forward_on_all_rows(self, fn, *tensors: torch.Tensor, packed_fn=None, context_length: int = 0) -> torch.Tensor:
+        """`fn` (no grad, in micro-batches) on this rank's rows, gathered: every rank gets the whole batch's outputs.
+        With --max_tokens_per_micro_batch, `packed_fn` instead, on packed rows (tensors[0] and tensors[1] are the
+        query_response and the attention mask) of this rank's share by tokens; 0 on padding."""
+        if self.args.ppo.max_tokens_per_micro_batch:
+            return self.packed_forward_on_all_rows(packed_fn, tensors[0], tensors[1], context_length)
         rows = self.backend.local_rows(tensors[0].shape[0])
         chunk = self.args.ppo.per_device_train_batch_size
         local = models.no_grad_in_chunks(
             fn, chunk, *(t[rows] for t in tensors), device=self.device, dtype=self.compute_dtype
         )
         return self.backend.gather_rows(local)
+
+    def packed_forward_on_all_rows(
+        self, packed_fn, query_response: torch.Tensor, attention_mask: torch.Tensor, context_length: int
+    ) -> torch.Tensor:
+        """`forward_on_all_rows` in packed micro-batches: this rank's groups of the whole batch's plan (rl/packing.py,
+        the same on every rank), their outputs put in their rows of a zero tensor and summed over ranks."""
+        budget, world_size = self.args.ppo.max_tokens_per_micro_batch, self.backend.world_size
+        plan = plan_micro_batches(attention_mask.sum(dim=1).tolist(), budget, world_size)[self.backend.rank]
+        outputs = None
+        with torch.no_grad(), devices.autocast(self.device, self.compute_dtype):
+            for group in plan:
+                rows = torch.tensor(group, device=query_response.device)
+                result = packed_fn(pack_rows(query_response[rows], attention_mask[rows], context_length)).float()
+                if outputs is None:
+                    outputs = result.new_zeros((query_response.shape[0], *result.shape[1:]))
+                outputs[rows] = result
+        return self.backend.all_sum(outputs)
 
     def compute_advantages(
         self, exp: Experience, score: torch.Tensor, reward: torch.Tensor, completions: list[Completion], timings: dict
@@ -278,6 +309,8 @@ class PPOLearner:
             exp.value = self.forward_on_all_rows(
                 lambda qr, am: models.response_values(self.value_model, qr, am, exp.context_length),
                 exp.query_response, exp.attention_mask,
+                packed_fn=lambda packed: models.packed_response_values(self.value_model, packed),
+                context_length=exp.context_length,
             )  # fmt: skip
         if ppo.whiten_rewards:
             reward = rl.masked_whiten(reward, exp.response_mask, shift_mean=False)
@@ -285,66 +318,43 @@ class PPOLearner:
         return {"val/value_mean": rl.masked_mean(exp.value, exp.response_mask).item()}
 
     def train(self, exp: Experience) -> dict[str, float]:
-        """`num_epochs` PPO epochs over shuffled minibatches; one optimizer step per minibatch."""
-        ppo, temperature = self.args.ppo, self.args.gen.temperature
-        micro_size = ppo.per_device_train_batch_size
-        stats: dict[str, list[float]] = {}
+        """`num_epochs` PPO epochs over shuffled minibatches; one optimizer step per minibatch. Micro-batches are
+        --per_device_train_batch_size padded rows, or packed by --max_tokens_per_micro_batch (experience.micro_batches):
+        the same update and metrics either way when the padded micro-batch is the whole minibatch."""
+        ppo = self.args.ppo
+        stats: dict[str, list[float]] = {}  # key: [sum of values, sum of weights]
         skipped_updates = 0
         agreement: dict[str, float] = {}
+        work = {"perf/real_tokens": 0, "perf/token_slots": 0}
 
-        def record(**values: torch.Tensor) -> None:
+        def record(weight: float, **values: torch.Tensor) -> None:
             for key, value in values.items():
-                stats.setdefault(key, []).append(value.item())
+                total = stats.setdefault(key, [0.0, 0.0])
+                total[0] += value.item()
+                total[1] += weight
 
         for epoch in range(ppo.num_epochs):
-            # The same order on every rank (same seed); each rank trains on its equal slice of each minibatch.
+            # The same order on every rank (same seed); each rank trains on its share of each minibatch.
             order = torch.randperm(exp.query_response.shape[0], generator=self.shuffle_generator)
             for index, minibatch in enumerate(order.split(self.sizes.mini_batch_size)):
                 finite_losses = True
                 # Before the first update the policy is still the one the batch was made with: its logprobs here are
                 # the learner's old ones, which make_experience did not compute with --old_logprobs_from vllm.
                 check_agreement = epoch == 0 and index == 0 and exp.engine_logprob_to_check is not None
-                first_logprobs = []
-                local_minibatch = minibatch.tensor_split(self.backend.world_size)[self.backend.rank]
-                for micro in local_minibatch.split(micro_size):
-                    mask = exp.response_mask[micro]
-                    qr, am = exp.query_response[micro], exp.attention_mask[micro]
-                    with devices.autocast(self.device, self.compute_dtype):
-                        new_logprob, entropy = models.response_logprobs(
-                            self.policy, qr, am, exp.context_length, temperature, with_entropy=True
-                        )
+                first_logprobs = torch.zeros(len(minibatch), exp.response_mask.shape[1], device=self.device)
+                plan = micro_batches(
+                    exp, minibatch, ppo.per_device_train_batch_size, ppo.max_tokens_per_micro_batch,
+                    self.backend.rank, self.backend.world_size,
+                )  # fmt: skip
+                for number, micro in enumerate(plan):
+                    finite, new_logprob = self.train_micro_batch(exp, micro, number == len(plan) - 1, record)
+                    finite_losses &= finite
                     if check_agreement:
-                        first_logprobs.append(new_logprob.detach())
-                    tis_weight = exp.tis_weight[micro] if exp.tis_weight is not None else None
-                    pg_loss, pg_clipfrac, approxkl, ratio = rl.policy_loss(
-                        new_logprob, exp.logprob[micro], exp.advantage[micro], mask, ppo.cliprange, tis_weight,
-                        ppo.loss_aggregation,
-                    )  # fmt: skip
-                    policy_objective = pg_loss
-                    if ppo.kl_in_loss and exp.ref_logprob is not None:  # --beta 0: no KL term
-                        policy_objective = policy_objective + ppo.beta * rl.kl_penalty_loss(
-                            new_logprob, exp.ref_logprob[micro], mask, "k3", ppo.loss_aggregation
-                        )
-                    loss = policy_objective.detach()
-                    self.policy_trainer.backward(policy_objective)
-                    if self.value_model is not None:
-                        with devices.autocast(self.device, self.compute_dtype):
-                            new_value = models.response_values(self.value_model, qr, am, exp.context_length).float()
-                        vf_loss, vf_clipfrac = rl.value_loss(
-                            new_value, exp.value[micro], exp.return_[micro], mask, ppo.cliprange_value
-                        )
-                        # The two models share no parameter: separate backward passes give the gradients of the sum.
-                        self.value_trainer.backward(ppo.vf_coef * vf_loss)
-                        loss = loss + ppo.vf_coef * vf_loss.detach()  # vf_loss is logged unweighted
-                        record(vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
-                    finite_losses &= bool(torch.isfinite(loss))
-                    entropy = rl.masked_mean(entropy, mask)  # of each position's distribution, computed beside the logprobs
-                    record(
-                        pg_loss=pg_loss, loss=loss, pg_clipfrac=pg_clipfrac, approxkl=approxkl, ratio=ratio,
-                        entropy=entropy,
-                    )
-                if check_agreement:  # gathered over ranks: the minibatch's rows in `minibatch` order
-                    learner_logprob = self.backend.gather_rows(torch.cat(first_logprobs))
+                        first_logprobs[micro.positions] = new_logprob
+                    work["perf/real_tokens"] += micro.real_tokens
+                    work["perf/token_slots"] += micro.token_slots
+                if check_agreement:  # summed over ranks: each rank filled its rows of the minibatch
+                    learner_logprob = self.backend.all_sum(first_logprobs)
                     agreement = agreement_metrics(
                         learner_logprob, exp.engine_logprob_to_check[minibatch], exp.response_mask[minibatch]
                     )
@@ -358,10 +368,10 @@ class PPOLearner:
                     )
                 skipped_updates += not all(applied)
 
-        # Means over every micro-batch of every rank: [key, (sum, count)] summed over ranks.
-        totals = self.backend.all_sum(
-            torch.tensor([[sum(values), len(values)] for values in stats.values()], dtype=torch.float64)
-        )
+        # Means over every micro-batch of every rank: [key, (sum, weight)] summed over ranks (a packed micro-batch's
+        # value is its part of its minibatch's mean, and its weight its share of the minibatch).
+        totals = self.backend.all_sum(torch.tensor(list(stats.values()), dtype=torch.float64))
+        work_totals = self.backend.all_sum(torch.tensor(list(work.values()), dtype=torch.float64))
         global_mean = {key: (total / count).item() for key, (total, count) in zip(stats, totals)}
 
         def mean(key: str) -> float:
@@ -382,7 +392,67 @@ class PPOLearner:
             "val/ratio": mean("ratio"),
             **value_metrics,
             **agreement,
+            # The tokens one model's passes computed on in this step, every epoch and rank (the value model runs the
+            # same micro-batches): real ones, and every slot, real or padding.
+            **{key: float(total) for key, total in zip(work, work_totals)},
         }
+
+    def train_micro_batch(
+        self, exp: Experience, micro: MicroBatch, last: bool, record
+    ) -> tuple[bool, torch.Tensor]:
+        """One micro-batch's forward and backward passes (policy, then value model), its stats recorded with its
+        weight. Returns whether its loss is finite, and its new logprobs [rows, response_len] (detached)."""
+        ppo, temperature, rows = self.args.ppo, self.args.gen.temperature, micro.rows
+        mask = exp.response_mask[rows]
+        qr, am = exp.query_response[rows], exp.attention_mask[rows]
+        with devices.autocast(self.device, self.compute_dtype):
+            if micro.packed is None:
+                new_logprob, entropy = models.response_logprobs(
+                    self.policy, qr, am, exp.context_length, temperature, with_entropy=True
+                )
+            else:
+                new_logprob, entropy = models.packed_response_logprobs(
+                    self.policy, micro.packed, temperature, with_entropy=True
+                )
+        tis_weight = exp.tis_weight[rows] if exp.tis_weight is not None else None
+        pg_loss, pg_clipfrac, approxkl, ratio = rl.policy_loss(
+            new_logprob, exp.logprob[rows], exp.advantage[rows], mask, ppo.cliprange, tis_weight,
+            ppo.loss_aggregation, micro.whole,
+        )  # fmt: skip
+        policy_objective = pg_loss
+        if ppo.kl_in_loss and exp.ref_logprob is not None:  # --beta 0: no KL term
+            policy_objective = policy_objective + ppo.beta * rl.kl_penalty_loss(
+                new_logprob, exp.ref_logprob[rows], mask, "k3", ppo.loss_aggregation, micro.whole
+            )
+        loss = policy_objective.detach()
+        self.backward(self.policy_trainer, policy_objective, micro, last)
+        if self.value_model is not None:
+            with devices.autocast(self.device, self.compute_dtype):
+                if micro.packed is None:
+                    new_value = models.response_values(self.value_model, qr, am, exp.context_length)
+                else:
+                    new_value = models.packed_response_values(self.value_model, micro.packed)
+            vf_loss, vf_clipfrac = rl.value_loss(
+                new_value.float(), exp.value[rows], exp.return_[rows], mask, ppo.cliprange_value, whole=micro.whole
+            )
+            # The two models share no parameter: separate backward passes give the gradients of the sum.
+            self.backward(self.value_trainer, ppo.vf_coef * vf_loss, micro, last)
+            loss = loss + ppo.vf_coef * vf_loss.detach()  # vf_loss is logged unweighted
+            record(micro.weight, vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
+        # Of each position's distribution, computed beside the logprobs.
+        entropy = rl.masked_aggregate(entropy, mask, "token", micro.whole)
+        record(micro.weight, pg_loss=pg_loss, loss=loss, pg_clipfrac=pg_clipfrac, approxkl=approxkl, ratio=ratio,
+               entropy=entropy)  # fmt: skip
+        return bool(torch.isfinite(loss)), new_logprob.detach()
+
+    @staticmethod
+    def backward(trainer, loss: torch.Tensor, micro: MicroBatch, last: bool) -> None:
+        """A padded micro-batch's loss is its own mean (the trainer averages them); a packed one's is its part of the
+        minibatch's mean (the parts add up)."""
+        if micro.whole is None:
+            trainer.backward(loss)
+        else:
+            trainer.backward_part(loss, last)
 
     # ---- checkpoints (run/checkpoint.py writes the folder around these; the trainer's state is its own) ----
 

@@ -72,6 +72,11 @@ class AdamWTrainer:
         """`loss` is one micro-batch's mean; the minibatch's gradient is the mean over its micro-batches."""
         (loss / self.settings.gradient_accumulation_steps).backward()
 
+    def backward_part(self, loss: torch.Tensor, last: bool) -> None:
+        """`loss` is one micro-batch's part of the minibatch's loss (packed micro-batches, whose number varies):
+        the parts' gradients add up. `last`: the minibatch's last micro-batch (DeepSpeed needs to know)."""
+        loss.backward()
+
     def step(self, apply: bool = True) -> bool:
         """Clip and apply the minibatch's update, unless `apply` is False or the gradient norm is not finite (a NaN
         update is never applied). Returns whether it was applied; a skipped update keeps its place in the schedule."""

@@ -16,6 +16,7 @@ from open_instruct.rl.logprobs import (  # noqa: F401
 from open_instruct.rl.losses import kl_penalty_loss, policy_loss, truncated_importance_weight, value_loss  # noqa: F401
 from open_instruct.rl.masked import (  # noqa: F401
     LOSS_AGGREGATIONS,
+    WholeBatch,
     first_true_indices,
     masked_aggregate,
     masked_mean,

@@ -9,7 +9,7 @@ Secretly Brings You Off-Policy RL Training" (Yao et al., 2025: truncated importa
 import torch
 
 from open_instruct.rl.advantages import compute_kl
-from open_instruct.rl.masked import masked_aggregate, masked_mean, zero_padding
+from open_instruct.rl.masked import WholeBatch, masked_aggregate, zero_padding
 
 
 def policy_loss(
@@ -20,13 +20,15 @@ def policy_loss(
     cliprange: float,
     token_weight: torch.Tensor | None = None,
     aggregation: str = "token",
+    whole: WholeBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate loss over real tokens. All inputs [batch, response_len].
 
     `token_weight` (optional, no gradient) multiplies each token's clipped surrogate, e.g. the truncated
     importance weight of `truncated_importance_weight`; the clipping itself is unchanged (a positive weight
     scales both branches, so the same branch wins). `aggregation` reduces the per-token losses to the loss
-    (`masked_aggregate`: token or sequence mean); the diagnostics are always means over tokens.
+    (`masked_aggregate`: token or sequence mean); the diagnostics are always means over tokens. With `whole`, every
+    output is this batch's part of the whole minibatch's mean (packed micro-batches, see `WholeBatch`).
     Returns (loss, clipfrac, approxkl, ratio_mean): scalars; only `loss` carries a gradient.
     clipfrac is the fraction of tokens where the clipped term wins (its gradient is then zero);
     approxkl = 0.5 * mean(log_ratio**2), the k2 estimate of KL(old || new).
@@ -39,11 +41,11 @@ def policy_loss(
     token_loss = torch.max(unclipped_loss, clipped_loss)
     if token_weight is not None:
         token_loss = token_loss * zero_padding(token_weight.detach(), response_mask)
-    loss = masked_aggregate(token_loss, response_mask, aggregation)
+    loss = masked_aggregate(token_loss, response_mask, aggregation, whole)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped_loss > unclipped_loss).float(), response_mask)
-        approxkl = 0.5 * masked_mean(log_ratio.pow(2), response_mask)
-        ratio_mean = masked_mean(ratio, response_mask)
+        clipfrac = masked_aggregate((clipped_loss > unclipped_loss).float(), response_mask, "token", whole)
+        approxkl = 0.5 * masked_aggregate(log_ratio.pow(2), response_mask, "token", whole)
+        ratio_mean = masked_aggregate(ratio, response_mask, "token", whole)
     return loss, clipfrac, approxkl, ratio_mean
 
 
@@ -72,11 +74,13 @@ def value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float,
     vf_coef: float = 1.0,
+    whole: WholeBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss (N implementation details, "value function loss clipping"). Inputs [batch, response_len].
 
     The new value may move at most cliprange_value from the rollout's value; the loss is the larger of the
-    clipped and unclipped squared errors. Returns (loss, clipfrac); clipfrac carries no gradient.
+    clipped and unclipped squared errors (a mean over tokens; with `whole`, this batch's part of the minibatch's).
+    Returns (loss, clipfrac); clipfrac carries no gradient.
     """
     new_value = zero_padding(new_value, response_mask)
     old_value = zero_padding(old_value, response_mask)
@@ -84,9 +88,9 @@ def value_loss(
     clipped_value = old_value + torch.clamp(new_value - old_value, -cliprange_value, cliprange_value)
     unclipped_loss = (new_value - return_).pow(2)
     clipped_loss = (clipped_value - return_).pow(2)
-    loss = vf_coef * 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), response_mask)
+    loss = vf_coef * 0.5 * masked_aggregate(torch.max(unclipped_loss, clipped_loss), response_mask, "token", whole)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped_loss > unclipped_loss).float(), response_mask)
+        clipfrac = masked_aggregate((clipped_loss > unclipped_loss).float(), response_mask, "token", whole)
     return loss, clipfrac
 
 
@@ -96,9 +100,10 @@ def kl_penalty_loss(
     response_mask: torch.Tensor,
     estimator: str = "k3",
     aggregation: str = "token",
+    whole: WholeBatch | None = None,
 ) -> torch.Tensor:
     """Mean per-token KL estimate over real tokens (token or sequence mean, see `masked_aggregate`), for putting
     the KL in the loss (GRPO style) instead of the reward. Inputs [batch, response_len]; returns a scalar the
     trainer multiplies by beta."""
     kl = compute_kl(zero_padding(logprob, response_mask), zero_padding(ref_logprob, response_mask), estimator)
-    return masked_aggregate(kl, response_mask, aggregation)
+    return masked_aggregate(kl, response_mask, aggregation, whole)

@@ -12,6 +12,7 @@ reward whitening without shifting the mean.
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -35,8 +36,21 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = Non
     return total / count.clamp(min=1).to(values.dtype)
 
 
-def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """A per-token loss [batch, response_len] reduced to a scalar over the real tokens.
+@dataclass(frozen=True)
+class WholeBatch:
+    """The real tokens and the responses of a whole minibatch (every micro-batch of every rank). Given to
+    `masked_aggregate`, a micro-batch's result is its part of the minibatch's mean, so that the parts add up to the
+    mean over the minibatch however its rows were grouped (packed micro-batches hold different numbers of rows)."""
+
+    tokens: int
+    sequences: int
+
+
+def masked_aggregate(
+    values: torch.Tensor, mask: torch.Tensor, aggregation: str, whole: WholeBatch | None = None
+) -> torch.Tensor:
+    """A per-token loss [batch, response_len] reduced to a scalar over the real tokens (with `whole`: this batch's
+    part of that mean over the whole minibatch, see `WholeBatch`).
 
     token: the mean over every real token of the batch, so each token weighs the same and a long response
     weighs more than a short one (DAPO; PPO here always did this). sequence: the mean of each response's own
@@ -44,8 +58,12 @@ def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: str)
     1/G sum_i 1/|o_i| sum_t; Dr. GRPO points out that this favours long wrong answers over short ones).
     """
     if aggregation == "token":
+        if whole is not None:
+            return zero_padding(values, mask).sum() / whole.tokens
         return masked_mean(values, mask)
     if aggregation == "sequence":
+        if whole is not None:
+            return masked_mean(values, mask, axis=1).sum() / whole.sequences
         return masked_mean(values, mask, axis=1).mean()
     raise ValueError(f"Unknown loss aggregation {aggregation!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}.")
 

@@ -67,6 +67,13 @@ class PPOArgs:
     num_epochs: int = arg(4, "PPO epochs over each rollout batch.")
     num_mini_batches: int = arg(1, "Minibatches per PPO epoch (one optimizer step each).")
     per_device_train_batch_size: int = arg(8, "Micro-batch size of a forward/backward pass.")
+    max_tokens_per_micro_batch: int = arg(
+        0,
+        "Packed micro-batches of at most this many real tokens each (a longer sequence alone): the learner groups a "
+        "minibatch's rows by length and lays each group's sequences end to end in one row, without attention between "
+        "them, so no compute goes to padding; the loss and the metrics are the padded ones (docs/speed.md). "
+        "0: micro-batches of --per_device_train_batch_size padded rows.",
+    )
     local_rollout_batch_size: int = arg(8, "Prompts per training step.")
     number_samples_per_prompt: int = arg(4, "Responses sampled per prompt.")
     beta: float = arg(

@@ -124,6 +124,8 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("max_engine_restarts", args.dist.max_engine_restarts, NON_NEGATIVE_INT),
         ("learner_timeout_s", args.dist.learner_timeout_s, POSITIVE),
         ("logprob_chunk_size", args.ppo.logprob_chunk_size, (lambda v: v >= 0, "an integer >= 0 (0: all positions at once)")),
+        ("max_tokens_per_micro_batch", args.ppo.max_tokens_per_micro_batch,
+         (lambda v: v >= 0, "an integer >= 0 (0: micro-batches of --per_device_train_batch_size padded rows)")),
         ("device_memory_gb", args.dist.device_memory_gb, (lambda v: v is None or POSITIVE[0](v), "a number of GB > 0")),
     ]  # fmt: skip
 
