@@ -8,6 +8,7 @@ model and with its own `compute_advantages`.
 
 import logging
 import os
+import time
 
 import torch
 
@@ -32,6 +33,7 @@ from open_instruct.learner.single_process import OptimizerSettings, SingleProces
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run import checkpoint, devices, disk_space
 from open_instruct.run.args import Args, BatchSizes
+from open_instruct.run.flops import LearnerWork, ModelFlops
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,11 @@ class PPOLearner:
         if self.reward_model is not None:
             self.reward_model = self.backend.frozen(self.reward_model)
         self.shuffle_generator = torch.Generator().manual_seed(args.run.seed)
+        self.model_flops = self.flops_of_models()
+        self.work = LearnerWork()  # the step's work so far: make_experience starts it, train adds to it and logs it
+        if self.backend.rank == 0:
+            peak, source = devices.peak_flops_per_second(self.device, self.compute_dtype)
+            log.info(f"[learner] peak {peak / 1e12:.3g} TFLOP/s a device ({source}): the FLOPs utilization's yardstick")
 
     def optimizer_settings(self, learning_rate: float) -> OptimizerSettings:
         ppo = self.args.ppo
@@ -147,6 +154,7 @@ class PPOLearner:
         and the rewards and advantages (`rewards_and_advantages`). Returns the experience for `train`, the step's
         metrics, and per-response scores and lengths (for the samples log)."""
         ppo = self.args.ppo
+        work_start = time.perf_counter()
         rollout = layout_rollout(prompts, completions, self.tokenizer.pad_token_id, self.stop_token_ids, self.device)
         timings: dict[str, float] = {}
         learner_logprob, ref_logprob = self.forward_logprobs(rollout, timings)
@@ -163,6 +171,8 @@ class PPOLearner:
             metrics.update(agreement_metrics(learner_logprob, rollout.engine_logprob, rollout.response_mask))
         metrics.update({**source_metrics, **tis_metrics, **reward_metrics, **timings})
         samples = {"score": score.tolist(), "response_length": rollout.response_length.tolist()}
+        self.work = self.experience_work(rollout, learner_logprob is not None)  # perf/*: see run/flops.py
+        self.work.seconds = time.perf_counter() - work_start
         return experience, metrics, samples
 
     # ---- the parts of make_experience ----
@@ -287,6 +297,7 @@ class PPOLearner:
     def train(self, exp: Experience) -> dict[str, float]:
         """`num_epochs` PPO epochs over shuffled minibatches; one optimizer step per minibatch."""
         ppo, temperature = self.args.ppo, self.args.gen.temperature
+        work_start = time.perf_counter()
         micro_size = ppo.per_device_train_batch_size
         stats: dict[str, list[float]] = {}
         skipped_updates = 0
@@ -372,6 +383,8 @@ class PPOLearner:
             value_metrics = {"loss/value_avg": mean("vf_loss"), "val/clipfrac_avg": mean("vf_clipfrac")}
         norm = weight_norm(self.policy, self.backend)  # for the trainer's divergence guard (run/divergence.py)
         value_metrics["policy/weight_norm_vs_start"] = norm / self.initial_weight_norm
+        self.add_training_work(exp)  # perf/*: see run/flops.py
+        self.work.seconds += time.perf_counter() - work_start
         return {
             "train/skipped_updates": float(skipped_updates),
             "loss/policy_avg": mean("pg_loss"),
@@ -382,7 +395,43 @@ class PPOLearner:
             "val/ratio": mean("ratio"),
             **value_metrics,
             **agreement,
+            **self.perf_metrics(),
         }
+
+    # ---- the learner's work: tokens, padding and useful FLOPs of a step (the perf/* metrics, run/flops.py) ----
+
+    def flops_of_models(self) -> dict[str, ModelFlops]:
+        """The FLOP-count shape of each model this learner runs, by role."""
+        config_of = lambda model: self.backend.hf_model(model).config  # noqa: E731
+        models_by_role = {
+            "policy": (self.policy, True), "reference policy": (self.ref_policy, True),
+            "reward model": (self.reward_model, False), "value model": (self.value_model, False),
+        }  # fmt: skip
+        return {role: ModelFlops.of_config(role, config_of(model), causal_lm)
+                for role, (model, causal_lm) in models_by_role.items() if model is not None}  # fmt: skip
+
+    def experience_work(self, rollout: RolloutTensors, ran_policy_forward: bool) -> LearnerWork:
+        """make_experience's forward passes over the whole rollout (every rank counts the whole batch): the policy's
+        (when its old logprobs were computed), the reference's, the reward model's and the value model's."""
+        work = LearnerWork(real_tokens=int(rollout.attention_mask.sum()))
+        for role, model in self.model_flops.items():
+            if role != "policy" or ran_policy_forward:
+                work.add_pass(model, rollout.attention_mask, rollout.response_mask, backward=False)
+        return work
+
+    def add_training_work(self, exp: Experience, token_slots_per_epoch: int | None = None) -> None:
+        """train's passes: each epoch, every row through each trained model forward and backward.
+        `token_slots_per_epoch`: the slots the epoch's micro-batches computed; None: padded rows, as wide as the
+        batch (a packed micro-batch plan passes its own count)."""
+        trained = [self.model_flops[role] for role in ("policy", "value model") if role in self.model_flops]
+        for _ in range(self.args.ppo.num_epochs):
+            for model in trained:
+                self.work.add_pass(model, exp.attention_mask, exp.response_mask, True, token_slots_per_epoch)
+
+    def perf_metrics(self) -> dict[str, float]:
+        """The step's perf/* metrics: useful work over the learner's seconds, against the peak of all its devices."""
+        peak, _ = devices.peak_flops_per_second(self.device, self.compute_dtype)  # measured once per process
+        return self.work.metrics(peak, self.backend.world_size)
 
     # ---- checkpoints (run/checkpoint.py writes the folder around these; the trainer's state is its own) ----
 
