@@ -25,6 +25,7 @@ import copy
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -126,8 +127,9 @@ def main() -> None:
     start = time.perf_counter()
     path, tokenizer, prompts, completions, stop_token_ids = sample_rollout(base, compute_batch_sizes(base))
     lengths = sorted(len(c.token_ids) for c in completions)
+    seconds = time.perf_counter() - start
     print(f"[bench] rollout: {len(completions)} responses of {lengths[0]}..{lengths[-1]} tokens (median "
-          f"{lengths[len(lengths) // 2]}), sampled in {time.perf_counter() - start:.0f}s; {options.config}", flush=True)
+          f"{statistics.median(lengths):g}), sampled in {seconds:.0f}s; {options.config}", flush=True)
     rollout = (path, tokenizer, prompts, completions, stop_token_ids)
     print("[bench] warm-up learner on 4 responses (not timed)", flush=True)
     run_learner(base_argv, path, tokenizer, prompts, completions[:4], stop_token_ids)
