@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+from open_instruct.run.flops import is_timing
 from open_instruct.learner import models
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.data.tokenizer import load_tokenizer
@@ -277,10 +278,43 @@ def test_chunked_and_whole_logprobs_give_the_same_learner_step(tiny_model_dir, r
         steps[chunk_size] = (metrics, weights)
     (whole, whole_weights), (chunked, chunked_weights) = steps[0], steps[3]
     for key, value in whole.items():
-        if not key.startswith("time/"):
+        if not is_timing(key):
             assert chunked[key] == pytest.approx(value, abs=1e-6), key
     # AdamW divides each gradient by its own running size, so where a gradient is near zero a rounding difference of
     # 1e-9 in it moves the weight by a visible share of the learning rate (1e-3 here): the weights are held to 1% of
     # one step, the metrics above to 1e-6.
     for name, weight in whole_weights.items():
         torch.testing.assert_close(chunked_weights[name], weight, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("flags,experience_roles", [
+    (["--old_logprobs_from", "learner", "--beta", "0.05"], ["policy", "reference policy", "value model"]),
+    (["--old_logprobs_from", "vllm", "--beta", "0", "--max_vllm_logprob_diff", "100"], ["value model"]),
+])  # fmt: skip
+def test_the_steps_work_counts_every_pass_the_learner_ran(tiny_model_dir, rollout, flags, experience_roles):
+    """perf/* (issue 24): make_experience counts the forwards it ran (none skipped by a switch), train adds
+    num_epochs x (policy and value) forward + backward; padding is what the padded rows hold."""
+    from open_instruct.learner.experience import layout_rollout
+    from open_instruct.run.flops import ModelFlops
+
+    prompts, completions = rollout
+    completions = with_engine_logprobs(completions, fabricated_logprobs(completions))
+    learner, reward_manager = build_learner(tiny_model_dir, *flags)
+    tensors = layout_rollout(prompts, completions, learner.tokenizer.pad_token_id, learner.stop_token_ids, "cpu")
+    mask, response_mask = tensors.attention_mask, tensors.response_mask
+    experience, _, _ = learner.make_experience(prompts, completions, reward_manager)
+    config = learner.backend.hf_model(learner.policy).config
+    policy, value = ModelFlops.of_config("p", config, True), ModelFlops.of_config("v", config, False)
+    flops_of = {"policy": policy, "reference policy": policy, "value model": value}
+    forward = {role: flops_of[role].forward_flops(mask.sum(1), response_mask.sum(1)) for role in flops_of}
+    assert learner.work.real_tokens == int(mask.sum()) < mask.numel()  # the fixed rollout's rows differ in length
+    assert learner.work.passes_token_slots == len(experience_roles) * mask.numel()
+    assert learner.work.flops == pytest.approx(sum(forward[role] for role in experience_roles), rel=1e-12)
+    metrics = learner.train(experience)
+    passes = len(experience_roles) + 2 * 2  # --num_epochs 2: policy and value, each forward and backward
+    assert learner.work.passes_token_slots == passes * mask.numel()
+    trained = 2 * 3 * (forward["policy"] + forward["value model"])  # 2 epochs of forward + backward (3x forward)
+    assert learner.work.flops == pytest.approx(sum(forward[role] for role in experience_roles) + trained, rel=1e-12)
+    assert metrics["perf/padding_fraction"] == pytest.approx(1 - int(mask.sum()) / mask.numel())
+    assert metrics["perf/tokens_per_second"] == pytest.approx(int(mask.sum()) / learner.work.seconds)
+    assert 0 < metrics["perf/learner_flops_utilization"] < 1

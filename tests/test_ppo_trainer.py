@@ -62,6 +62,7 @@ STEP_METRICS = [
     "val/sequence_lengths", "val/num_stop_token_ids",
     "debug/vllm_vs_learner_logprob_diff_mean", "debug/vllm_vs_learner_logprob_diff_max",
     "debug/vllm_vs_learner_ratio_mean", "debug/vllm_vs_learner_ratio_min", "debug/vllm_vs_learner_ratio_max",
+    "perf/tokens_per_second", "perf/padding_fraction", "perf/learner_flops_utilization",
 ]  # fmt: skip
 # In sync mode with an fp32 engine the learner computes the logprobs of the very weights that sampled: measured
 # ~4e-7 nats per token. A weight sync that misses a layer (the tied LM head did) gives 1e-2 to 1e-1.
@@ -225,6 +226,14 @@ def test_every_step_logs_finite_metrics_and_the_expected_policy_versions(run_fix
         loaded_weights = line["policy_version/rollout"] > 0
         assert (line["time/weight_sync"] > 0) == loaded_weights, f"step {step}: {line['time/weight_sync']}"
         assert line["time/generation"] > 0 and line["time/training"] > 0
+        # The learner's work (issue 24): the rollout's real tokens (its responses' at least) went through the learner
+        # in at most the scoring and training time; some slots are padding, never all; the useful FLOP/s are a
+        # fraction of the measured peak (a tiny model on a CPU: far below it, but not nothing).
+        response_tokens = sum(dict(histograms["lengths/response_tokens"])[step])
+        learner_seconds = line["time/scoring"] + line["time/training"]
+        assert line["perf/tokens_per_second"] >= response_tokens / learner_seconds, f"step {step}"
+        assert 0.0 <= line["perf/padding_fraction"] < 0.9, f"step {step}"
+        assert 1e-6 < line["perf/learner_flops_utilization"] < 1.0, f"step {step}"
         # The value loss is logged as is; the objective weights it by --vf_coef (0.1 by default).
         assert line["objective/loss"] == pytest.approx(line["loss/policy_avg"] + 0.1 * line["loss/value_avg"], abs=1e-5)
     assert all(a["time/from_scratch"] < b["time/from_scratch"] for a, b in zip(lines, lines[1:]))
@@ -512,7 +521,7 @@ def test_yaml_config_with_a_command_line_override(tmp_path):
 @pytest.mark.parametrize(
     "name",
     ["ppo_arithmetic_cpu.yaml", "ppo_arithmetic_gpu.yaml", "ppo_tulu3_8b.yaml", "grpo_arithmetic_cpu.yaml",
-     "grpo_arithmetic_gpu.yaml"],
+     "grpo_arithmetic_gpu.yaml", "ppo_word_problems_cpu.yaml"],
 )  # fmt: skip
 def test_shipped_configs_parse_into_consistent_sizes(name):
     """The shipped recipes: a key the dataclasses do not know, or sizes that do not divide, fails here."""

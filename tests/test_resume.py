@@ -26,6 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from open_instruct.run.flops import is_timing
 from open_instruct.run.tracking import read_metrics
 from tests.test_ppo_trainer import FP32_LEARNER, RUN_TIMEOUT_S, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
 
@@ -94,7 +95,7 @@ def finish(process: subprocess.Popen) -> tuple[int, str]:
 
 
 def comparable(row: dict) -> dict:
-    return {key: value for key, value in row.items() if not key.startswith("time/") and key != "run_id"}
+    return {key: value for key, value in row.items() if not is_timing(key) and key != "run_id"}
 
 
 def assert_same_run(output_dir: Path, reference: Path) -> None:

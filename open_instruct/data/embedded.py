@@ -5,7 +5,8 @@
   directory, which transformers and vLLM both load.
 - A tiny random-weight Llama with the same tokenizer, for tests that need a real model and a real
   engine but not a trained one.
-- The arithmetic task (see `arithmetic_task.py`) written as parquet splits.
+- The arithmetic task (see `arithmetic_task.py`) and the mixed-length word problems (`word_problems.py`), written
+  as parquet splits; a dataset mixer names them `embedded_arithmetic` and `embedded_word_problems`.
 
 Everything lands under `$OPEN_INSTRUCT_CACHE` (default `~/.cache/open_instruct`). Each folder is
 built in a temporary directory and renamed into place, under a file lock, so concurrent runs and
@@ -132,6 +133,26 @@ def arithmetic_data_path(digits: int = 1, operations: str = "+", seed: int = 0) 
         lambda out: write_arithmetic_dataset(out, seed=seed, digits=digits, operations=tuple(operations)),
         marker="test.parquet",
     )
+
+
+def word_problems_data_path(seed: int = 0) -> str:
+    """The embedded mixed-length word problems as `{dir}/train.parquet` and `{dir}/test.parquet`."""
+    from open_instruct.data.word_problems import write_word_problem_dataset
+
+    return build_once(
+        os.path.join(cache_dir(), "data", f"word-problems-seed{seed}"),
+        lambda out: write_word_problem_dataset(out, seed=seed),
+        marker="test.parquet",
+    )
+
+
+# Names a dataset mixer (--dataset_mixer_list, --dataset_mixer_eval_list) may give for an embedded task.
+EMBEDDED_DATASETS = {"embedded_arithmetic": arithmetic_data_path, "embedded_word_problems": word_problems_data_path}
+
+
+def resolve_dataset_name(name: str) -> str:
+    """An embedded task's folder (built on first use) for its name in EMBEDDED_DATASETS; any other name as given."""
+    return EMBEDDED_DATASETS[name]() if name in EMBEDDED_DATASETS else name
 
 
 def resolve_model_path(model_name_or_path: str | None) -> str:

@@ -45,7 +45,8 @@ CACHE_REPORT_FILE = "tokenization_report.json"
 class DatasetArgs:
     dataset_mixer_list: list[str] = field(
         default_factory=list,
-        metadata={"help": "Sources and amounts, alternating: `name_or_path frac_or_count ...` (e.g. `a.parquet 1.0`)."},
+        metadata={"help": "Sources and amounts, alternating: `name_or_path frac_or_count ...` (e.g. `a.parquet 1.0`); "
+                          "`embedded_arithmetic` and `embedded_word_problems` name the built-in tasks."},
     )
     dataset_mixer_list_splits: list[str] = field(
         default_factory=lambda: ["train"],

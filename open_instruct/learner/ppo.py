@@ -8,6 +8,7 @@ model and with its own `compute_advantages`.
 
 import logging
 import os
+import time
 
 import torch
 
@@ -35,6 +36,7 @@ from open_instruct.rl.packing import pack_rows, plan_micro_batches
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run import checkpoint, devices, disk_space
 from open_instruct.run.args import Args, BatchSizes
+from open_instruct.run.flops import LearnerWork, ModelFlops
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,11 @@ class PPOLearner:
         if self.reward_model is not None:
             self.reward_model = self.backend.frozen(self.reward_model)
         self.shuffle_generator = torch.Generator().manual_seed(args.run.seed)
+        self.model_flops = self.flops_of_models()
+        self.work = LearnerWork()  # the step's work so far: make_experience starts it, train adds to it and logs it
+        if self.backend.rank == 0:
+            peak, source = devices.peak_flops_per_second(self.device, self.compute_dtype)
+            log.info(f"[learner] peak {peak / 1e12:.3g} TFLOP/s a device ({source}): the FLOPs utilization's yardstick")
 
     def optimizer_settings(self, learning_rate: float) -> OptimizerSettings:
         ppo = self.args.ppo
@@ -150,6 +157,7 @@ class PPOLearner:
         and the rewards and advantages (`rewards_and_advantages`). Returns the experience for `train`, the step's
         metrics, and per-response scores and lengths (for the samples log)."""
         ppo = self.args.ppo
+        work_start = time.perf_counter()
         rollout = layout_rollout(prompts, completions, self.tokenizer.pad_token_id, self.stop_token_ids, self.device)
         timings: dict[str, float] = {}
         learner_logprob, ref_logprob = self.forward_logprobs(rollout, timings)
@@ -166,6 +174,8 @@ class PPOLearner:
             metrics.update(agreement_metrics(learner_logprob, rollout.engine_logprob, rollout.response_mask))
         metrics.update({**source_metrics, **tis_metrics, **reward_metrics, **timings})
         samples = {"score": score.tolist(), "response_length": rollout.response_length.tolist()}
+        self.work = self.experience_work(rollout, learner_logprob is not None)  # perf/*: see run/flops.py
+        self.work.seconds = time.perf_counter() - work_start
         return experience, metrics, samples
 
     # ---- the parts of make_experience ----
@@ -323,6 +333,7 @@ class PPOLearner:
         the same update and metrics either way when the padded micro-batch is the whole minibatch."""
         ppo = self.args.ppo
         stats: dict[str, list[float]] = {}  # key: [sum of values, sum of weights]
+        work_start = time.perf_counter()
         skipped_updates = 0
         agreement: dict[str, float] = {}
         work = {"perf/real_tokens": 0, "perf/token_slots": 0}
@@ -382,6 +393,9 @@ class PPOLearner:
             value_metrics = {"loss/value_avg": mean("vf_loss"), "val/clipfrac_avg": mean("vf_clipfrac")}
         norm = weight_norm(self.policy, self.backend)  # for the trainer's divergence guard (run/divergence.py)
         value_metrics["policy/weight_norm_vs_start"] = norm / self.initial_weight_norm
+        # perf/*: see run/flops.py; the slots the micro-batches (padded or packed) computed on, per epoch
+        self.add_training_work(exp, int(work_totals[1]) // ppo.num_epochs)
+        self.work.seconds += time.perf_counter() - work_start
         return {
             "train/skipped_updates": float(skipped_updates),
             "loss/policy_avg": mean("pg_loss"),
@@ -395,6 +409,7 @@ class PPOLearner:
             # The tokens one model's passes computed on in this step, every epoch and rank (the value model runs the
             # same micro-batches): real ones, and every slot, real or padding.
             **{key: float(total) for key, total in zip(work, work_totals)},
+            **self.perf_metrics(),
         }
 
     def train_micro_batch(
@@ -453,6 +468,41 @@ class PPOLearner:
             trainer.backward(loss)
         else:
             trainer.backward_part(loss, last)
+
+    # ---- the learner's work: tokens, padding and useful FLOPs of a step (the perf/* metrics, run/flops.py) ----
+
+    def flops_of_models(self) -> dict[str, ModelFlops]:
+        """The FLOP-count shape of each model this learner runs, by role."""
+        config_of = lambda model: self.backend.hf_model(model).config  # noqa: E731
+        models_by_role = {
+            "policy": (self.policy, True), "reference policy": (self.ref_policy, True),
+            "reward model": (self.reward_model, False), "value model": (self.value_model, False),
+        }  # fmt: skip
+        return {role: ModelFlops.of_config(role, config_of(model), causal_lm)
+                for role, (model, causal_lm) in models_by_role.items() if model is not None}  # fmt: skip
+
+    def experience_work(self, rollout: RolloutTensors, ran_policy_forward: bool) -> LearnerWork:
+        """make_experience's forward passes over the whole rollout (every rank counts the whole batch): the policy's
+        (when its old logprobs were computed), the reference's, the reward model's and the value model's."""
+        work = LearnerWork(real_tokens=int(rollout.attention_mask.sum()))
+        for role, model in self.model_flops.items():
+            if role != "policy" or ran_policy_forward:
+                work.add_pass(model, rollout.attention_mask, rollout.response_mask, backward=False)
+        return work
+
+    def add_training_work(self, exp: Experience, token_slots_per_epoch: int | None = None) -> None:
+        """train's passes: each epoch, every row through each trained model forward and backward.
+        `token_slots_per_epoch`: the slots the epoch's micro-batches computed; None: padded rows, as wide as the
+        batch (a packed micro-batch plan passes its own count)."""
+        trained = [self.model_flops[role] for role in ("policy", "value model") if role in self.model_flops]
+        for _ in range(self.args.ppo.num_epochs):
+            for model in trained:
+                self.work.add_pass(model, exp.attention_mask, exp.response_mask, True, token_slots_per_epoch)
+
+    def perf_metrics(self) -> dict[str, float]:
+        """The step's perf/* metrics: useful work over the learner's seconds, against the peak of all its devices."""
+        peak, _ = devices.peak_flops_per_second(self.device, self.compute_dtype)  # measured once per process
+        return self.work.metrics(peak, self.backend.world_size)
 
     # ---- checkpoints (run/checkpoint.py writes the folder around these; the trainer's state is its own) ----
 

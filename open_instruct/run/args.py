@@ -357,6 +357,13 @@ def yaml_to_cli(path: str) -> list[str]:
     return argv
 
 
+EMBEDDED_DATASET_NAMES = ("embedded_arithmetic", "embedded_word_problems")  # data/embedded.py builds them
+
+
+def mixer_eval_list(args: "Args") -> list:
+    return args.data.dataset_mixer_eval_list or []
+
+
 class ConfigError(ValueError):
     """A flag, file or setting the run cannot use; the message names it and the fix (printed as one line)."""
 
@@ -395,6 +402,11 @@ def parse_args(argv: list[str] | None = None, algorithm: str = "ppo") -> Args:
         data_dir = arithmetic_data_path()
         args.data.dataset_mixer_list = [data_dir, "1.0"]
         args.data.dataset_mixer_eval_list = args.data.dataset_mixer_eval_list or [data_dir, "1.0"]
+    if any(name in EMBEDDED_DATASET_NAMES for name in args.data.dataset_mixer_list + mixer_eval_list(args)):
+        from open_instruct.data.embedded import resolve_dataset_name
+
+        for mixer in (args.data.dataset_mixer_list, mixer_eval_list(args)):
+            mixer[::2] = [resolve_dataset_name(name) for name in mixer[::2]]  # [name, fraction, name, fraction, ...]
     if args.data.dataset_cache_dir is None or args.run.fallback_save_dir is None:
         from open_instruct.data.embedded import cache_dir
 

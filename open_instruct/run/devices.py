@@ -7,6 +7,7 @@ trainer), never by a driver that only coordinates actors elsewhere: `device_repo
 driver about its device, and the driver decides from the reports (see generation/weight_transfer.py).
 """
 
+import functools
 import math
 import time
 from contextlib import nullcontext
@@ -78,8 +79,13 @@ def native_bf16_cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> list[str]:
     return [flag for flag in NATIVE_BF16_CPU_FLAGS if flag in flags]
 
 
-def bf16_matmul_speedup(size: int = 1024, repeats: int = 5) -> float:
-    """fp32 time / bf16 time of a size x size matmul on the CPU, best of `repeats` each (0.1 s on a 2-core EPYC).
+PROBE_SIZE = 1024  # the CPU matmul probe's n x n x n: 2.1 GFLOP, ~0.1 s for both dtypes on a 2-core EPYC
+
+
+@functools.cache
+def matmul_best_seconds(size: int = PROBE_SIZE, repeats: int = 5) -> dict[torch.dtype, float]:
+    """Best seconds of a size x size matmul on the CPU in fp32 and in bf16 (`repeats` each), measured once per process:
+    the bf16 probe and the peak FLOP/s both read it.
 
     The two dtypes are timed in turns, so a load that starts or stops during the probe (another process, the
     engine loading) slows both alike instead of only the one measured second: on 2 busy cores the old
@@ -94,7 +100,66 @@ def bf16_matmul_speedup(size: int = 1024, repeats: int = 5) -> float:
             start = time.perf_counter()
             a @ b
             best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best
+
+
+def bf16_matmul_speedup(size: int = PROBE_SIZE, repeats: int = 5) -> float:
+    """fp32 time / bf16 time of a size x size matmul on the CPU (`matmul_best_seconds`)."""
+    best = matmul_best_seconds(size, repeats)
     return best[torch.float32] / best[torch.bfloat16]
+
+
+# Dense (no sparsity) tensor-core peaks from the vendors' datasheets, FLOP/s: (name fragment, bf16, fp32). fp32 is
+# the plain (non-TF32) rate: autocast leaves fp32 matmuls in fp32 unless TF32 is switched on. First match wins, so
+# a longer name comes before its prefix ("H100 PCIe" before "H100").
+GPU_DATASHEET_PEAKS = (
+    ("H200", 989e12, 67e12),
+    ("H100 PCIe", 756e12, 51e12),
+    ("H100", 989e12, 67e12),  # SXM
+    ("GH200", 989e12, 67e12),
+    ("B200", 2250e12, 75e12),
+    ("A100", 312e12, 19.5e12),
+    ("L40S", 362e12, 91.6e12),
+    ("A10G", 70e12, 31.2e12),
+    ("L4", 121e12, 30.3e12),
+)
+
+
+def datasheet_peak_flops(gpu_name: str, dtype: torch.dtype) -> float | None:
+    """The datasheet's dense peak FLOP/s of `dtype` (bf16 or fp32) for a GPU named `gpu_name` (as torch names it,
+    e.g. "NVIDIA H100 80GB HBM3"); None for a GPU not in GPU_DATASHEET_PEAKS."""
+    for fragment, bf16, fp32 in GPU_DATASHEET_PEAKS:
+        if fragment.lower() in gpu_name.lower():
+            return bf16 if dtype == torch.bfloat16 else fp32
+    return None
+
+
+@functools.cache
+def measured_gpu_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 8192, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` size x size matmuls on a GPU not in the datasheet table."""
+    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
+    a @ b
+    best = math.inf
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def peak_flops_per_second(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The learner device's peak FLOP/s in its compute dtype, and where the number comes from: the datasheet on a
+    known GPU, else a measured matmul (on CPUs the start-up probe's, `matmul_best_seconds`, run once)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = datasheet_peak_flops(name, dtype)
+        if peak is not None:
+            return peak, f"{name} datasheet, {dtype_name(dtype)}"
+        return measured_gpu_peak_flops(device, dtype), f"{name}, measured {dtype_name(dtype)} matmul"
+    best = matmul_best_seconds()
+    return 2 * PROBE_SIZE**3 / best[dtype], f"CPU, measured {PROBE_SIZE}^3 {dtype_name(dtype)} matmul"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
