@@ -322,6 +322,8 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
         if resume is not None:
             learner.read_checkpoint(resume.path)
             rollouts.load_state_dict(resume.trainer_state)
+            if hasattr(generator.engine, "restarts"):  # --max_engine_restarts counts over the whole run
+                generator.engine.restarts = resume.trainer_state.get("engine_restarts", 0)
             for version in rollouts.send_unfinished(learner_version=resume.step):
                 say(f"[ppo] warning: the batch of policy {version} was not finished when {resume.path} was written; "
                     f"policy {resume.step} generates it again, so from here this run differs from an uninterrupted one",
@@ -413,6 +415,7 @@ def save_checkpoint(run: Run, step: int, wait_s: float | None = None) -> checkpo
         "run_id": run.args.run.run_name,
         "wandb_run_id": run.logger.wandb_run_id,
         "time_from_scratch": time.time() - run.start_time,
+        "engine_restarts": getattr(run.generator.engine, "restarts", 0),  # engine actors: the run's count goes on
         **run.rollouts.state_dict(learner_version=step, wait_s=wait_s),
     }
     saved = checkpoint.save_checkpoint(
