@@ -84,12 +84,18 @@ def write_arithmetic_dataset(
 
     Files are written to a temporary name and renamed, so a reader never sees half a file.
     """
+    return write_parquet_splits(output_dir, make_arithmetic_rows(seed, digits, operations, test_fraction))
+
+
+def write_parquet_splits(output_dir: str, rows_by_split: dict[str, list[dict]]) -> dict[str, str]:
+    """`{output_dir}/{split}.parquet` for each split, each written to a temporary name and renamed (a reader never
+    sees half a file); returns split name -> path. The embedded synthetic tasks' (this one, word_problems) writer."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     os.makedirs(output_dir, exist_ok=True)
     paths = {}
-    for split, rows in make_arithmetic_rows(seed, digits, operations, test_fraction).items():
+    for split, rows in rows_by_split.items():
         path = os.path.join(output_dir, f"{split}.parquet")
         tmp_path = f"{path}.tmp-{os.getpid()}"
         pq.write_table(pa.Table.from_pylist(rows), tmp_path)

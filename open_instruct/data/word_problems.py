@@ -15,7 +15,6 @@ The train and test splits never share a question.
 """
 
 import math
-import os
 import random
 
 VERIFIER_NAME = "gsm8k"
@@ -103,15 +102,6 @@ def make_word_problem_rows(seed: int = 0, num_train: int = 1024, num_test: int =
 
 def write_word_problem_dataset(output_dir: str, seed: int = 0) -> dict[str, str]:
     """Write `{output_dir}/train.parquet` and `test.parquet` (each written to a temporary name, then renamed)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from open_instruct.data.arithmetic_task import write_parquet_splits
 
-    os.makedirs(output_dir, exist_ok=True)
-    paths = {}
-    for split, rows in make_word_problem_rows(seed).items():
-        path = os.path.join(output_dir, f"{split}.parquet")
-        tmp_path = f"{path}.tmp-{os.getpid()}"
-        pq.write_table(pa.Table.from_pylist(rows), tmp_path)
-        os.replace(tmp_path, path)
-        paths[split] = path
-    return paths
+    return write_parquet_splits(output_dir, make_word_problem_rows(seed))
