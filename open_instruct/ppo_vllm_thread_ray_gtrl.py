@@ -33,14 +33,23 @@ from open_instruct.data.embedded import resolve_model_path
 from open_instruct.data.prompt_dataset import build_prompt_datasets
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.evaluation import eval_metrics, sample_rows
-from open_instruct.generation.generation_thread import GenerationSettings, GenerationThread
-from open_instruct.generation.rollout_requests import RolloutRequests, broadcast_metrics
+from open_instruct.generation.dynamic_sampling import GroupFilter, join_groups, split_groups
+from open_instruct.generation.generation_thread import GenerationSettings, GenerationThread, Rollout
+from open_instruct.generation.rollout_requests import RolloutRequests, broadcast_metrics, check_staleness
 from open_instruct.generation.vllm_engine import EngineConfig
 from open_instruct.learner.algorithms import learner_class
-from open_instruct.learner.experience import check_engine_matches_learner
-from open_instruct.rl.rewards import RewardManager
+from open_instruct.learner.experience import check_engine_matches_learner, layout_rollout
+from open_instruct.rl.rewards import PrecomputedScores, RewardManager
 from open_instruct.run import checkpoint, console, disk_space, hub, summary
-from open_instruct.run.args import Args, BatchSizes, ConfigError, compute_batch_sizes, parse_args
+from open_instruct.run.args import (
+    Args,
+    BatchSizes,
+    ConfigError,
+    async_steps,
+    batches_in_engine,
+    compute_batch_sizes,
+    parse_args,
+)
 from open_instruct.run.console import say
 from open_instruct.run.devices import free_memory_bytes, learner_compute_dtype, learner_device
 from open_instruct.run.divergence import DivergedError, check_divergence
@@ -111,10 +120,8 @@ def train(
     last_step = resume.step if resume else 0
     try:
         with start_workers(args, sizes, data, resume, stop) as (generator, learner, rollouts):
-            run = Run(args, sizes, data, logger, RewardManager(args.reward), generator, learner, rollouts, stop,
+            run = Run(args, sizes, data, logger, RewardManager(args.reward, args.gen.response_length), generator, learner, rollouts, stop,
                       start_time, run_dir)  # fmt: skip
-            if not rollouts.in_flight:
-                rollouts.send(version=0)  # the engine starts with the initial weights
             steps = range(last_step + 1, sizes.num_training_steps + 1)
             run.progress = tqdm(steps, desc=args.ppo.algorithm, dynamic_ncols=True, initial=last_step,
                                 total=sizes.num_training_steps, file=console.stream(error=False))  # fmt: skip
@@ -139,9 +146,9 @@ def train(
 
 
 def train_step(run: "Run", step: int) -> None:
-    """One step: send the next prompts, receive a rollout, score it and compute advantages, run the PPO epochs, log,
-    eval, save. Async mode sends before training (the engine generates with policy k while the learner trains on
-    policy k-1's batch); sync mode after."""
+    """One step: top up the requests in flight, receive a rollout, score it and compute advantages, run the PPO epochs,
+    log, eval, save. Async mode keeps --async_steps requests in flight beyond the batch the learner waits for, so the
+    engine generates with policy k while the learner trains on an older batch; sync mode only that one."""
     args, sizes, learner, rollouts = run.args, run.sizes, run.learner, run.rollouts
     if run.stop.requested:  # SIGTERM/SIGINT: stop between steps, with a checkpoint of the last one
         # Half of what is left of --preemption_timeout_s may go to waiting for a rollout in flight; the rest is the
@@ -150,43 +157,42 @@ def train_step(run: "Run", step: int) -> None:
             save_checkpoint(run, step - 1, wait_s=run.stop.seconds_left() / 2)
         raise Preempted(run.stop.signum, step - 1, run.checkpointed[1])
     step_start = time.time()
-    sends_again = step < sizes.num_training_steps
-    if args.gen.async_mode and sends_again:
-        rollouts.send(version=step - 1)  # policy k generates the next batch while we train on k-1's
-    request, rollout = rollouts.receive()
+    learner_version = step - 1  # the policy's updates so far
+    batch = collect_batch(run, learner_version, steps_left=sizes.num_training_steps - step + 1)
     learner_wait = time.time() - step_start
-    if rollout.policy_version != expected_rollout_version(step, args.gen.async_mode):
-        raise RuntimeError(f"step {step} got a rollout of policy version {rollout.policy_version}")
 
     scoring_start = time.time()
-    experience, metrics, samples = learner.make_experience(request.prompts, rollout.completions, run.reward_manager)
+    experience, metrics, samples = learner.make_experience(batch.prompts, batch.rollout.completions, batch.scorer)
     check_engine_matches_learner(metrics, args.gen.max_vllm_logprob_diff, step)
     training_start = time.time()
     metrics.update(learner.train(experience))
     training_time = time.time() - training_start
-    if not args.gen.async_mode and sends_again:
-        rollouts.send(version=step)  # sync: the next batch comes from the policy just trained
-    if request.run_eval:
-        metrics.update(log_eval(run, request.receive_eval(run.generator), step))
-
+    for request in batch.requests:
+        if request.run_eval:
+            metrics.update(log_eval(run, request.receive_eval(run.generator), step))
+    rollout = batch.rollout
+    step_time = time.time() - step_start
     metrics.update({
         "episode": step * sizes.rollout_batch_size,
         "epoch": step * sizes.prompts_per_step / run.data.num_train_prompts,
         "lr": learner.lr,
-        "policy_version/learner": step - 1,
+        "policy_version/learner": learner_version,
         "policy_version/rollout": rollout.policy_version,
+        **batch.metrics,
         "time/generation": rollout.timings.get("generation", 0.0),
         "time/weight_sync": rollout.timings.get("weight_sync", 0.0),
-        **broadcast_metrics(request.weights_sent),
+        **engine_idle_metrics(rollout),
+        **broadcast_metrics(batch.requests[0].weights_sent),
         **rollout.engine_metrics,  # engine actors: engine/restarts, time/engine_restart
         "time/learner_wait": learner_wait,
+        "perf/learner_idle_fraction": learner_wait / step_time,
         "time/scoring": training_start - scoring_start,
         "time/training": training_time,
-        "time/step": time.time() - step_start,
+        "time/step": step_time,
         "time/from_scratch": time.time() - run.start_time,
     })  # fmt: skip
     run.logger.log(metrics, step)
-    run.logger.log_samples(sample_rows(request.prompts, rollout, samples["score"], args.run.num_samples_to_log), step)
+    run.logger.log_samples(sample_rows(batch.prompts, rollout, samples["score"], args.run.num_samples_to_log), step)
     run.logger.log_histograms({"lengths/response_tokens": samples["response_length"]}, step)
     run.progress.set_postfix_str(format_progress(metrics, PROGRESS_KEYS))
     check_divergence(metrics, step, args.ppo.learning_rate)  # after logging (metrics.jsonl shows it), before saving
@@ -196,9 +202,76 @@ def train_step(run: "Run", step: int) -> None:
         save_model_snapshot(run, step)
 
 
-def expected_rollout_version(step: int, async_mode: bool) -> int:
-    """Learner is at version step-1: sync trains on its own data, async on the previous version's."""
-    return max(0, step - 2) if async_mode else step - 1
+@dataclass
+class StepBatch:
+    """What one step trains on, and where it came from."""
+
+    prompts: PromptBatch
+    rollout: Rollout  # its completions (under --filter_zero_std_groups, groups joined from several rollouts)
+    requests: list  # the rollout requests it came from (their evals, their weight syncs)
+    scorer: object  # what scores it: the run's RewardManager, or the filter's scores (rl.PrecomputedScores)
+    metrics: dict  # staleness, and the filter's
+
+
+def collect_batch(run: "Run", learner_version: int, steps_left: int) -> StepBatch:
+    """The step's batch: the oldest rollout in flight, after topping the requests in flight up to --async_steps; with
+    --filter_zero_std_groups (GRPO, DAPO's dynamic sampling) as many rollouts as it takes to fill the step with groups
+    whose scores differ. Every rollout is held to the staleness bound."""
+    args, rollouts, max_lag = run.args, run.rollouts, async_steps(run.args.gen)
+    rollouts.top_up(learner_version, steps_left)
+    request, rollout = rollouts.receive()
+    staleness = check_staleness(rollout, learner_version, max_lag)
+    if not args.ppo.filter_zero_std_groups:
+        return StepBatch(request.prompts, rollout, [request], run.reward_manager, staleness)
+    groups = GroupFilter(run.sizes.prompts_per_step, args.ppo.filter_max_extra_batches)
+    requests, received, reward_metrics = [request], [rollout], None
+    while True:
+        scores, metrics = score_rollout(run, request.prompts, rollout)
+        reward_metrics = reward_metrics or metrics  # the scheduled batch's: an unbiased sample of the policy
+        groups.add(split_groups(request.prompts, rollout.completions, scores))
+        if groups.full:
+            break
+        rollouts.top_up(learner_version, steps_left)
+        request, rollout = rollouts.receive()
+        check_staleness(rollout, learner_version, max_lag)
+        requests.append(request)
+        received.append(rollout)
+    chosen, filter_metrics = groups.batch()
+    prompts, completions, scores = join_groups(chosen)
+    joined = join_rollouts(received, completions)
+    return StepBatch(prompts, joined, requests, PrecomputedScores(scores, reward_metrics),
+                     {**check_staleness(joined, learner_version, max_lag), **filter_metrics})  # fmt: skip
+
+
+def score_rollout(run: "Run", prompts: PromptBatch, rollout: Rollout) -> tuple[torch.Tensor, dict]:
+    """Each response's score from the verifiers, as the learner would compute it (truncated at the stop token)."""
+    tensors = layout_rollout(prompts, rollout.completions, run.data.tokenizer.pad_token_id, run.data.stop_token_ids,
+                             "cpu")  # fmt: skip
+    completions = rollout.completions
+    return run.reward_manager.score(
+        [c.text for c in completions], [prompts.ground_truths[c.prompt_index] for c in completions],
+        [prompts.verifier_names[c.prompt_index] for c in completions], tensors.stopped, None,
+        tensors.response_length.tolist(),
+    )  # fmt: skip
+
+
+def join_rollouts(rollouts: list[Rollout], completions: list) -> Rollout:
+    """One rollout of `completions` drawn from `rollouts`: the oldest version, their timings summed."""
+    timings = {}
+    for rollout in rollouts:
+        for key, value in rollout.timings.items():
+            timings[key] = timings.get(key, 0.0) + value
+    return Rollout(min(r.policy_version for r in rollouts), completions, timings,
+                   engine_metrics=rollouts[-1].engine_metrics, batch_id=rollouts[0].batch_id)  # fmt: skip
+
+
+def engine_idle_metrics(rollout) -> dict:
+    """The engine's idle share since the rollout before this one (waiting for the learner's requests, or for the
+    learner to take a rollout): `perf/engine_idle_fraction`."""
+    idle, busy = rollout.timings.get("engine_idle"), rollout.timings.get("engine_busy")
+    if idle is None or busy is None or idle + busy <= 0:
+        return {}
+    return {"time/engine_idle": idle, "perf/engine_idle_fraction": idle / (idle + busy)}
 
 
 # ---- setup -----------------------------------------------------------------------------------------------------------
@@ -318,7 +391,7 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
         prompt_order = ShufflingIterator(len(data.train_dataset), sizes.prompts_per_step, args.run.seed)
         rollouts = RolloutRequests(generator, learner, data.train_dataset, data.tokenizer, prompt_order,
                                    data.eval_prompts, sizes.eval_freq, args.run.seed, args.dist.vllm_sync_timeout_s,
-                                   broadcast=args.dist.uses_ray)  # fmt: skip
+                                   broadcast=args.dist.uses_ray, async_steps=async_steps(args.gen))  # fmt: skip
         if resume is not None:
             learner.read_checkpoint(resume.path)
             rollouts.load_state_dict(resume.trainer_state)
@@ -370,6 +443,7 @@ def start_generation_thread(args: Args, data: RunData, placement=None) -> Genera
         stop_strings=args.gen.stop_strings,
         eval_prompt_token_ids=data.eval_prompts.token_ids if data.eval_prompts is not None else None,
         eval_samples_per_prompt=args.run.eval_samples_per_prompt,
+        batches_in_engine=batches_in_engine(args.gen),
     )
     thread = GenerationThread(settings, timeout_s=args.gen.queue_timeout_s, engine=engines)
     thread.start()
@@ -416,7 +490,8 @@ def save_checkpoint(run: Run, step: int, wait_s: float | None = None) -> checkpo
         "wandb_run_id": run.logger.wandb_run_id,
         "time_from_scratch": time.time() - run.start_time,
         "engine_restarts": getattr(run.generator.engine, "restarts", 0),  # engine actors: the run's count goes on
-        **run.rollouts.state_dict(learner_version=step, wait_s=wait_s),
+        **run.rollouts.state_dict(learner_version=step, wait_s=wait_s,
+                                  inflight_updates=batches_in_engine(run.args.gen) > 1),
     }
     saved = checkpoint.save_checkpoint(
         run.args.run.output_dir, step, run.learner, trainer_state, run.args, run.args.run.keep_last_n

@@ -27,6 +27,7 @@ the same checksums. A death during a weight transfer, a replacement that fails t
 
 import atexit
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -38,6 +39,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from open_instruct.generation import vllm_engine, weight_transfer
+from open_instruct.generation.engine_batches import EngineBatches
 from open_instruct.generation.weight_broadcast import run_beside
 from open_instruct.generation.weight_transfer import WeightTransfer
 from open_instruct.run.cluster import ActorDied, first_line, start_ray, wait_for_actors
@@ -70,6 +72,7 @@ class EngineActor:
         self.index = index
         self.policy_version = 0
         self.llm = vllm_engine.create_engine(config)
+        self.batches = EngineBatches(self.llm)
         self.transfer: WeightTransfer | None = None
         self.received: tuple[list[dict], float] | None = None  # ipc: the transfer learner rank 0 drove, not yet claimed
 
@@ -81,15 +84,33 @@ class EngineActor:
         node_id = ray.get_runtime_context().get_node_id()
         return [{**report, "node_id": node_id} for report in weight_transfer.engine_device_reports(self.llm)]
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling_seed: int | None, params: dict) -> dict:
-        from open_instruct.generation.generation_thread import seed_sampling
+    # ---- the batches in this engine (engine_batches.EngineBatches) ----
+    def admit(self, batch_id, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None) -> None:
+        self.batches.admit(batch_id, prompt_token_ids, params, sampling_seed)
 
-        if not prompt_token_ids:  # fewer prompts than engines
-            return {"completions": [], "policy_version": self.policy_version, "seconds": 0.0}
+    def run_until_complete(self, batch_id) -> dict:
         start = time.time()
-        seed_sampling(sampling_seed)
-        completions = vllm_engine.generate(self.llm, prompt_token_ids, vllm_engine.sampling_params(**params))
+        completions = self.batches.run_until_complete(batch_id)
         return {"completions": completions, "policy_version": self.policy_version, "seconds": time.time() - start}
+
+    def partial_batches(self) -> list[dict]:
+        return self.batches.partial_batches()
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling_seed: int | None, params: dict) -> dict:
+        """One batch alone, admitted and generated (the group's stand-in and tests)."""
+        batch_id = ("generate", self.batches.steps, len(self.batches.batches))
+        self.admit(batch_id, prompt_token_ids, params, sampling_seed)
+        return self.run_until_complete(batch_id)
+
+    def restore(self, partial_batches: list[dict]) -> None:
+        self.batches.restore(partial_batches)
+
+    def engine_steps(self) -> int:
+        return self.batches.steps
+
+    def _weights_changed(self, policy_version: int) -> None:
+        self.policy_version = policy_version
+        self.batches.weights_changed(policy_version)
 
     def ready_to_receive(self, policy_version: int) -> int:
         """The round trip before a transfer: answered once this actor is idle (its calls run one at a time)."""
@@ -104,7 +125,7 @@ class EngineActor:
         """Take part in one gloo or NCCL transfer (learner rank 0 sends at the same time)."""
         start = time.time()
         per_worker = weight_transfer.receive(self.llm, self.transfer)
-        self.policy_version = policy_version
+        self._weights_changed(policy_version)
         return weight_transfer.transfer_result(per_worker, time.time() - start)
 
     # ---- vLLM's trainer-driven lifecycle (ipc): learner rank 0's IPC trainer engine calls these (EngineActorsClient)
@@ -126,13 +147,13 @@ class EngineActor:
         if self.received is None:
             raise RuntimeError("learner rank 0 finished its transfer, but none reached this engine since the last one")
         (per_worker, seconds), self.received = self.received, None
-        self.policy_version = policy_version
+        self._weights_changed(policy_version)
         return weight_transfer.transfer_result(per_worker, seconds)
 
     def load_weights(self, named_tensors: list, policy_version: int) -> float:
         """Load tensors sent through Ray's object store (tests compare this with the broadcast)."""
         seconds = vllm_engine.load_weights(self.llm, named_tensors)
-        self.policy_version = policy_version
+        self._weights_changed(policy_version)
         return seconds
 
 
@@ -227,6 +248,8 @@ class EngineGroup:
         self.regrouped = threading.Event()
         self.regroup_error: BaseException | None = None
         self.restart_seconds: list[float] = []  # restarts completed since the last `restart_metrics()`
+        self.admitted: dict = {}  # batch id -> how its prompts were cut over the engines, and which engine runs each
+        self.private_batch_ids = itertools.count()
 
     def _create_actor(self, index: int):
         engine_config, options = self.specs[index]
@@ -271,19 +294,30 @@ class EngineGroup:
         return wait_for_actors(refs, names, method, timeout_s, EngineFailed, advice, died=EngineDied)
 
     # ---- what the generation thread calls ----
-    def generate(self, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None):
-        """Completions of all prompts in prompt order (`prompt_index` into `prompt_token_ids`). Slice i, with engine i's
-        seed, is generated by engine i, or, while it is lost, by a surviving engine (the same completions)."""
+    def admit(self, batch_id, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None) -> None:
+        """The prompts are cut into contiguous slices, slice i for engine i with seed `sampling_seed + i` (while engine
+        i is lost, a surviving engine takes its slice with its seed: the same completions)."""
         slices = split_evenly(len(prompt_token_ids), len(self.actors))
-        prompts = [prompt_token_ids[part] for part in slices]
-        seeds = [None if sampling_seed is None else sampling_seed + i for i in range(len(self.actors))]
-        runs_on = [None] * len(slices)  # the engine that generates each slice
+        batch = {"slices": slices, "prompts": [prompt_token_ids[part] for part in slices], "params": params,
+                 "seeds": [None if sampling_seed is None else sampling_seed + i for i in range(len(slices))],
+                 "runs_on": [None] * len(slices), "keys": [None] * len(slices)}  # fmt: skip
+        self.admitted[batch_id] = batch
+        refs = [self._admit_slice(batch_id, batch, i) for i in range(len(slices))]
+        self._wait(refs, "admit", self.timeout_s, batch["runs_on"])
 
-        def start(i: int):
-            runs_on[i] = i if self.serving[i] else self._stand_in(runs_on)
-            return self.actors[runs_on[i]].generate.remote(prompts[i], seeds[i], params)
+    def _admit_slice(self, batch_id, batch: dict, i: int):
+        """Slice i of the batch into engine i, or a stand-in while engine i is lost (under a name of its own there)."""
+        batch["runs_on"][i] = i if self.serving[i] else self._stand_in(batch["runs_on"])
+        batch["keys"][i] = batch_id if batch["runs_on"][i] == i else (batch_id, "slice", i)
+        actor = self.actors[batch["runs_on"][i]]
+        return actor.admit.remote(batch["keys"][i], batch["prompts"][i], batch["params"], batch["seeds"][i])
 
-        refs = [start(i) for i in range(len(slices))]
+    def run_until_complete(self, batch_id, between_steps=None) -> list[vllm_engine.Completion]:
+        """Completions of all the batch's prompts in prompt order (`prompt_index` into the batch). A death while it
+        generates: the dead engine's slice is admitted again on a survivor with its seed, and generated there."""
+        batch = self.admitted[batch_id]
+        slices, runs_on = batch["slices"], batch["runs_on"]
+        refs = [self.actors[runs_on[i]].run_until_complete.remote(batch["keys"][i]) for i in range(len(slices))]
         while True:
             try:
                 results = self._wait(refs, "generate", self.timeout_s, runs_on)
@@ -293,11 +327,13 @@ class EngineGroup:
                 self._lose(dead, death)
                 lost = [i for i in range(len(slices)) if runs_on[i] == dead]
                 for i in lost:
-                    refs[i] = start(i)
-                count = sum(len(prompts[i]) for i in lost)
+                    self._wait([self._admit_slice(batch_id, batch, i)], "admit", self.timeout_s, [runs_on[i]])
+                    refs[i] = self.actors[runs_on[i]].run_until_complete.remote(batch["keys"][i])
+                count = sum(len(batch["prompts"][i]) for i in lost)
                 took_over = ", ".join(sorted({self.names[runs_on[i]] for i in lost}))
                 log.info(f"[vllm] {death}; its {count} prompt(s) are generated again on {took_over} with its seed; "
                          f"{self._replacement_line(dead)}")  # fmt: skip
+        del self.admitted[batch_id]
         completions = []
         for i, part, result in zip(range(len(slices)), slices, results):
             if result["policy_version"] != self.policy_version:
@@ -309,6 +345,45 @@ class EngineGroup:
                 completion.prompt_index += part.start
                 completions.append(completion)
         return completions
+
+    def generate(self, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None):
+        """One batch alone: admitted and generated (evaluate.py and tests)."""
+        batch_id = ("generate", next(self.private_batch_ids))
+        self.admit(batch_id, prompt_token_ids, params, sampling_seed)
+        return self.run_until_complete(batch_id)
+
+    def partial_batches(self) -> list[dict]:
+        """Each admitted batch as every engine holds its slice: {"batch_id", "engines": [engine i's partial]}."""
+        per_engine = self._call_all("partial_batches")
+        by_batch: dict = {}
+        for index, partials in enumerate(per_engine):
+            for partial in partials:
+                by_batch.setdefault(partial["batch_id"], [None] * len(self.actors))[index] = partial
+        return [{"batch_id": batch_id, "engines": engines} for batch_id, engines in by_batch.items()]
+
+    def restore(self, partial_batches: list[dict]) -> None:
+        """Each engine takes back its slices of `partial_batches` (the same engine count as when they were taken)."""
+        per_engine = [[batch["engines"][i] for batch in partial_batches if batch["engines"][i] is not None]
+                      for i in range(len(self.actors))]  # fmt: skip
+        self._call_all("restore", per_engine)
+        for batch in partial_batches:
+            slices = [slice(0, 0)] * len(self.actors)
+            start = 0
+            for i, partial in enumerate(batch["engines"]):
+                prompts = 0 if partial is None else 1 + max((s["prompt_index"] for s in partial["samples"]), default=-1)
+                slices[i] = slice(start, start + prompts)
+                start += prompts
+            self.admitted[batch["batch_id"]] = {"slices": slices, "runs_on": list(range(len(self.actors))),
+                                                "keys": [batch["batch_id"]] * len(self.actors)}  # fmt: skip
+
+    def engine_steps(self) -> int:
+        return sum(self._call_all("engine_steps"))
+
+    def load_weights(self, named_tensors: list, policy_version: int) -> float:
+        """Tensors through Ray's object store (tests; the trainer's Ray learners broadcast instead)."""
+        results = self._call_all("load_weights", same_args=(named_tensors, policy_version))
+        self.policy_version = policy_version
+        return max(results)
 
     def ready_to_receive(self, policy_version: int) -> None:
         """Every engine answers that it is idle and alive (bounded by --queue_timeout_s, the generation wait). With

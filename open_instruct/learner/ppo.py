@@ -35,7 +35,7 @@ from open_instruct.learner.single_process import OptimizerSettings, SingleProces
 from open_instruct.rl.packing import pack_rows, plan_micro_batches
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run import checkpoint, devices
-from open_instruct.run.args import Args, BatchSizes
+from open_instruct.run.args import Args, BatchSizes, truncated_importance_cap
 from open_instruct.run.flops import LearnerWork, ModelFlops
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class PPOLearner(LearnerState):
         if self.reward_model is not None:
             self.reward_model = self.backend.frozen(self.reward_model)
         self.shuffle_generator = torch.Generator().manual_seed(args.run.seed)
+        self.tis_cap = truncated_importance_cap(args)  # the off-policy correction (0: off)
         self.model_flops = self.flops_of_models()
         self.work = LearnerWork()  # the step's work so far: make_experience starts it, train adds to it and logs it
         if self.backend.rank == 0:
@@ -165,7 +166,7 @@ class PPOLearner(LearnerState):
         score, reward_metrics = self.score(rollout, prompts, completions, reward_manager, timings)
         experience, metrics = self.rewards_and_advantages(rollout, logprob, ref_logprob, score, completions, timings)
         tis_metrics = {}
-        if ppo.truncated_importance_sampling_ratio_cap > 0:
+        if self.tis_cap > 0:
             experience.tis_weight, tis_metrics = self.tis_weights(rollout, learner_logprob)
         # Without the learner's old forward, `train` measures the engine-vs-learner agreement on its first minibatch.
         if learner_logprob is None:
@@ -191,7 +192,7 @@ class PPOLearner(LearnerState):
             return lambda packed: models.packed_response_logprobs(model, packed, temperature)[0]
 
         learner_logprob = ref_logprob = None
-        if needs_learner_logprobs(rollout, ppo.old_logprobs_from, ppo.truncated_importance_sampling_ratio_cap):
+        if needs_learner_logprobs(rollout, ppo.old_logprobs_from, self.tis_cap):
             with timed(timings, "time/old_logprob_forward"):
                 learner_logprob = self.forward_on_all_rows(
                     logprob_of(self.policy), rollout.query_response, rollout.attention_mask,
@@ -228,6 +229,7 @@ class PPOLearner(LearnerState):
             [prompts.verifier_names[c.prompt_index] for c in completions],
             rollout.stopped,
             rm_score,
+            rollout.response_length.tolist(),
         )
         score = score.to(self.device)
         if not torch.isfinite(score).all():
@@ -271,7 +273,7 @@ class PPOLearner(LearnerState):
 
     def tis_weights(self, rollout: RolloutTensors, learner_logprob: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Truncated importance sampling: each token's policy-gradient weight min(pi_learner / pi_engine, cap)."""
-        cap, mask = self.args.ppo.truncated_importance_sampling_ratio_cap, rollout.response_mask
+        cap, mask = self.tis_cap, rollout.response_mask
         weight = rl.truncated_importance_weight(learner_logprob, rollout.engine_logprob, mask, cap)
         return weight, {
             "policy/tis_weight_mean": rl.masked_mean(weight, mask).item(),

@@ -1,6 +1,6 @@
 """Rewards: `RewardManager.score` turns responses into one scalar score each, from each row's verifier (see
-`verifiers`), an optional reward model's score and an optional R1-style format reward, then applies the non-stop
-penalty ("The N Implementation Details of RLHF with PPO").
+`verifiers`), an optional reward model's score, an optional R1-style format reward and DAPO's soft overlong penalty,
+then applies the non-stop penalty ("The N Implementation Details of RLHF with PPO").
 """
 
 from collections.abc import Iterable
@@ -25,13 +25,29 @@ class RewardConfig:
     r1_style_format_reward: float = _option(1.0, "Reward for a correctly formatted response, when that is on.")
     non_stop_penalty: bool = _option(False, "Replace the score of a response that never produced a stop token.")
     penalty_reward_value: float = _option(-1.0, "The score of a non-stopping response under --non_stop_penalty.")
+    overlong_buffer_length: int = _option(
+        0, "DAPO's soft overlong punishment: a response longer than --response_length minus this many tokens loses "
+        "up to --overlong_penalty_factor, linearly, reaching all of it at --response_length. 0: off."
+    )
+    overlong_penalty_factor: float = _option(1.0, "The most a response loses to the overlong penalty.")
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer_length: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al., 2025, eq. 13) of each response [batch]: 0 up to max_length -
+    buffer_length tokens, then falling linearly to -factor at max_length (a response cannot be longer). Shorter
+    answers are not rewarded; answers near the limit are pushed back gradually instead of all truncated ones getting
+    the same penalty."""
+    start = max_length - buffer_length
+    return -factor * ((response_lengths.float() - start) / buffer_length).clamp(0.0, 1.0)
 
 
 class RewardManager:
     """Turns responses into one scalar score each, following a RewardConfig."""
 
-    def __init__(self, config: RewardConfig):
+    def __init__(self, config: RewardConfig, max_response_length: int | None = None):
+        """`max_response_length`: --response_length, which the overlong penalty counts back from."""
         self.config = config
+        self.max_response_length = max_response_length
 
     def validate(self, verifier_names: Iterable[str | None]) -> None:
         """Fail at start-up, not mid-run: some reward must be on, and every dataset name must have a verifier."""
@@ -52,13 +68,15 @@ class RewardManager:
         verifier_names: list[str | None],
         stopped: list[bool],
         rm_scores: torch.Tensor | None = None,
+        response_lengths: list[int] | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Score each response; returns (score float32 [batch], metrics).
 
         score = reward_model_multiplier * rm_score + verification_reward * verifier_score
-        + r1_style_format_reward * format_score (each term when enabled), then replaced by
+        + r1_style_format_reward * format_score + the overlong penalty (each term when enabled), then replaced by
         penalty_reward_value for responses that did not stop when non_stop_penalty is on
-        (N implementation details, "non-stop penalty").
+        (N implementation details, "non-stop penalty"). `response_lengths`: in tokens, for the overlong penalty, which
+        shapes training scores only (an eval passes none).
         """
         config = self.config
         batch = len(responses)
@@ -100,6 +118,14 @@ class RewardManager:
                 format_scores.append(format_score)
                 score[i] += config.r1_style_format_reward * format_score
 
+        overlong = None
+        if config.overlong_buffer_length > 0 and response_lengths is not None:  # training; evals grade answers alone
+            if self.max_response_length is None:
+                raise ValueError("the overlong penalty needs --response_length: pass max_response_length")
+            overlong = overlong_penalty(torch.tensor(response_lengths), self.max_response_length,
+                                        config.overlong_buffer_length, config.overlong_penalty_factor)  # fmt: skip
+            score += overlong
+
         not_stopped = torch.tensor([not s for s in stopped], dtype=torch.bool)
         if config.non_stop_penalty:
             score = torch.where(not_stopped, torch.tensor(config.penalty_reward_value, dtype=torch.float32), score)
@@ -112,4 +138,19 @@ class RewardManager:
             metrics[f"objective/{canonical}_correct_rate"] = sum(values) / len(values)
         if format_scores:
             metrics["objective/format_reward"] = sum(format_scores) / len(format_scores)
+        if overlong is not None:
+            metrics["objective/overlong_penalty"] = overlong.mean().item()
         return score, metrics
+
+
+class PrecomputedScores:
+    """A RewardManager's `score` answered with scores already computed (GRPO's zero-std filter scored the batch before
+    it chose it), so that the learner does not run the verifiers again; `metrics` are the step's reward metrics."""
+
+    def __init__(self, scores: torch.Tensor, metrics: dict[str, float]):
+        self.scores, self.metrics = scores, metrics
+
+    def score(self, responses: list[str], *_, **__) -> tuple[torch.Tensor, dict[str, float]]:
+        if len(responses) != len(self.scores):
+            raise ValueError(f"{len(self.scores)} precomputed scores for {len(responses)} responses")
+        return self.scores.clone(), dict(self.metrics)

@@ -15,7 +15,14 @@ import os
 from collections.abc import Iterator
 
 from open_instruct.rl.verifiers import VERIFIERS, resolve_verifier_name
-from open_instruct.run.args import Args, BatchSizes, ConfigError
+from open_instruct.run.args import (
+    Args,
+    BatchSizes,
+    ConfigError,
+    async_steps,
+    batches_in_engine,
+    needs_off_policy_correction,
+)
 
 # Verifiers that compare numbers: a ground truth without one would fail mid-run at the first response scored.
 NUMERIC_VERIFIERS = ("gsm8k", "arithmetic")
@@ -83,7 +90,8 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         (
             "truncated_importance_sampling_ratio_cap",
             ppo.truncated_importance_sampling_ratio_cap,
-            (lambda v: _finite(v) and (v == 0 or v >= 1), "0 (off) or a number >= 1 (a cap below 1 scales all tokens)"),
+            (lambda v: v is None or (_finite(v) and (v == 0 or v >= 1)),
+             "0 (off) or a number >= 1 (a cap below 1 scales all tokens), or unset (on in async with lag above 1)"),
         ),
         ("gamma", ppo.gamma, PROBABILITY),
         ("lam", ppo.lam, PROBABILITY),
@@ -124,6 +132,10 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("max_engine_restarts", args.dist.max_engine_restarts, NON_NEGATIVE_INT),
         ("learner_timeout_s", args.dist.learner_timeout_s, POSITIVE),
         ("logprob_chunk_size", args.ppo.logprob_chunk_size, (lambda v: v >= 0, "an integer >= 0 (0: all positions at once)")),
+        ("filter_max_extra_batches", args.ppo.filter_max_extra_batches, NON_NEGATIVE_INT),
+        ("overlong_buffer_length", reward.overlong_buffer_length, NON_NEGATIVE_INT),
+        ("overlong_penalty_factor", reward.overlong_penalty_factor, NON_NEGATIVE),
+        ("async_steps", args.gen.async_steps, AT_LEAST_1),
         ("max_tokens_per_micro_batch", args.ppo.max_tokens_per_micro_batch,
          (lambda v: v >= 0, "an integer >= 0 (0: micro-batches of --per_device_train_batch_size padded rows)")),
         ("device_memory_gb", args.dist.device_memory_gb, (lambda v: v is None or POSITIVE[0](v), "a number of GB > 0")),
@@ -155,7 +167,8 @@ def validate_flags(args: Args) -> None:
             "No reward is enabled (--apply_verifiable_reward false and --reward_model_multiplier 0); pass "
             "--apply_verifiable_reward true or a non-zero --reward_model_multiplier with --reward_model_path."
         )
-    if args.ppo.truncated_importance_sampling_ratio_cap > 0 and args.ppo.old_logprobs_from == "vllm":
+    validate_async_flags(args)
+    if (args.ppo.truncated_importance_sampling_ratio_cap or 0) > 0 and args.ppo.old_logprobs_from == "vllm":
         raise ConfigError(
             "--truncated_importance_sampling_ratio_cap weights tokens by pi_learner_old / pi_vllm, which is 1 with "
             "--old_logprobs_from vllm; pass --old_logprobs_from learner, or "
@@ -168,10 +181,64 @@ def validate_flags(args: Args) -> None:
     validate_deepspeed_flags(args.dist)
 
 
+def validate_async_flags(args: Args) -> None:
+    """--async_steps and --inflight_updates: what they combine with."""
+    gen, ppo, dist = args.gen, args.ppo, args.dist
+    if not gen.async_mode and (gen.async_steps != 1 or gen.inflight_updates):
+        flag = "--inflight_updates true" if gen.inflight_updates else f"--async_steps {gen.async_steps}"
+        raise ConfigError(f"{flag} needs async mode, and --async_mode is false; drop {flag.split()[0]} or pass "
+                          "--async_mode true.")  # fmt: skip
+    if needs_off_policy_correction(gen) and ppo.old_logprobs_from == "vllm":
+        if ppo.truncated_importance_sampling_ratio_cap is None:
+            lag = f"--async_steps {gen.async_steps}" + (" with --inflight_updates" if gen.inflight_updates else "")
+            raise ConfigError(
+                f"{lag} trains on data up to {gen.async_steps} policy versions old, and --old_logprobs_from vllm would "
+                "take PPO's ratio against that stale policy (most tokens clipped at once); pass --old_logprobs_from "
+                "learner (decoupled PPO with a truncated importance weight, the default correction), or "
+                "--truncated_importance_sampling_ratio_cap 0 to train without a correction."
+            )
+    if batches_in_engine(gen) > 1:
+        if gen.stop_strings:
+            raise ConfigError(
+                f"--stop_strings {gen.stop_strings} with --inflight_updates: a response resubmitted at a weight update "
+                "could hide a stop string split across the update from vLLM; use stop tokens (--stop_token), or drop "
+                "--inflight_updates."
+            )
+        if dist.max_engine_restarts > 0:
+            raise ConfigError(
+                f"--max_engine_restarts {dist.max_engine_restarts} with --inflight_updates: a dead engine's half "
+                "generated batches cannot be regenerated as they were; pass --max_engine_restarts 0 (resume from a "
+                "checkpoint instead), or drop --inflight_updates."
+            )
+    elif async_steps(gen) > 1 and dist.uses_ray:
+        raise ConfigError(
+            f"--async_steps {gen.async_steps} without --inflight_updates with Ray learners: learner rank 0 sends each "
+            "policy straight into the engines, which can take it only between batches, so the learner would wait for "
+            "the batches ahead of it; pass --inflight_updates true (the engines take it between two decode steps)."
+        )
+
+
 def validate_grpo_flags(args: Args) -> None:
     """GRPO compares the responses to a prompt with each other and trains no value model: the flags that cannot
     work with that fail here rather than being ignored."""
     ppo = args.ppo
+    if args.reward.overlong_buffer_length >= args.gen.response_length:
+        raise ConfigError(
+            f"--overlong_buffer_length {args.reward.overlong_buffer_length} is not below --response_length "
+            f"{args.gen.response_length}: every response would be penalised; pass a buffer shorter than the responses "
+            "(DAPO: a fifth of them), or 0 to turn it off."
+        )
+    if ppo.filter_zero_std_groups:
+        if ppo.algorithm != "grpo":
+            raise ConfigError(
+                "--filter_zero_std_groups drops groups whose scores are all equal because GRPO gives them no advantage; "
+                "PPO's value model gives them one. Pass --algorithm grpo (or grpo_vllm_thread_ray_gtrl), or drop it."
+            )
+        if args.reward.reward_model_multiplier != 0:
+            raise ConfigError(
+                "--filter_zero_std_groups scores each batch before the learner runs, with the verifiers alone; a reward "
+                "model's score comes from the learner's forward pass. Drop the filter, or --reward_model_multiplier 0."
+            )
     if ppo.algorithm != "grpo":
         return
     if ppo.number_samples_per_prompt < 2:
