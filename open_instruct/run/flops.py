@@ -24,7 +24,10 @@ import torch
 
 # The perf/* metrics that are rates over the step's seconds: like time/*, they differ between two runs of the same
 # computation (tests that compare runs leave them out, as they leave out time/*).
-TIMED_METRICS = frozenset({"perf/tokens_per_second", "perf/learner_flops_utilization", "perf/learner_tflops"})
+TIMED_METRICS = frozenset({
+    "perf/tokens_per_second", "perf/learner_flops_utilization", "perf/learner_tflops",
+    "perf/engine_idle_fraction", "perf/learner_idle_fraction",
+})  # fmt: skip
 
 
 def is_timing(key: str) -> bool:
