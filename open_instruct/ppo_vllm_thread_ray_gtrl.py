@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -33,13 +33,13 @@ from open_instruct.data.embedded import resolve_model_path
 from open_instruct.data.prompt_dataset import build_prompt_datasets
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.evaluation import eval_metrics, sample_rows
-from open_instruct.generation.dynamic_sampling import GroupFilter, join_groups, split_groups
-from open_instruct.generation.generation_thread import GenerationSettings, GenerationThread, Rollout
-from open_instruct.generation.rollout_requests import RolloutRequests, broadcast_metrics, check_staleness
+from open_instruct.generation.generation_thread import GenerationSettings, GenerationThread
+from open_instruct.generation.rollout_requests import RolloutRequests, broadcast_metrics
+from open_instruct.generation.step_batch import BatchCollector
 from open_instruct.generation.vllm_engine import EngineConfig
 from open_instruct.learner.algorithms import learner_class
-from open_instruct.learner.experience import check_engine_matches_learner, layout_rollout
-from open_instruct.rl.rewards import PrecomputedScores, RewardManager
+from open_instruct.learner.experience import check_engine_matches_learner
+from open_instruct.rl.rewards import RewardManager
 from open_instruct.run import checkpoint, console, disk_space, hub, summary
 from open_instruct.run.args import (
     Args,
@@ -120,8 +120,8 @@ def train(
     last_step = resume.step if resume else 0
     try:
         with start_workers(args, sizes, data, resume, stop) as (generator, learner, rollouts):
-            run = Run(args, sizes, data, logger, RewardManager(args.reward, args.gen.response_length), generator, learner, rollouts, stop,
-                      start_time, run_dir)  # fmt: skip
+            reward_manager = RewardManager(args.reward, args.gen.response_length)
+            run = Run(args, sizes, data, logger, reward_manager, generator, learner, rollouts, stop, start_time, run_dir)
             steps = range(last_step + 1, sizes.num_training_steps + 1)
             run.progress = tqdm(steps, desc=args.ppo.algorithm, dynamic_ncols=True, initial=last_step,
                                 total=sizes.num_training_steps, file=console.stream(error=False))  # fmt: skip
@@ -158,7 +158,7 @@ def train_step(run: "Run", step: int) -> None:
         raise Preempted(run.stop.signum, step - 1, run.checkpointed[1])
     step_start = time.time()
     learner_version = step - 1  # the policy's updates so far
-    batch = collect_batch(run, learner_version, steps_left=sizes.num_training_steps - step + 1)
+    batch = run.batches.collect(learner_version, steps_left=sizes.num_training_steps - step + 1)
     learner_wait = time.time() - step_start
 
     scoring_start = time.time()
@@ -200,69 +200,6 @@ def train_step(run: "Run", step: int) -> None:
         save_checkpoint(run, step)
     if args.run.save_model_freq > 0 and step % args.run.save_model_freq == 0 and step < sizes.num_training_steps:
         save_model_snapshot(run, step)
-
-
-@dataclass
-class StepBatch:
-    """What one step trains on, and where it came from."""
-
-    prompts: PromptBatch
-    rollout: Rollout  # its completions (under --filter_zero_std_groups, groups joined from several rollouts)
-    requests: list  # the rollout requests it came from (their evals, their weight syncs)
-    scorer: object  # what scores it: the run's RewardManager, or the filter's scores (rl.PrecomputedScores)
-    metrics: dict  # staleness, and the filter's
-
-
-def collect_batch(run: "Run", learner_version: int, steps_left: int) -> StepBatch:
-    """The step's batch: the oldest rollout in flight, after topping the requests in flight up to --async_steps; with
-    --filter_zero_std_groups (GRPO, DAPO's dynamic sampling) as many rollouts as it takes to fill the step with groups
-    whose scores differ. Every rollout is held to the staleness bound."""
-    args, rollouts, max_lag = run.args, run.rollouts, async_steps(run.args.gen)
-    rollouts.top_up(learner_version, steps_left)
-    request, rollout = rollouts.receive()
-    staleness = check_staleness(rollout, learner_version, max_lag)
-    if not args.ppo.filter_zero_std_groups:
-        return StepBatch(request.prompts, rollout, [request], run.reward_manager, staleness)
-    groups = GroupFilter(run.sizes.prompts_per_step, args.ppo.filter_max_extra_batches)
-    requests, received, reward_metrics = [request], [rollout], None
-    while True:
-        scores, metrics = score_rollout(run, request.prompts, rollout)
-        reward_metrics = reward_metrics or metrics  # the scheduled batch's: an unbiased sample of the policy
-        groups.add(split_groups(request.prompts, rollout.completions, scores))
-        if groups.full:
-            break
-        rollouts.top_up(learner_version, steps_left)
-        request, rollout = rollouts.receive()
-        check_staleness(rollout, learner_version, max_lag)
-        requests.append(request)
-        received.append(rollout)
-    chosen, filter_metrics = groups.batch()
-    prompts, completions, scores = join_groups(chosen)
-    joined = join_rollouts(received, completions)
-    return StepBatch(prompts, joined, requests, PrecomputedScores(scores, reward_metrics),
-                     {**check_staleness(joined, learner_version, max_lag), **filter_metrics})  # fmt: skip
-
-
-def score_rollout(run: "Run", prompts: PromptBatch, rollout: Rollout) -> tuple[torch.Tensor, dict]:
-    """Each response's score from the verifiers, as the learner would compute it (truncated at the stop token)."""
-    tensors = layout_rollout(prompts, rollout.completions, run.data.tokenizer.pad_token_id, run.data.stop_token_ids,
-                             "cpu")  # fmt: skip
-    completions = rollout.completions
-    return run.reward_manager.score(
-        [c.text for c in completions], [prompts.ground_truths[c.prompt_index] for c in completions],
-        [prompts.verifier_names[c.prompt_index] for c in completions], tensors.stopped, None,
-        tensors.response_length.tolist(),
-    )  # fmt: skip
-
-
-def join_rollouts(rollouts: list[Rollout], completions: list) -> Rollout:
-    """One rollout of `completions` drawn from `rollouts`: the oldest version, their timings summed."""
-    timings = {}
-    for rollout in rollouts:
-        for key, value in rollout.timings.items():
-            timings[key] = timings.get(key, 0.0) + value
-    return Rollout(min(r.policy_version for r in rollouts), completions, timings,
-                   engine_metrics=rollouts[-1].engine_metrics, batch_id=rollouts[0].batch_id)  # fmt: skip
 
 
 def engine_idle_metrics(rollout) -> dict:
@@ -310,6 +247,13 @@ class Run:
     run_dir: RunDirectory  # the output_dir; holds an overwritten run until this one has a checkpoint or model
     progress: tqdm | None = None
     checkpointed: tuple[int, str] | None = None  # the step and folder of the newest checkpoint this process wrote
+    batches: BatchCollector = field(init=False)  # each step's batch, from `rollouts`
+
+    def __post_init__(self):
+        ppo = self.args.ppo
+        self.batches = BatchCollector(self.rollouts, self.reward_manager, async_steps(self.args.gen),
+                                      self.sizes.prompts_per_step, ppo.filter_zero_std_groups,
+                                      ppo.filter_max_extra_batches, self.data.stop_token_ids)  # fmt: skip
 
 
 def load_data(args: Args) -> RunData:

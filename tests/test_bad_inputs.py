@@ -90,6 +90,32 @@ CASES = [
          "--local_rollout_batch_size", "8"], "--number_samples_per_prompt 1 is too few for GRPO"),  # fmt: skip
     Case("GRPO with the KL in the reward", ["--algorithm", "grpo", "--kl_in_loss", "false"],
          "GRPO takes its advantages from the scores alone"),  # fmt: skip
+    # ---- asynchrony (issue 25) ----
+    Case("async steps 0", ["--async_steps", "0"], "--async_steps 0 is not valid; expected an integer >= 1"),
+    Case("async steps in sync mode", ["--async_mode", "false", "--async_steps", "2"],
+         "--async_steps 2 needs async mode, and --async_mode is false"),  # fmt: skip
+    Case("in-flight updates in sync mode", ["--async_mode", "false", "--inflight_updates", "true"],
+         "--inflight_updates true needs async mode"),  # fmt: skip
+    Case("stale PPO ratio against the engine", ["--async_steps", "2", "--old_logprobs_from", "vllm"],
+         "--async_steps 2 trains on data up to 2 policy versions old, and --old_logprobs_from vllm would take PPO's "
+         "ratio against that stale policy"),  # fmt: skip
+    Case("stop strings with in-flight updates", ["--async_steps", "2", "--inflight_updates", "true", "--stop_strings",
+         "###"], "--stop_strings ['###'] with --inflight_updates"),  # fmt: skip
+    Case("engine restarts with in-flight updates", ["--async_steps", "2", "--inflight_updates", "true",
+         "--vllm_num_engines", "2", "--max_engine_restarts", "1"],
+         "--max_engine_restarts 1 with --inflight_updates"),  # fmt: skip
+    Case("several versions ahead, Ray learners, no in-flight updates", ["--async_steps", "2",
+         "--num_learners_per_node", "2", "--per_device_train_batch_size", "2"],
+         "--async_steps 2 without --inflight_updates with Ray learners"),  # fmt: skip
+    Case("zero-std filter with PPO", ["--filter_zero_std_groups", "true"],
+         "--filter_zero_std_groups drops groups whose scores are all equal because GRPO"),  # fmt: skip
+    Case("zero-std filter with a reward model", ["--algorithm", "grpo", "--filter_zero_std_groups", "true",
+         "--reward_model_multiplier", "1", "--reward_model_path", "tiny"],
+         "--filter_zero_std_groups scores each batch before the learner runs"),  # fmt: skip
+    Case("negative extra batches", ["--filter_max_extra_batches", "-1"], "--filter_max_extra_batches -1 is not valid"),
+    Case("overlong buffer as long as the responses", ["--overlong_buffer_length", "16"],
+         "--overlong_buffer_length 16 is not below --response_length 16"),  # fmt: skip
+    Case("negative overlong penalty", ["--overlong_penalty_factor", "-1"], "--overlong_penalty_factor -1.0 is not valid"),
     Case("unknown loss aggregation", ["--loss_aggregation", "sample"], "invalid choice: 'sample' (choose from 'token', 'sequence')"),
     Case("unknown old logprobs source", ["--old_logprobs_from", "engine"], "--old-logprobs-from: invalid choice: 'engine' (choose from 'learner', 'vllm')"),
     # ---- flag syntax ----

@@ -1,0 +1,167 @@
+"""What one training step trains on (`BatchCollector.collect`): the oldest rollout in flight, after the requests in flight are
+topped up to --async_steps, held to the staleness bound; with --filter_zero_std_groups, GRPO's dynamic sampling.
+
+Dynamic sampling (DAPO, Yu et al. 2025, section 3.2): a group whose responses all scored the same has an advantage
+of 0 on every token, so it adds nothing to the policy gradient but still costs a forward and backward pass and
+dilutes the batch. Such groups are dropped and more batches are drawn until the step has --local_rollout_batch_size
+groups that differ; the surplus of the last draw is discarded (as DAPO and verl do: keeping it would make it older at
+the next step). After --filter_max_extra_batches extra draws the step is filled with dropped groups instead, so that
+its shapes (minibatches, ranks) stay what the run was sized for. The choice needs each response's score before the
+learner runs: the verifiers score every draw here, and the chosen batch's scores go to the learner
+(rl.PrecomputedScores) rather than being computed twice. The reward metrics of the step are its first draw's, an
+unbiased sample of the policy (the chosen groups are biased toward half right).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from open_instruct.data.batches import PromptBatch
+from open_instruct.generation.generation_thread import Rollout
+from open_instruct.generation.rollout_requests import RolloutRequests, check_staleness
+from open_instruct.generation.vllm_engine import Completion
+from open_instruct.rl.rewards import PrecomputedScores, RewardManager
+
+
+@dataclass
+class StepBatch:
+    """What one step trains on, and where it came from."""
+
+    prompts: PromptBatch
+    rollout: Rollout  # its completions (under --filter_zero_std_groups, groups joined from several rollouts)
+    requests: list  # the rollout requests it came from (their evals, their weight syncs)
+    scorer: object  # what scores it: the run's RewardManager, or the filter's scores (rl.PrecomputedScores)
+    metrics: dict  # staleness, and the filter's
+
+
+@dataclass
+class BatchCollector:
+    """Collects each step's batch from the rollout requests (one per run, built by the trainer)."""
+
+    rollouts: RolloutRequests
+    reward_manager: RewardManager
+    max_lag: int  # --async_steps; sync: 0
+    groups_per_step: int  # --local_rollout_batch_size
+    zero_std_filter: bool  # --filter_zero_std_groups
+    max_extra_batches: int  # --filter_max_extra_batches
+    stop_token_ids: list[int]
+
+    def collect(self, learner_version: int, steps_left: int) -> StepBatch:
+        """The batch of the learner at `learner_version` with `steps_left` steps to go (this one included)."""
+        self.rollouts.top_up(learner_version, steps_left)
+        request, rollout = self.rollouts.receive()
+        staleness = check_staleness(rollout, learner_version, self.max_lag)
+        if not self.zero_std_filter:
+            return StepBatch(request.prompts, rollout, [request], self.reward_manager, staleness)
+        groups = GroupFilter(self.groups_per_step, self.max_extra_batches)
+        requests, received, reward_metrics = [request], [rollout], None
+        while True:
+            scores, metrics = score(self.reward_manager, request.prompts, rollout.completions, self.stop_token_ids)
+            reward_metrics = reward_metrics or metrics
+            groups.add(split_groups(request.prompts, rollout.completions, scores))
+            if groups.full:
+                break
+            self.rollouts.top_up(learner_version, steps_left)
+            request, rollout = self.rollouts.receive()
+            check_staleness(rollout, learner_version, self.max_lag)
+            requests.append(request)
+            received.append(rollout)
+        chosen, filter_metrics = groups.batch()
+        prompts, completions, scores = join_groups(chosen)
+        joined = join_rollouts(received, completions)
+        return StepBatch(prompts, joined, requests, PrecomputedScores(scores, reward_metrics),
+                         {**check_staleness(joined, learner_version, self.max_lag), **filter_metrics})  # fmt: skip
+
+
+def score(reward_manager: RewardManager, prompts: PromptBatch, completions: list[Completion],
+          stop_token_ids: list[int]) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    """Each response's score as the learner computes it: its length counts up to its first stop token (the PPO detail
+    "truncate at the stop token", learner/experience.layout_rollout)."""
+    lengths = [next((i + 1 for i, token in enumerate(c.token_ids) if token in stop_token_ids), len(c.token_ids))
+               for c in completions]  # fmt: skip
+    return reward_manager.score(
+        [c.text for c in completions], [prompts.ground_truths[c.prompt_index] for c in completions],
+        [prompts.verifier_names[c.prompt_index] for c in completions], [c.finish_reason == "stop" for c in completions],
+        None, lengths,
+    )  # fmt: skip
+
+
+def join_rollouts(rollouts: list[Rollout], completions: list[Completion]) -> Rollout:
+    """One rollout of `completions` drawn from `rollouts`: the oldest version, their timings summed."""
+    timings: dict[str, float] = {}
+    for rollout in rollouts:
+        for key, value in rollout.timings.items():
+            timings[key] = timings.get(key, 0.0) + value
+    return Rollout(min(r.policy_version for r in rollouts), completions, timings,
+                   engine_metrics=rollouts[-1].engine_metrics, batch_id=rollouts[0].batch_id)  # fmt: skip
+
+
+@dataclass
+class Group:
+    """One prompt and its responses, with their scores."""
+
+    token_ids: list[int]
+    ground_truth: str | None
+    verifier_name: str | None
+    text: str
+    completions: list[Completion]
+    scores: list[float]
+
+    @property
+    def scores_differ(self) -> bool:
+        return max(self.scores) != min(self.scores)
+
+
+def split_groups(prompts: PromptBatch, completions: list[Completion], scores: torch.Tensor) -> list[Group]:
+    """The groups of a rollout, in prompt order (completions come grouped by prompt)."""
+    groups = [Group(ids, truth, name, text, [], []) for ids, truth, name, text in
+              zip(prompts.token_ids, prompts.ground_truths, prompts.verifier_names, prompts.texts)]  # fmt: skip
+    for completion, score in zip(completions, scores.tolist()):
+        groups[completion.prompt_index].completions.append(completion)
+        groups[completion.prompt_index].scores.append(score)
+    return groups
+
+
+def join_groups(groups: list[Group]) -> tuple[PromptBatch, list[Completion], torch.Tensor]:
+    """The groups as one batch: their prompts, their completions (prompt_index into the new batch) and scores."""
+    prompts = PromptBatch([g.token_ids for g in groups], [g.ground_truth for g in groups],
+                          [g.verifier_name for g in groups], [g.text for g in groups])  # fmt: skip
+    completions = [
+        Completion(index, c.token_ids, c.text, c.finish_reason, c.logprobs, c.versions)
+        for index, group in enumerate(groups)
+        for c in group.completions
+    ]
+    return prompts, completions, torch.tensor([s for group in groups for s in group.scores], dtype=torch.float32)
+
+
+@dataclass
+class GroupFilter:
+    """The groups drawn for one step: `add` each rollout's groups until `full`; `batch` then gives the step's batch."""
+
+    groups_per_step: int
+    max_extra_batches: int
+    kept: list[Group] = field(default_factory=list)
+    dropped: list[Group] = field(default_factory=list)
+    draws: int = 0
+
+    def add(self, groups: list[Group]) -> None:
+        self.draws += 1
+        for group in groups:
+            (self.kept if group.scores_differ else self.dropped).append(group)
+
+    @property
+    def full(self) -> bool:
+        """Enough groups that differ, or no extra draw left."""
+        return len(self.kept) >= self.groups_per_step or self.draws > self.max_extra_batches
+
+    def batch(self) -> tuple[list[Group], dict[str, float]]:
+        """The step's groups (kept ones first, then dropped ones if the draws ran out) and the filter's metrics."""
+        filled = max(0, self.groups_per_step - len(self.kept))
+        chosen = self.kept[: self.groups_per_step] + self.dropped[:filled]
+        metrics = {
+            "filter/zero_std_groups_dropped": float(len(self.dropped)),
+            "filter/extra_batches": float(self.draws - 1),
+            "filter/filled_groups": float(filled),
+            "filter/discarded_groups": float(max(0, len(self.kept) - self.groups_per_step)),
+        }
+        return chosen, metrics
