@@ -3,16 +3,16 @@
     python tests/inject_fault.py FAULT [trainer flags ...]
 
 Faults:
-- `generation_crash`: the second call of `vllm_engine.generate` (made by the generation thread) raises
-  RuntimeError("injected generation failure").
+- `generation_crash`: the second time the generation thread runs a batch to its end (`EngineBatches.run_until_complete`)
+  it raises RuntimeError("injected generation failure").
 - `skip_weight_sync`: `vllm_utils.load_weights` returns without loading anything, so the engine keeps
   generating with its start weights while the learner moves on.
 - `nan_loss`: the third call of `rl.policy_loss` (made by the learner) returns a NaN loss, still attached to
   the graph, so backward sends NaN into every gradient.
 - `learner_rank_dies_in_checkpoint`: Ray learner rank 1 dies (os._exit) in the middle of writing the checkpoint of
   step 4: after its share of the policy's DeepSpeed checkpoint, before the value model's and its own file.
-- `engine_1_dies` (engine actors): vLLM engine 1's process exits (os._exit) in the middle of its second `generate`
-  call, once per run (a replacement of engine 1 does not die again).
+- `engine_1_dies` (engine actors): vLLM engine 1's process exits (os._exit) in the middle of its second batch
+  (`run_until_complete`), once per run (a replacement of engine 1 does not die again).
 
 tests/test_ppo_trainer.py and tests/test_resume.py check that each ends the run (or, for `nan_loss` with
 --skip_nonfinite_updates, skips that one update) with its cause, without hanging, and that nothing bad reaches disk.
@@ -24,20 +24,21 @@ import sys
 from open_instruct import ppo_vllm_thread_ray_gtrl
 from open_instruct import rl
 from open_instruct.generation import vllm_engine
+from open_instruct.generation.engine_batches import EngineBatches
 
 INJECTED_MESSAGE = "injected generation failure"
 FAIL_ON_CALL = 2
 
-real_generate = vllm_engine.generate
+real_run_until_complete = EngineBatches.run_until_complete
 calls = 0
 
 
-def generate_then_fail(*args, **kwargs):
+def run_until_complete_then_fail(self, *args, **kwargs):
     global calls
     calls += 1
     if calls == FAIL_ON_CALL:
         raise RuntimeError(INJECTED_MESSAGE)
-    return real_generate(*args, **kwargs)
+    return real_run_until_complete(self, *args, **kwargs)
 
 
 def load_nothing(llm, named_tensors) -> float:
@@ -73,7 +74,7 @@ def learner_rank_dying_in_checkpoint():
 
 
 def engine_1_dies() -> None:
-    """Engine actors are created from a subclass that lets engine 1 die in its second generate. Ray ships a class
+    """Engine actors are created from a subclass that lets engine 1 die in its second batch. Ray ships a class
     defined here (in __main__) to the actor by value; the marker file makes the death happen once per run."""
     import os
     import tempfile
@@ -83,14 +84,14 @@ def engine_1_dies() -> None:
     marker = os.path.join(tempfile.mkdtemp(prefix="engine_1_died_"), "died")
 
     class EngineThatDiesOnce(engine_actors.EngineActor):
-        generate_calls = 0
+        batches_run = 0
 
-        def generate(self, *args, **kwargs):
-            self.generate_calls += 1
-            if self.index == 1 and self.generate_calls == 2 and not os.path.exists(marker):
+        def run_until_complete(self, *args, **kwargs):
+            self.batches_run += 1
+            if self.index == 1 and self.batches_run == 2 and not os.path.exists(marker):
                 open(marker, "w").close()
                 os._exit(1)  # no Python clean-up: as a crash or a kill -9 of the engine's process
-            return super().generate(*args, **kwargs)
+            return super().run_until_complete(*args, **kwargs)
 
     class EngineGroupWithADyingEngine(engine_actors.EngineGroup):
         def __init__(self, *args, **kwargs):
@@ -100,7 +101,7 @@ def engine_1_dies() -> None:
 
 
 FAULTS = {
-    "generation_crash": (vllm_engine, "generate", generate_then_fail),
+    "generation_crash": (EngineBatches, "run_until_complete", run_until_complete_then_fail),
     "skip_weight_sync": (vllm_engine, "load_weights", load_nothing),
     "nan_loss": (rl, "policy_loss", policy_loss_with_one_nan),
 }

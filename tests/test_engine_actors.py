@@ -17,6 +17,7 @@ without Ray.
   first) instead of failing it: the wait and the transfer have their own deadlines and metrics.
 """
 
+import itertools
 import logging
 import os
 import signal
@@ -280,14 +281,14 @@ def test_a_dead_engines_prompts_come_again_from_its_seed_and_its_replacement_joi
     marker = tmp_path / "engine_1_died"
 
     class DiesInItsSecondGenerate(EngineActor):  # defined here: Ray ships it to the actor by value
-        generate_calls = 0
+        batches_run = 0
 
-        def generate(self, *args, **kwargs):
-            self.generate_calls += 1
-            if self.index == 1 and self.generate_calls == 2 and not marker.exists():  # once: not its replacement
+        def run_until_complete(self, *args, **kwargs):
+            self.batches_run += 1
+            if self.index == 1 and self.batches_run == 2 and not marker.exists():  # once: not its replacement
                 marker.touch()
                 os._exit(1)
-            return super().generate(*args, **kwargs)
+            return super().run_until_complete(*args, **kwargs)
 
     flags = ["--ray_address", ray_cluster.address, "--vllm_num_engines", "2", "--max_engine_restarts", "1",
              "--vllm_sync_timeout_s", "120", "--output_dir", str(tmp_path / "output")]  # fmt: skip
@@ -299,10 +300,12 @@ def test_a_dead_engines_prompts_come_again_from_its_seed_and_its_replacement_joi
     engines = EngineGroup(config, 2, timeout_s=180, sync_timeout_s=120, actor_class=DiesInItsSecondGenerate,
                           max_restarts=1)  # fmt: skip
     prompts = prompt_ids(tiny_model_dir, 4)
+    batch_ids = itertools.count()
     with generation_beside_learners(args, engines, settings, tokenizer, tiny_model_dir) as (learners, generator, rollouts):
 
         def rollout(version: int, seed: int):
-            sent = rollouts.send_weights_and(GenerationRequest(version, None, prompts, sampling_seed=seed))
+            sent = rollouts.send_weights_and(GenerationRequest(version, None, prompts, sampling_seed=seed,
+                                                               batch_id=next(batch_ids)))  # fmt: skip
             received = generator.receive()
             check_weight_sync(received, sent)  # every engine in the group loaded exactly what learner rank 0 sent
             return received, sent
@@ -390,9 +393,9 @@ def test_an_engine_slower_to_get_ready_than_the_transfer_deadline_delays_the_tra
     generation_s, transfer_timeout_s = 8.0, 4.0
 
     class SlowToFinishGenerating(EngineActor):  # defined here: Ray ships it to the actor by value
-        def generate(self, *args, **kwargs):
+        def run_until_complete(self, *args, **kwargs):
             time.sleep(generation_s)
-            return super().generate(*args, **kwargs)
+            return super().run_until_complete(*args, **kwargs)
 
     flags = ["--ray_address", ray_cluster.address, "--vllm_num_engines", "1", "--queue_timeout_s", "180",
              "--vllm_sync_timeout_s", str(transfer_timeout_s), "--output_dir", str(tmp_path / "output")]  # fmt: skip
@@ -404,8 +407,8 @@ def test_an_engine_slower_to_get_ready_than_the_transfer_deadline_delays_the_tra
     engines = EngineGroup(config, 1, timeout_s=180, sync_timeout_s=transfer_timeout_s, actor_class=SlowToFinishGenerating)
     with generation_beside_learners(args, engines, settings, tokenizer, tiny_model_dir) as (_, generator, rollouts):
         prompts = prompt_ids(tiny_model_dir, 2)
-        rollouts.send_weights_and(GenerationRequest(0, None, prompts))  # the engine generates this for 8 s
-        sent = rollouts.send_weights_and(GenerationRequest(1, None, prompts))  # policy version 1, meanwhile
+        rollouts.send_weights_and(GenerationRequest(0, None, prompts, batch_id=0))  # the engine generates this for 8 s
+        sent = rollouts.send_weights_and(GenerationRequest(1, None, prompts, batch_id=1))  # policy version 1, meanwhile
         first, second = generator.receive(), generator.receive()
     metrics = broadcast_metrics(sent)
     print(f"engine ready wait {metrics['time/engine_ready_wait']:.2f}s, transfer {metrics['time/weight_broadcast']:.2f}s")

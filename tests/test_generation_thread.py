@@ -90,8 +90,9 @@ def test_receive_eval_times_out_too(idle_thread):
         idle_thread.receive_eval()
 
 
-def test_learner_runs_at_most_one_request_ahead(idle_thread):
-    """The prompt queue holds one request: the second send waits for the generator, then times out."""
+def test_a_thread_that_takes_no_request_lets_the_learner_send_only_one(idle_thread):
+    """The prompt queue holds one request: the second send waits for the generator, then times out. (A working
+    thread takes every request into its inbox at once; how far ahead the learner runs is --async_steps.)"""
     idle_thread.send(GenerationRequest(0, None, [[1, 2, 3]]))
     with pytest.raises(TimeoutError, match="Waited 1s for the generation thread to take new prompts"):
         idle_thread.send(GenerationRequest(1, None, [[4, 5, 6]]))
@@ -125,7 +126,7 @@ class EngineDiesWhileReceiving(GenerationThread):
     after_s = 1.0
 
     def serve(self) -> None:
-        request = self._wait(self.param_prompt_Q.get, "the broadcast request", stop_aware=True)
+        request = self._next_request()
         assert request.broadcast
         request.engines_ready.set()
         time.sleep(self.after_s)
@@ -137,7 +138,7 @@ class ReadyThenIdle(GenerationThread):
     transfer sits waiting while the learner's fails."""
 
     def serve(self) -> None:
-        request = self._wait(self.param_prompt_Q.get, "the broadcast request", stop_aware=True)
+        request = self._next_request()
         request.engines_ready.set()
         self._stop_requested.wait()
 
@@ -146,7 +147,7 @@ class NeverReady(GenerationThread):
     """Takes the broadcast request and never says the engines are ready (an engine still generating)."""
 
     def serve(self) -> None:
-        self._wait(self.param_prompt_Q.get, "the broadcast request", stop_aware=True)
+        self._next_request()
         self._stop_requested.wait()
 
 
