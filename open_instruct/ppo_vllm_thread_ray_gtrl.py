@@ -51,7 +51,13 @@ from open_instruct.run.args import (
     parse_args,
 )
 from open_instruct.run.console import say
-from open_instruct.run.devices import free_memory_bytes, learner_compute_dtype, learner_device
+from open_instruct.run.devices import (
+    free_memory_bytes,
+    learner_compute_dtype,
+    learner_device,
+    pin_this_thread,
+    split_cpu_cores,
+)
 from open_instruct.run.divergence import DivergedError, check_divergence
 from open_instruct.run.preemption import Preempted, StopRequest
 from open_instruct.run.run_directory import RunDirectory
@@ -317,10 +323,14 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
 
         placement = reserve_placement(args.dist)  # starts Ray, or joins --ray_address
         stop.install()  # ray.init replaced our SIGTERM handler with its own (sys.exit): a preemption must checkpoint
-    compute_dtype = None
+    compute_dtype, engine_cores = None, None
+    if args.gen.vllm_cpu_cores > 0:  # the learner (this thread) and the engine's thread each on their own cores
+        learner_cores, engine_cores = split_cpu_cores(args.gen.vllm_cpu_cores)
+        pin_this_thread(learner_cores)
+        say(f"[ppo] CPU cores: the learner on {learner_cores}, the vLLM engine's thread on {engine_cores}")
     if not args.dist.uses_ray:  # the dtype probe times matmuls: run it before the engine loads on the same cores
         compute_dtype = learner_compute_dtype(args.model.learner_compute_dtype, learner_device())
-    generator = start_generation_thread(args, data, placement)
+    generator = start_generation_thread(args, data, placement, engine_cores)
     try:
         # vLLM sizes its KV cache from the GPU memory it finds free, so on a GPU a learner may share it measures
         # before any learner allocates: where the engines are (Ray's GPUs; this process's own for its engine).
@@ -356,9 +366,10 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
             generator.engine.shutdown()
 
 
-def start_generation_thread(args: Args, data: RunData, placement=None) -> GenerationThread:
-    """The generation thread, with an engine in this process or, with --vllm_num_engines, engine actors on Ray (with
-    --single_gpu_mode in the learners' bundles of `placement`)."""
+def start_generation_thread(args: Args, data: RunData, placement=None, cpu_cores: list[int] | None = None
+                            ) -> GenerationThread:  # fmt: skip
+    """The generation thread, with an engine in this process (on `cpu_cores`, or all) or, with --vllm_num_engines,
+    engine actors on Ray (with --single_gpu_mode in the learners' bundles of `placement`)."""
     engine_config = EngineConfig(
         data.policy_path,
         max_model_len=args.gen.max_token_length,
@@ -388,6 +399,7 @@ def start_generation_thread(args: Args, data: RunData, placement=None) -> Genera
         eval_prompt_token_ids=data.eval_prompts.token_ids if data.eval_prompts is not None else None,
         eval_samples_per_prompt=args.run.eval_samples_per_prompt,
         batches_in_engine=batches_in_engine(args.gen),
+        cpu_cores=cpu_cores,
     )
     thread = GenerationThread(settings, timeout_s=args.gen.queue_timeout_s, engine=engines)
     thread.start()

@@ -374,6 +374,36 @@ def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_with
     print(f"engine restart seconds (death seen -> replacement holds the weights): {restart_seconds}")
 
 
+@needs_loopback_namespace
+def test_engine_actors_take_in_flight_updates_with_every_token_tagged_and_checked(ray_cluster, tmp_path,
+                                                                                  varied_length_model_dir):  # fmt: skip
+    """--async_steps 2 --inflight_updates on 2 engine actors fed by a Ray learner rank: each engine decodes its slices
+    of the 2 batches in flight, learner rank 0's transfer reaches both between two decode steps (checked against what
+    it sent, every sync), responses carry tokens of two versions, and the learner's logprobs agree with the engines'
+    behaviour logprobs token by token (the per-step check), within the bound of 2 versions."""
+    from open_instruct.run.tracking import read_metrics
+    from tests.test_ppo_trainer import run_command
+
+    output_dir = tmp_path / "output"
+    flags = [
+        "--model_name_or_path", varied_length_model_dir, "--ray_address", ray_cluster.address, "--vllm_num_engines", "2",
+        "--async_steps", "2", "--inflight_updates", "true", "--local_rollout_batch_size", "4",
+        "--number_samples_per_prompt", "2", "--per_device_train_batch_size", "2", "--num_epochs", "1",
+        "--response_length", "16", "--total_episodes", "48", "--num_evals", "0", "--learner_compute_dtype", "float32",
+        "--output_dir", str(output_dir),
+    ]  # fmt: skip
+    process, seconds = run_command(TRAINER + flags, tmp_path)
+    assert process.returncode == 0, last_lines(process.stderr)
+    steps = [row for row in read_metrics(str(output_dir / "metrics.jsonl")) if "policy_version/learner" in row]
+    print(f"{seconds:.0f}s; staleness per step: {[(r['policy_version/staleness_min'], r['policy_version/staleness_max']) for r in steps]}")
+    assert len(steps) == 6
+    assert max(r["policy_version/staleness_max"] for r in steps) == 2
+    assert any(r["policy_version/staleness_min"] < r["policy_version/staleness_max"] for r in steps), "no update in flight"
+    # Batches sent with a policy after the first came with learner rank 0's transfer (checked against what it sent).
+    assert [r["policy_version/rollout"] > 0 for r in steps] == ["time/weight_broadcast" in r for r in steps]
+    assert all(r["policy/tis_weight_mean"] > 0 for r in steps)  # the correction is on by default at K = 2
+
+
 # ---- deadlines: the wait for the engines and the transfer are two waits ---------------------------------------------
 
 

@@ -67,8 +67,8 @@ def initial_weights(varied_length_model_dir) -> list[tuple[str, torch.Tensor]]:
 def load(llm, batches, weights, version: int) -> None:
     from open_instruct.generation import vllm_engine
 
-    vllm_engine.load_weights(llm, weights)
-    batches.weights_changed(version)
+    with batches.new_weights(version):
+        vllm_engine.load_weights(llm, weights)
 
 
 def test_one_batch_alone_is_what_vllm_generate_gives(llm):

@@ -108,10 +108,6 @@ class EngineActor:
     def engine_steps(self) -> int:
         return self.batches.steps
 
-    def _weights_changed(self, policy_version: int) -> None:
-        self.policy_version = policy_version
-        self.batches.weights_changed(policy_version)
-
     def ready_to_receive(self, policy_version: int) -> int:
         """The round trip before a transfer: answered once this actor is idle (its calls run one at a time)."""
         return self.policy_version
@@ -124,8 +120,9 @@ class EngineActor:
     def receive_weights(self, policy_version: int) -> dict:
         """Take part in one gloo or NCCL transfer (learner rank 0 sends at the same time)."""
         start = time.time()
-        per_worker = weight_transfer.receive(self.llm, self.transfer)
-        self._weights_changed(policy_version)
+        with self.batches.new_weights(policy_version):
+            per_worker = weight_transfer.receive(self.llm, self.transfer)
+        self.policy_version = policy_version
         return weight_transfer.transfer_result(per_worker, time.time() - start)
 
     # ---- vLLM's trainer-driven lifecycle (ipc): learner rank 0's IPC trainer engine calls these (EngineActorsClient)
@@ -134,6 +131,7 @@ class EngineActor:
 
     def start_weight_update(self) -> None:
         self.received, self.update_start = None, time.time()
+        self.batches.pause()  # resumed when the generation thread claims the transfer (`weights_received`)
         weight_transfer.start_update(self.llm)
 
     def update_weights(self, update_info: dict) -> None:
@@ -147,13 +145,15 @@ class EngineActor:
         if self.received is None:
             raise RuntimeError("learner rank 0 finished its transfer, but none reached this engine since the last one")
         (per_worker, seconds), self.received = self.received, None
-        self._weights_changed(policy_version)
+        self.batches.resume(policy_version)
+        self.policy_version = policy_version
         return weight_transfer.transfer_result(per_worker, seconds)
 
     def load_weights(self, named_tensors: list, policy_version: int) -> float:
         """Load tensors sent through Ray's object store (tests compare this with the broadcast)."""
-        seconds = vllm_engine.load_weights(self.llm, named_tensors)
-        self._weights_changed(policy_version)
+        with self.batches.new_weights(policy_version):
+            seconds = vllm_engine.load_weights(self.llm, named_tensors)
+        self.policy_version = policy_version
         return seconds
 
 

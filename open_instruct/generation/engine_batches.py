@@ -7,7 +7,7 @@ seed) and `run_until_complete` steps the engine until every sample of one batch 
 admitted at once: then they are decoded together, and the engine is never idle while one batch's longest answers
 finish (the long tail that leaves most of a batch-at-a-time engine empty).
 
-A weight update between two steps (`weights_changed`) is an in-flight update: the running requests keep going under
+A weight update between two steps (`new_weights`) is an in-flight update: the running requests keep going under
 the new weights. Each is aborted and submitted again with its prompt plus the tokens it generated so far (AReaL's
 "abort and resubmit with the accumulated tokens"), so its KV cache is computed again by the new weights: from then on
 every logprob the engine reports is the new policy's given the whole context, and the behaviour logprobs are exact
@@ -26,6 +26,7 @@ exactly as an in-flight update resubmits them. A stop string split across such a
 """
 
 import itertools
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from open_instruct.generation import vllm_engine
@@ -162,14 +163,24 @@ class EngineBatches:
         with_logprobs = self.params.pop(batch_id).get("with_logprobs", False)
         return [sample.completion(with_logprobs) for sample in samples]
 
-    def weights_changed(self, policy_version: int) -> None:
-        """New weights were loaded into the engine (between steps): every running request is aborted and submitted
-        again with its tokens so far, so its KV cache is computed by the new weights; cached prefixes are dropped; the
-        tokens from here on carry `policy_version`."""
-        self.policy_version = policy_version
+    @contextmanager
+    def new_weights(self, policy_version: int):
+        """Around a weight load between two steps: `pause` before, `resume` after."""
+        self.pause()
+        yield
+        self.resume(policy_version)
+
+    def pause(self) -> None:
+        """Before a weight load: every running request is aborted (its sample keeps its tokens), so that no request is
+        in the engine while its weights change."""
         if self.running:
             self.llm.llm_engine.abort_request(list(self.running))
             self.running.clear()
+
+    def resume(self, policy_version: int) -> None:
+        """After a weight load: cached prefixes are dropped and each unfinished sample is submitted again with its
+        tokens so far, so its KV cache is computed by the new weights; the tokens from here on carry `policy_version`."""
+        self.policy_version = policy_version
         if not self.llm.llm_engine.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
         for batch_id, samples in self.batches.items():

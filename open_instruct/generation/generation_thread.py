@@ -50,6 +50,7 @@ import torch
 from open_instruct.generation import vllm_engine
 from open_instruct.generation.engine_batches import EngineBatches, seed_sampling  # noqa: F401 (seed_sampling: tests)
 from open_instruct.run.args import ConfigError
+from open_instruct.run.devices import pin_this_thread
 
 
 @dataclass
@@ -105,6 +106,7 @@ class GenerationSettings:
     eval_prompt_token_ids: list[list[int]] | None = None
     eval_samples_per_prompt: int = 0  # sampled eval at the training temperature, besides greedy
     batches_in_engine: int = 1  # batches decoded together: --async_steps with --inflight_updates, else 1
+    cpu_cores: list[int] | None = None  # --vllm_cpu_cores: the cores this thread (its engine) runs on; None: all
 
 
 class InProcessEngine:
@@ -144,14 +146,13 @@ class InProcessEngine:
         from open_instruct.generation.weight_transfer import receive, transfer_result
 
         start = time.time()
-        per_worker = receive(self.llm, self.transfer)
-        self.batches.weights_changed(policy_version)
+        with self.batches.new_weights(policy_version):
+            per_worker = receive(self.llm, self.transfer)
         return [transfer_result(per_worker, time.time() - start)]
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], policy_version: int) -> float:
-        seconds = vllm_engine.load_weights(self.llm, named_tensors)
-        self.batches.weights_changed(policy_version)
-        return seconds
+        with self.batches.new_weights(policy_version):
+            return vllm_engine.load_weights(self.llm, named_tensors)
 
     # ---- the batches in the engine (engine_batches.EngineBatches) ----
     def admit(self, batch_id: int, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None) -> None:
@@ -231,6 +232,8 @@ class GenerationThread(threading.Thread):
             self.error = error  # last: the learner reads the traceback as soon as it sees the error
 
     def serve(self) -> None:
+        if self.settings.cpu_cores is not None:
+            pin_this_thread(self.settings.cpu_cores)  # before the engine starts its threads
         if self.engine is None:
             self.local_engine = InProcessEngine(self.settings.engine)
         engine = self.weight_receivers

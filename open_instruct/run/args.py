@@ -181,6 +181,12 @@ class GenerationArgs:
         "KV cache size of each vLLM engine in GiB. GPUs: vLLM's kv_cache_memory_bytes (unset: vLLM sizes it from "
         "--vllm_gpu_memory_utilization); CPUs: VLLM_CPU_KVCACHE_SPACE, rounded up to whole GiB (unset: 2).",
     )
+    vllm_cpu_cores: int = arg(
+        0,
+        "CPU runs with the engine in this process: give the generation thread the last N of this process's cores and "
+        "the learner the others, each pinned to its own, as a cluster gives engines and learners their own devices "
+        "(the async modes then overlap for real instead of sharing cores). 0: both use every core.",
+    )
     vllm_cpu_weight_layout: str = arg(
         "plain",
         "CPU engines only: plain keeps linear weights as tensors, so each weight sync is one copy in place (0.065 s "

@@ -9,6 +9,7 @@ driver about its device, and the driver decides from the reports (see generation
 
 import functools
 import math
+import os
 import time
 from contextlib import nullcontext
 from typing import Callable
@@ -216,3 +217,23 @@ def inference_dtype(device: torch.device) -> torch.dtype:
     48 tokens: 17 s vs 5.5 s). fp32 also lets the engine hold exactly the learner's weights.
     """
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def split_cpu_cores(engine_cores: int, available: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """This process's CPU cores cut in two for --vllm_cpu_cores: (the learner's, the in-process engine's: the last
+    `engine_cores`). Raises ValueError when the learner would be left without one."""
+    available = sorted(os.sched_getaffinity(0)) if available is None else sorted(available)
+    if not 0 < engine_cores < len(available):
+        raise ValueError(
+            f"--vllm_cpu_cores {engine_cores} leaves no core to the learner: this process may use {len(available)} "
+            f"core(s) ({available}); pass 1..{len(available) - 1}, or 0 to let both use them all."
+        )
+    return available[:-engine_cores], available[-engine_cores:]
+
+
+def pin_this_thread(cores: list[int]) -> None:
+    """Run the calling thread, and the OpenMP threads its torch operations start from now on, on `cores` only, with
+    as many threads as cores. (Linux affinity is per thread; vLLM's CPU worker replaces `torch.set_num_threads` with a
+    no-op once it starts, so the binding's own entry point is called.)"""
+    os.sched_setaffinity(0, cores)
+    torch._C.set_num_threads(len(cores))

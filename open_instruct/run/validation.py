@@ -14,6 +14,8 @@ import math
 import os
 from collections.abc import Iterator
 
+import torch
+
 from open_instruct.rl.verifiers import VERIFIERS, resolve_verifier_name
 from open_instruct.run.args import (
     Args,
@@ -23,6 +25,7 @@ from open_instruct.run.args import (
     batches_in_engine,
     needs_off_policy_correction,
 )
+from open_instruct.run.devices import split_cpu_cores
 
 # Verifiers that compare numbers: a ground truth without one would fail mid-run at the first response scored.
 NUMERIC_VERIFIERS = ("gsm8k", "arithmetic")
@@ -136,6 +139,7 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("overlong_buffer_length", reward.overlong_buffer_length, NON_NEGATIVE_INT),
         ("overlong_penalty_factor", reward.overlong_penalty_factor, NON_NEGATIVE),
         ("async_steps", args.gen.async_steps, AT_LEAST_1),
+        ("vllm_cpu_cores", args.gen.vllm_cpu_cores, NON_NEGATIVE_INT),
         ("max_tokens_per_micro_batch", args.ppo.max_tokens_per_micro_batch,
          (lambda v: v >= 0, "an integer >= 0 (0: micro-batches of --per_device_train_batch_size padded rows)")),
         ("device_memory_gb", args.dist.device_memory_gb, (lambda v: v is None or POSITIVE[0](v), "a number of GB > 0")),
@@ -182,8 +186,18 @@ def validate_flags(args: Args) -> None:
 
 
 def validate_async_flags(args: Args) -> None:
-    """--async_steps and --inflight_updates: what they combine with."""
+    """--async_steps, --inflight_updates and --vllm_cpu_cores: what they combine with."""
     gen, ppo, dist = args.gen, args.ppo, args.dist
+    if gen.vllm_cpu_cores > 0:
+        if dist.uses_ray or torch.cuda.is_available():
+            raise ConfigError(
+                f"--vllm_cpu_cores {gen.vllm_cpu_cores} splits a CPU machine's cores between the learner and the engine in "
+                "this process; engine actors and GPUs have their own devices: drop it."
+            )
+        try:
+            split_cpu_cores(gen.vllm_cpu_cores)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if not gen.async_mode and (gen.async_steps != 1 or gen.inflight_updates):
         flag = "--inflight_updates true" if gen.inflight_updates else f"--async_steps {gen.async_steps}"
         raise ConfigError(f"{flag} needs async mode, and --async_mode is false; drop {flag.split()[0]} or pass "

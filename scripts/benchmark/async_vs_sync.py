@@ -1,75 +1,130 @@
-"""Measure the step time of async vs sync PPO on the same settings, in one invocation.
+"""Sync vs async (--async_steps K = 1, 2, 4), with and without --inflight_updates, on a workload with a long tail of
+response lengths and the engine and the learner on cores of their own: one invocation, one machine, one table.
 
-    python scripts/benchmark/async_vs_sync.py                       # embedded SmolLM2, CPU/GPU config
-    python scripts/benchmark/async_vs_sync.py --model_name_or_path tiny --total_episodes 48
+    python scripts/benchmark/async_vs_sync.py                          # the default workload below, all modes
+    python scripts/benchmark/async_vs_sync.py --modes sync k2_inflight --steps 6
+    python scripts/benchmark/async_vs_sync.py --steps 4 -- --model_name_or_path tiny   # flags after -- go to every run
 
-Runs the trainer twice (subprocesses, same seed and flags, only --async_mode differs), then prints the
-mean seconds per step split into generation / weight sync / scoring / training / learner wait, the ratio
-sync/async, and each mode's overlap efficiency max(T_gen, T_learner) / T_step, where T_learner = scoring +
-training: 1.0 means the step takes only as long as its slower half (generation fully hidden behind the
-learner, or the reverse); sync mode, which runs them one after the other, is near min/sum + max/sum below 1.
-The first step is left out of the means: it includes engine warm-up in both modes. Extra flags go to both
-runs; `--json PATH` (default async_vs_sync.json) is where the results go.
+Each mode is one trainer run (a subprocess, the same seed and flags). Placement: `--vllm_cpu_cores 1` gives the
+in-process engine's thread the last core and the learner the others, as a cluster gives engines and learners devices
+of their own; "sync, all cores" (both on every core, one after the other) is printed beside it for reference.
+
+The workload (`WORKLOAD`): GRPO on the embedded arithmetic questions with a tenth as many word problems mixed in, whose
+step-by-step answers run to the length limit: most responses are a dozen tokens and a few are 20x longer, so a
+batch generated on its own waits for its longest answers (the long tail; docs/speed.md). The learner takes its old
+logprobs itself in every mode (the same learner work; K > 1 needs them for its correction) and packs its micro-batches.
+
+Per mode, over the steps after the first two (the pipeline fills): seconds per step, trained responses per second,
+the engine's and the learner's idle fractions (perf/engine_idle_fraction: waiting for requests or for the learner to
+take a rollout; perf/learner_idle_fraction: waiting for a rollout), the staleness of the trained tokens, and the
+training correct rate against wall-clock seconds (the learning curve: speed must not be bought with learning), with
+the sampled eval of the final policy. Writes JSON and a plot of the curves.
 """
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
-PARTS = ["time/step", "time/generation", "time/weight_sync", "time/scoring", "time/training", "time/learner_wait"]
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKLOAD = [
+    "configs/train_configs/grpo_arithmetic_cpu.yaml",
+    "--dataset_mixer_list", "embedded_arithmetic", "1.0", "embedded_word_problems", "0.1",
+    "--response_length", "192", "--max_token_length", "448", "--max_prompt_token_length", "256",
+    "--local_rollout_batch_size", "8", "--number_samples_per_prompt", "4", "--num_mini_batches", "2",
+    "--old_logprobs_from", "learner", "--max_tokens_per_micro_batch", "2048",
+    "--num_evals", "1", "--eval_samples_per_prompt", "4",
+]  # fmt: skip
+SPLIT = ["--vllm_cpu_cores", "1"]
+MODES = {
+    "sync_all_cores": ("sync, all cores (reference)", ["--async_mode", "false"]),
+    "sync": ("sync", ["--async_mode", "false", *SPLIT]),
+    "k1": ("K=1", ["--async_steps", "1", *SPLIT]),
+    "k2": ("K=2", ["--async_steps", "2", *SPLIT]),
+    "k4": ("K=4", ["--async_steps", "4", *SPLIT]),
+    "k2_inflight": ("K=2, in-flight updates", ["--async_steps", "2", "--inflight_updates", "true", *SPLIT]),
+    "k4_inflight": ("K=4, in-flight updates", ["--async_steps", "4", "--inflight_updates", "true", *SPLIT]),
+}
+COLUMNS = ["s/step", "responses/s", "engine idle", "learner idle", "staleness", "train correct", "eval sampled", "wall s"]
 
 
-def default_config() -> str:
-    try:
-        gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
-    except FileNotFoundError:
-        gpu = False
-    return f"configs/train_configs/ppo_arithmetic_{'gpu' if gpu else 'cpu'}.yaml"
-
-
-def run(async_mode: bool, output_dir: str, extra: list[str]) -> list[dict]:
-    command = [
-        sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl", default_config(),
-        "--total_episodes", "96", "--num_evals", "0",
-        *extra, "--async_mode", str(async_mode).lower(), "--output_dir", output_dir,
-    ]
+def run_mode(flags: list[str], steps: int, output_dir: str, extra: list[str]) -> list[dict]:
+    responses_per_step = 32
+    command = [sys.executable, "-m", "open_instruct.grpo_vllm_thread_ray_gtrl", *WORKLOAD,
+               "--total_episodes", str(steps * responses_per_step), *flags, *extra, "--output_dir", output_dir]  # fmt: skip
     print(f"[benchmark] {' '.join(command)}", flush=True)
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, cwd=REPO)
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "time/step" in r]
+        return [json.loads(line) for line in f]
 
 
-def mean_parts(records: list[dict]) -> dict[str, float]:
-    steady = records[1:] or records
-    return {part: sum(r[part] for r in steady) / len(steady) for part in PARTS}
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
-def overlap_efficiency(parts: dict[str, float]) -> float:
-    learner = parts["time/scoring"] + parts["time/training"]
-    return max(parts["time/generation"], learner) / parts["time/step"]
+def summarize(rows: list[dict]) -> dict:
+    steps = [r for r in rows if "policy_version/learner" in r]
+    steady = steps[2:] or steps
+    step_s = mean([r["time/step"] for r in steady])
+    responses = steps[0]["episode"] / steps[0]["step"]
+    evals = [r for r in rows if "eval/sampled_correct_rate" in r]
+    return {
+        "s/step": step_s,
+        "responses/s": responses / step_s,
+        "engine idle": mean([r.get("perf/engine_idle_fraction", float("nan")) for r in steady]),
+        "learner idle": mean([r["perf/learner_idle_fraction"] for r in steady]),
+        "staleness": mean([r["policy_version/staleness_mean"] for r in steady]),
+        "train correct": mean([r["objective/verifiable_correct_rate"] for r in steps[-3:]]),
+        "eval sampled": evals[-1]["eval/sampled_correct_rate"] if evals else float("nan"),
+        "wall s": steps[-1]["time/from_scratch"],
+        "curve": [(r["time/from_scratch"], r["objective/verifiable_correct_rate"]) for r in steps],
+    }
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for mode, result in results.items():
+        seconds, correct = zip(*result["curve"])
+        ax.plot(seconds, correct, marker="o", markersize=3, label=MODES[mode][0])
+    ax.set_xlabel("wall-clock seconds from the start of the run")
+    ax.set_ylabel("training correct rate (the step's responses)")
+    ax.set_title("Learning per wall-clock second, by mode")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
-    extra = sys.argv[1:]
-    json_path = "async_vs_sync.json"
-    if "--json" in extra:
-        at = extra.index("--json")
-        json_path = extra[at + 1]
-        extra = extra[:at] + extra[at + 2 :]
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json", default="async_vs_sync.json")
+    parser.add_argument("--plot", default="async_vs_sync.png")
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        results = {mode: mean_parts(run(mode == "async", os.path.join(tmp, mode), extra)) for mode in ("async", "sync")}
-    print(f"\n{'seconds per step':>18} " + " ".join(f"{p.removeprefix('time/'):>12}" for p in PARTS) + "     overlap")
-    for mode, parts in results.items():
-        parts["overlap_efficiency"] = overlap_efficiency(parts)
-        print(f"{mode:>18} " + " ".join(f"{parts[p]:12.2f}" for p in PARTS) + f"{parts['overlap_efficiency']:12.2f}")
-    ratio = results["sync"]["time/step"] / results["async"]["time/step"]
-    print(f"\nsync / async step time: {ratio:.2f}x; overlap efficiency max(T_gen, T_learner) / T_step: "
-          f"async {results['async']['overlap_efficiency']:.2f}, sync {results['sync']['overlap_efficiency']:.2f}")
-    with open(json_path, "w") as f:
-        json.dump({"flags": extra, "sync_over_async_step_time": ratio, **results}, f, indent=2)
-    print(f"[benchmark] wrote {json_path}")
+        for mode in args.modes:
+            results[mode] = summarize(run_mode(MODES[mode][1], args.steps, os.path.join(tmp, mode), extra))
+    print(f"\n{'mode':<30}" + "".join(f"{c:>14}" for c in COLUMNS))
+    for mode, result in results.items():
+        print(f"{MODES[mode][0]:<30}" + "".join(f"{result[c]:>14.3f}" for c in COLUMNS))
+    if "sync" in results:
+        base = results["sync"]["responses/s"]
+        print("\nthroughput over sync (same placement): " + ", ".join(
+            f"{MODES[m][0]} {r['responses/s'] / base:.2f}x" for m, r in results.items() if m != "sync"))  # fmt: skip
+    with open(args.json, "w") as f:
+        json.dump({"workload": WORKLOAD, "extra": extra, "steps": args.steps, "modes": results}, f, indent=1)
+    plot(results, args.plot)
+    print(f"[benchmark] wrote {args.json} and {args.plot}")
 
 
 if __name__ == "__main__":
