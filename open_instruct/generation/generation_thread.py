@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from open_instruct.generation import vllm_engine
-from open_instruct.generation.engine_batches import EngineBatches, seed_sampling  # noqa: F401 (seed_sampling: tests)
+from open_instruct.generation.engine_batches import EngineBatches
 from open_instruct.run.args import ConfigError
 from open_instruct.run.devices import pin_this_thread
 
