@@ -4,9 +4,10 @@
     python -m open_instruct.ppo_vllm_thread_ray_gtrl configs/train_configs/ppo_arithmetic_cpu.yaml
 
 The learner runs in this (main) thread; a vLLM engine runs in a generation thread fed through queues of size 1
-(generation/generation_thread.py). With --async_mode (the default) the learner sends the next prompts with policy k
-*before* training on the batch policy k-1 generated, so generation and training overlap and the data is one policy
-version old; without it, the same code waits for the batch of the current policy.
+(generation/generation_thread.py). With --async_mode (the default) the learner sends the next prompts with its
+current policy *before* training on a batch an older policy generated, so generation and training overlap and the
+data is up to --async_steps policy versions old (1: Cleanba's off-by-one; --inflight_updates loads each new policy
+into the engine between two decode steps); without it, the same code waits for the batch of the current policy.
 
 The learner is this process's PPOLearner, or, with more than one learner (--num_learners_per_node), a --ray_address
 or a --deepspeed_stage, learner ranks as Ray actors on DeepSpeed behind the same methods (learner/ray_group.py;
