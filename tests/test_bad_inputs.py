@@ -107,6 +107,9 @@ CASES = [
     Case("several versions ahead, Ray learners, no in-flight updates", ["--async_steps", "2",
          "--num_learners_per_node", "2", "--per_device_train_batch_size", "2"],
          "--async_steps 2 without --inflight_updates with Ray learners"),  # fmt: skip
+    Case("all cores to the engine", ["--vllm_cpu_cores", "999"], "--vllm_cpu_cores 999 leaves no core to the learner"),
+    Case("engine cores with engine actors", ["--vllm_cpu_cores", "1", "--vllm_num_engines", "1"],
+         "--vllm_cpu_cores 1 splits a CPU machine's cores between the learner and the engine in this process"),  # fmt: skip
     Case("zero-std filter with PPO", ["--filter_zero_std_groups", "true"],
          "--filter_zero_std_groups drops groups whose scores are all equal because GRPO"),  # fmt: skip
     Case("zero-std filter with a reward model", ["--algorithm", "grpo", "--filter_zero_std_groups", "true",

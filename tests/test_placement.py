@@ -136,3 +136,38 @@ def test_a_learners_device_index_is_its_ray_gpu_id_when_ray_leaves_cuda_visible_
             ray.kill(learner)
     assert sorted(w["local_gpu"] for w in where) == [0, 1]
     assert all(w["local_gpu"] == int(w["gpu_ids"][0]) for w in where), where
+
+
+# ---- --vllm_cpu_cores: the in-process engine's thread and the learner on cores of their own (CPU machines) ----------
+
+
+def test_cpu_cores_split_gives_the_engine_the_last_ones_and_the_learner_the_rest():
+    from open_instruct.run.devices import split_cpu_cores
+
+    assert split_cpu_cores(1, [0, 1]) == ([0], [1])
+    assert split_cpu_cores(2, [4, 0, 2, 6]) == ([0, 2], [4, 6])
+    for engine_cores in (0, 2, 3):
+        with pytest.raises(ValueError, match=f"--vllm_cpu_cores {engine_cores} leaves no core to the learner"):
+            split_cpu_cores(engine_cores, [0, 1])
+
+
+def test_a_pinned_thread_runs_on_its_cores_and_the_rest_of_the_process_keeps_its_own():
+    import os
+    import threading
+
+    import torch
+
+    from open_instruct.run.devices import pin_this_thread
+
+    process_cores = os.sched_getaffinity(0)
+    seen = {}
+
+    def engine_thread():
+        pin_this_thread([max(process_cores)])
+        seen["cores"], seen["threads"] = os.sched_getaffinity(0), torch.get_num_threads()
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"cores": {max(process_cores)}, "threads": 1}
+    assert os.sched_getaffinity(0) == process_cores  # Linux affinity is per thread: the main thread keeps its cores
