@@ -10,7 +10,7 @@ requests are in flight beyond the one it waits for (sync mode: only that one). S
 and trained on by policy b-1: every token is at most K versions older than the learner (with --inflight_updates
 its later tokens are newer, down to 1 version old); `check_staleness` holds every rollout to that bound. Near the
 end of the run only as many are sent as the steps left can use, and the generation thread is told (END). GRPO's
---filter_zero_std_groups may take several batches in a step: each is topped up for the same way.
+--filter_zero_std_groups may take several batches in a step: the requests are topped up before each.
 
 A transfer has two deadlines, one per wait: first the engines must say they are ready to receive, which they do
 when they have finished the batch (and eval) they were generating, within --queue_timeout_s like any wait on
