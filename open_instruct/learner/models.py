@@ -11,6 +11,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from open_instruct.data.tokenizer import explain_load_error
+from open_instruct.learner.varlen_attention import use_varlen_attention
 from open_instruct.rl.logprobs import logprobs_and_entropy, projected_logprobs
 from open_instruct.rl.packing import PackedRows
 from open_instruct.run.devices import autocast, inference_dtype
@@ -98,8 +99,10 @@ def load_model(spec: ModelSpec, device: torch.device) -> nn.Module:
 
 
 def finish_loading(model: nn.Module, spec: ModelSpec) -> nn.Module:
-    """What every loaded model gets: dropout off, a generation pad id, and for a frozen one no gradients."""
+    """What every loaded model gets: dropout off, a generation pad id, attention that packed rows take sequence by
+    sequence (varlen_attention.py), and for a frozen one no gradients."""
     disable_dropout(model)
+    use_varlen_attention(model)
     if not spec.scalar_head and model.generation_config.pad_token_id is None:  # 0 is a valid pad id: test for None
         model.generation_config.pad_token_id = model.config.eos_token_id
     if not spec.trainable:
@@ -155,10 +158,13 @@ def forward_backbone(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
 
 
 def forward_packed(model: nn.Module, packed: PackedRows, **kwargs):
-    """One packed row (rl/packing.py): no 2D mask, positions restarting per sequence, from which transformers builds
-    the block-diagonal causal mask (eager/SDPA) or flash-attention's varlen sequence starts."""
+    """One packed row (rl/packing.py): no 2D mask, positions restarting per sequence, and the sequences' cumulative
+    lengths, with which the attention (flash-attention's varlen kernel, or varlen_attention.py's SDPA) takes each
+    sequence alone; an attention that ignores them gets transformers' block-diagonal causal mask from the positions."""
+    starts = packed.cu_seq_lens
     return model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids, use_cache=False,
-                 **kwargs)  # fmt: skip
+                 cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=packed.max_length,
+                 max_length_k=packed.max_length, **kwargs)  # fmt: skip
 
 
 # Config keys of architectures whose causal-LM forward does more to the hidden states than the LM head (Gemma's logit

@@ -487,9 +487,11 @@ class PPOLearner(LearnerState):
         """make_experience's forward passes over the whole rollout (every rank counts the whole batch): the policy's
         (when its old logprobs were computed), the reference's, the reward model's and the value model's."""
         work = LearnerWork(real_tokens=int(rollout.attention_mask.sum()))
+        # Packed (--max_tokens_per_micro_batch), the forwards compute on the real tokens alone.
+        slots = work.real_tokens if self.args.ppo.max_tokens_per_micro_batch else None
         for role, model in self.model_flops.items():
             if role != "policy" or ran_policy_forward:
-                work.add_pass(model, rollout.attention_mask, rollout.response_mask, backward=False)
+                work.add_pass(model, rollout.attention_mask, rollout.response_mask, backward=False, token_slots=slots)
         return work
 
     def add_training_work(self, exp: Experience, token_slots_per_epoch: int | None = None) -> None:

@@ -88,6 +88,8 @@ class PackedRows:
     response_cols: torch.Tensor
     last_index: torch.Tensor
     shape: tuple[int, int]  # (rows, response_len) of the padded layout
+    cu_seq_lens: torch.Tensor  # [sequences + 1] int32: where each sequence starts in the row, then its end (varlen)
+    max_length: int  # the longest sequence
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +106,7 @@ def pack_rows(query_response: torch.Tensor, attention_mask: torch.Tensor, contex
     """The real tokens of each row [rows, width] end to end, row by row; the layout is `PackedRows`'s.
     The queries must be non-empty (the last query token predicts the first response token)."""
     real = attention_mask.bool()
+    lengths = real.sum(dim=1)
     packed_position = real.flatten().cumsum(0).reshape(real.shape) - 1  # [rows, width]: where each real token goes
     positions = (real.cumsum(dim=1) - 1)[real]  # restart at 0 per sequence, as the padded forward's positions
     response_mask = real[:, context_length:]
@@ -119,4 +122,6 @@ def pack_rows(query_response: torch.Tensor, attention_mask: torch.Tensor, contex
         response_cols=response_cols,
         last_index=last_index,
         shape=(query_response.shape[0], query_response.shape[1] - context_length),
+        cu_seq_lens=torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32),
+        max_length=int(lengths.max()),
     )
