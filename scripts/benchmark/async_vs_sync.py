@@ -9,9 +9,10 @@ Each mode is one trainer run (a subprocess, the same seed and flags). Placement:
 in-process engine's thread the last core and the learner the others, as a cluster gives engines and learners devices
 of their own; "sync, all cores" (both on every core, one after the other) is printed beside it for reference.
 
-The workload (`WORKLOAD`): GRPO on the embedded arithmetic questions with a tenth as many word problems mixed in, whose
-step-by-step answers run to the length limit: most responses are a dozen tokens and a few are 20x longer, so a
-batch generated on its own waits for its longest answers (the long tail; docs/speed.md). The learner takes its old
+The workload (`WORKLOAD`): GRPO on the 61 embedded arithmetic questions with 8 word problems mixed in, whose
+step-by-step answers run to the length limit: most responses are a dozen tokens and a few are 10x longer, so a
+batch generated on its own waits for its longest answers (the long tail; docs/speed.md). The eval is the 20 held-out
+arithmetic questions, at the start and the end. The learner takes its old
 logprobs itself in every mode (the same learner work; K > 1 needs them for its correction) and packs its micro-batches.
 
 Per mode, over the steps after the first two (the pipeline fills): seconds per step, trained responses per second,
@@ -31,7 +32,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKLOAD = [
     "configs/train_configs/grpo_arithmetic_cpu.yaml",
-    "--dataset_mixer_list", "embedded_arithmetic", "1.0", "embedded_word_problems", "0.1",
+    "--dataset_mixer_list", "embedded_arithmetic", "1.0", "embedded_word_problems", "8",
+    "--dataset_mixer_eval_list", "embedded_arithmetic", "1.0",
     "--response_length", "192", "--max_token_length", "448", "--max_prompt_token_length", "256",
     "--local_rollout_batch_size", "8", "--number_samples_per_prompt", "4", "--num_mini_batches", "2",
     "--old_logprobs_from", "learner", "--max_tokens_per_micro_batch", "2048",
