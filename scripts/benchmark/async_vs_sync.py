@@ -4,6 +4,7 @@ response lengths and the engine and the learner on cores of their own: one invoc
     python scripts/benchmark/async_vs_sync.py                          # the default workload below, all modes
     python scripts/benchmark/async_vs_sync.py --modes sync k2_inflight --steps 6
     python scripts/benchmark/async_vs_sync.py --steps 4 -- --model_name_or_path tiny   # flags after -- go to every run
+    python scripts/benchmark/async_vs_sync.py --runs_dir runs   # keep the runs; a mode already completed there is reused
 
 Each mode is one trainer run (a subprocess, the same seed and flags). Placement: `--vllm_cpu_cores 1` gives the
 in-process engine's thread the last core and the learner the others, as a cluster gives engines and learners devices
@@ -52,8 +53,20 @@ MODES = {
 COLUMNS = ["s/step", "responses/s", "engine idle", "learner idle", "staleness", "train correct", "eval sampled", "wall s"]
 
 
+def completed(output_dir: str) -> bool:
+    try:
+        with open(os.path.join(output_dir, "summary.json")) as f:
+            return json.load(f).get("status") == "completed"
+    except (OSError, ValueError):
+        return False
+
+
 def run_mode(flags: list[str], steps: int, output_dir: str, extra: list[str]) -> list[dict]:
     responses_per_step = 32
+    if completed(output_dir):
+        print(f"[benchmark] reusing the completed run in {output_dir}", flush=True)
+        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
     command = [sys.executable, "-m", "open_instruct.grpo_vllm_thread_ray_gtrl", *WORKLOAD,
                "--total_episodes", str(steps * responses_per_step), *flags, *extra, "--output_dir", output_dir]  # fmt: skip
     print(f"[benchmark] {' '.join(command)}", flush=True)
@@ -111,11 +124,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", default="async_vs_sync.json")
     parser.add_argument("--plot", default="async_vs_sync.png")
+    parser.add_argument("--runs_dir", default=None, help="keep each mode's run here (default: a temporary folder); "
+                        "a mode that already completed there is summarized, not run again")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
+        runs_dir = args.runs_dir or tmp
         for mode in args.modes:
-            results[mode] = summarize(run_mode(MODES[mode][1], args.steps, os.path.join(tmp, mode), extra))
+            results[mode] = summarize(run_mode(MODES[mode][1], args.steps, os.path.join(runs_dir, mode), extra))
     print(f"\n{'mode':<30}" + "".join(f"{c:>14}" for c in COLUMNS))
     for mode, result in results.items():
         print(f"{MODES[mode][0]:<30}" + "".join(f"{result[c]:>14.3f}" for c in COLUMNS))

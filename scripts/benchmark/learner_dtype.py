@@ -2,6 +2,7 @@
 
     python scripts/benchmark/learner_dtype.py                                  # ppo_arithmetic_cpu.yaml, seeds 1 2 3
     python scripts/benchmark/learner_dtype.py --seeds 1 --variants float32 bfloat16_learner_logprobs
+    python scripts/benchmark/learner_dtype.py --runs_dir runs   # keep the runs; one already evaluated there is reused
 
 Why (issue 25): vLLM computes in fp32 on CPUs, and where bf16 matmuls are fast the learner computes in bf16, so
 the engine's logprobs of the sampled tokens and the learner's differ (`debug/vllm_vs_learner_logprob_diff_mean`).
@@ -40,13 +41,18 @@ def run(config: str, variant: str, seed: int, workdir: str) -> dict:
     output_dir = os.path.join(workdir, f"{variant}_seed{seed}")
     command = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl", config, *VARIANTS[variant],
                "--seed", str(seed), "--output_dir", output_dir]  # fmt: skip
-    print(f"[benchmark] {' '.join(command)}", flush=True)
-    start = time.time()
-    subprocess.run(command, check=True, cwd=REPO)
-    wall = time.time() - start
     evaluation = os.path.join(output_dir, "evaluate.json")
-    subprocess.run([sys.executable, "-m", "open_instruct.evaluate", os.path.join(output_dir, "model"), "--temperature",
-                    "1.0", "--samples", "16", "--output_json", evaluation], check=True, cwd=REPO)  # fmt: skip
+    if os.path.exists(evaluation):
+        print(f"[benchmark] reusing the evaluated run in {output_dir}", flush=True)
+        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+            wall = max(r.get("time/from_scratch", 0.0) for r in map(json.loads, f))  # the run's, without start-up
+    else:
+        print(f"[benchmark] {' '.join(command)}", flush=True)
+        start = time.time()
+        subprocess.run(command, check=True, cwd=REPO)
+        wall = time.time() - start
+        subprocess.run([sys.executable, "-m", "open_instruct.evaluate", os.path.join(output_dir, "model"),
+                        "--temperature", "1.0", "--samples", "16", "--output_json", evaluation], check=True, cwd=REPO)  # fmt: skip
     with open(evaluation) as f:
         result = json.load(f)["results"][0]
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
@@ -67,9 +73,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--variants", nargs="+", default=["float32", "bfloat16"], choices=list(VARIANTS))
     parser.add_argument("--json", default="learner_dtype.json")
+    parser.add_argument("--runs_dir", default=None, help="keep each run here (default: a temporary folder); a run "
+                        "already evaluated there is summarized, not run again")
     args = parser.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = args.runs_dir or tmp
         for seed in args.seeds:
             for variant in args.variants:
                 rows.append(run(args.config, variant, seed, workdir))
