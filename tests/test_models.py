@@ -193,3 +193,21 @@ def test_a_checkpoint_missing_weights_is_said_in_one_line_of_ours(tiny_model_dir
     value = models.ModelSpec("value model", str(tiny_model_dir), scalar_head=True, pad_token_id=0)
     models.load_model(value, torch.device("cpu"))
     assert "lacks" not in capsys.readouterr().err  # the value model's new score head is expected to be missing
+
+
+def test_a_bf16_cpu_learner_against_the_fp32_engines_logprobs_is_warned_about():
+    """--old_logprobs_from vllm divides the learner's probabilities by the engine's: on CPUs (fp32 engine) a bf16
+    learner gets a warning naming both fixes; one dtype, the learner's own old logprobs, or a GPU: none."""
+    from open_instruct.learner.ppo import engine_dtype_mismatch
+    from open_instruct.run.args import parse_args
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    engine_logprobs = parse_args(["--old_logprobs_from", "vllm", "--vllm_dtype", "float32"])  # auto: the same on CPUs
+    warning = engine_dtype_mismatch(engine_logprobs, torch.bfloat16, cpu)
+    assert "bfloat16" in warning and "float32" in warning
+    assert "--learner_compute_dtype float32" in warning and "--old_logprobs_from learner" in warning
+    assert engine_dtype_mismatch(engine_logprobs, torch.float32, cpu) is None
+    assert engine_dtype_mismatch(engine_logprobs, torch.bfloat16, cuda) is None
+    assert engine_dtype_mismatch(parse_args(["--old_logprobs_from", "learner"]), torch.bfloat16, cpu) is None
+    bf16_engine = parse_args(["--old_logprobs_from", "vllm", "--vllm_dtype", "bfloat16"])
+    assert engine_dtype_mismatch(bf16_engine, torch.bfloat16, cpu) is None

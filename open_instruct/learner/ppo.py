@@ -72,8 +72,11 @@ class PPOLearner(LearnerState):
         # Each rank probed its own CPU; they must compute alike (one process: the sum is its own choice).
         self.compute_dtype, why = devices.compute_dtype_of_all_ranks(self.compute_dtype, why, self.backend.all_sum)
         self.compute_dtype_reason = why  # said by the driver (a Ray rank's own output goes to the Ray logs)
+        self.dtype_warning = engine_dtype_mismatch(args, self.compute_dtype, self.device)
         if self.backend.rank == 0:
             log.info(f"[learner] {self.device.type}: computing in {why}")
+            if self.dtype_warning:
+                log.warning(self.dtype_warning)
         self.policy_path = policy_path
         # The backend loads each model (under ZeRO-3 every rank only ever holds its share of it); each is wrapped so
         # that one forward gives per-token outputs (models.TokenLogprobs, models.TokenScores).
@@ -536,6 +539,22 @@ class PPOLearner(LearnerState):
         return saving.save_hf_folder(
             self.backend.hf_model(self.policy), self.tokenizer, output_dir, weights, dtype, extra_files, initial
         )
+
+
+def engine_dtype_mismatch(args, compute_dtype: torch.dtype, device: torch.device) -> str | None:
+    """A warning when PPO's ratio would divide a bf16 learner's probabilities by an fp32 CPU engine's: with
+    --old_logprobs_from vllm the rounding gap enters every ratio (docs/speed.md, "Learner dtype": two CPU runs in
+    three collapsed). CPU learners only: a GPU learner's engines are on GPUs, in their own dtype."""
+    if device.type != "cpu" or args.ppo.old_logprobs_from != "vllm":
+        return None
+    engine = engine_dtype(args.gen.vllm_dtype)
+    learner = devices.dtype_name(compute_dtype)
+    if engine == learner:
+        return None
+    return (f"[learner] warning: the learner computes in {learner} and the engine in {engine}, and "
+            "--old_logprobs_from vllm puts that rounding gap into every PPO ratio (on the CPU recipe it grew until "
+            "two runs in three collapsed; docs/speed.md, \"Learner dtype\"): pass --learner_compute_dtype "
+            f"{engine} or --old_logprobs_from learner.")  # fmt: skip
 
 
 def weight_norm(model, backend) -> float:

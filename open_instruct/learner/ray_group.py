@@ -105,7 +105,8 @@ class LearnerRank:
         tokenizer = load_tokenizer(policy_path, args.model.model_revision)
         learner = learner_class(args.ppo.algorithm)  # the same class as a single-process run of these args
         self.learner = learner(args, sizes, tokenizer, policy_path, stop_token_ids, backend=backend)
-        return f"{self.learner.device.type}: computing in {self.learner.compute_dtype_reason}"
+        said = f"{self.learner.device.type}: computing in {self.learner.compute_dtype_reason}"
+        return said + (f"\n{self.learner.dtype_warning}" if self.learner.dtype_warning else "")
 
     def make_experience(
         self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager
