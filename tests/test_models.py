@@ -211,3 +211,19 @@ def test_a_bf16_cpu_learner_against_the_fp32_engines_logprobs_is_warned_about():
     assert engine_dtype_mismatch(parse_args(["--old_logprobs_from", "learner"]), torch.bfloat16, cpu) is None
     bf16_engine = parse_args(["--old_logprobs_from", "vllm", "--vllm_dtype", "bfloat16"])
     assert engine_dtype_mismatch(bf16_engine, torch.bfloat16, cpu) is None
+
+
+@pytest.mark.parametrize("name", ["ppo_arithmetic_cpu.yaml", "grpo_arithmetic_cpu.yaml", "ppo_word_problems_cpu.yaml"])
+def test_cpu_recipes_with_engine_logprobs_compute_in_the_engines_dtype(name):
+    """A CPU recipe whose PPO ratio divides by the fp32 engine's logprobs pins an fp32 learner, whatever the CPU's
+    bf16 probe would pick (docs/speed.md, "Learner dtype": bf16 collapsed in 2 of 3 seeds)."""
+    from pathlib import Path
+
+    from open_instruct.learner.ppo import engine_dtype_mismatch
+    from open_instruct.run.args import parse_args
+
+    args = parse_args([str(Path(__file__).resolve().parents[1] / "configs" / "train_configs" / name)])
+    assert args.ppo.old_logprobs_from == "vllm" and args.model.learner_compute_dtype == "float32"
+    cpu = torch.device("cpu")
+    learner_dtype = devices.learner_compute_dtype(args.model.learner_compute_dtype, cpu)[0]
+    assert engine_dtype_mismatch(args, learner_dtype, cpu) is None
