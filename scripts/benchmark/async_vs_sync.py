@@ -53,20 +53,25 @@ MODES = {
 COLUMNS = ["s/step", "responses/s", "engine idle", "learner idle", "staleness", "train correct", "eval sampled", "wall s"]
 
 
-def completed(output_dir: str) -> bool:
+def completed_rows(output_dir: str, steps: int) -> list[dict] | None:
+    """The metrics of a run in `output_dir` that completed `steps` steps (a --runs_dir kept from before), else None."""
     try:
         with open(os.path.join(output_dir, "summary.json")) as f:
-            return json.load(f).get("status") == "completed"
+            if json.load(f).get("status") != "completed":
+                return None
+        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
     except (OSError, ValueError):
-        return False
+        return None
+    return rows if sum("policy_version/learner" in r for r in rows) == steps else None
 
 
 def run_mode(flags: list[str], steps: int, output_dir: str, extra: list[str]) -> list[dict]:
     responses_per_step = 32
-    if completed(output_dir):
+    rows = completed_rows(output_dir, steps)
+    if rows is not None:
         print(f"[benchmark] reusing the completed run in {output_dir}", flush=True)
-        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f]
+        return rows
     command = [sys.executable, "-m", "open_instruct.grpo_vllm_thread_ray_gtrl", *WORKLOAD,
                "--total_episodes", str(steps * responses_per_step), *flags, *extra, "--output_dir", output_dir]  # fmt: skip
     print(f"[benchmark] {' '.join(command)}", flush=True)
