@@ -5,8 +5,8 @@
 
 The same loop, queues, engine, data, rewards, checkpoints and Ray learner ranks as
 ppo_vllm_thread_ray_gtrl.py; this entry point only makes `--algorithm grpo` the default, which picks
-`grpo_learner.GRPOLearner` (no value model; each response's advantage is its score against the other
-responses to its prompt) and GRPO's defaults for a few flags (`ppo_args.ALGORITHM_DEFAULTS`: the KL to the
+`learner/grpo.py`'s `GRPOLearner` (no value model; each response's advantage is its score against the other
+responses to its prompt) and GRPO's defaults for a few flags (`run/args.py`'s `ALGORITHM_DEFAULTS`: the KL to the
 reference as a k3 loss term, one epoch per rollout, no batch whitening, output/grpo). See docs/grpo.md.
 """
 

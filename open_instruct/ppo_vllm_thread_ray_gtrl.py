@@ -256,7 +256,7 @@ class Run:
     logger: MetricsLogger
     reward_manager: RewardManager
     generator: GenerationThread
-    learner: object  # PPOLearner / GRPOLearner in this process, or learner_group.LearnerGroup: the same methods
+    learner: object  # PPOLearner / GRPOLearner in this process, or ray_group.LearnerGroup: the same methods
     rollouts: RolloutRequests
     stop: StopRequest
     start_time: float

@@ -2,7 +2,7 @@
 # Install what is needed (once) and run the test suite.
 #
 #   bash scripts/test.sh                 # everything (CI runs this)
-#   bash scripts/test.sh -k rl_utils     # extra arguments go to pytest
+#   bash scripts/test.sh -k rl_math      # extra arguments go to pytest
 #
 # Tests run inside a loopback-only network namespace when the machine allows it (root), because
 # Ray listens on every interface otherwise; Ray tests skip with a reason when it does not.

@@ -201,7 +201,7 @@ class GenerationThread(threading.Thread):
     told to stop."""
 
     def __init__(self, settings: GenerationSettings, poll_s: float = 1.0, timeout_s: float = 1800.0, engine=None):
-        """`engine`: engine actors already created (engine_group.EngineGroup); None: start one in this process."""
+        """`engine`: engine actors already created (engine_actors.EngineGroup); None: start one in this process."""
         super().__init__(name="vllm-generation", daemon=True)
         self.settings = settings
         self.engine = engine

@@ -48,7 +48,7 @@ def sampling_seed(seed: int, request_index: int) -> int:
 FINAL_EVAL_REQUEST = 2**31 - 1
 
 # How long a failed broadcast waits for news of a dead engine (Ray notices a death in about 1 s; the generation
-# thread's own wait may first spend learner_group.PEER_DEATH_GRACE_S on an engine that failed after it).
+# thread's own wait may first spend cluster.PEER_DEATH_GRACE_S on an engine that failed after it).
 PEER_DEATH_GRACE_S = 15.0
 
 

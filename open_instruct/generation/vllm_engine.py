@@ -282,7 +282,7 @@ def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> floa
     (fusing q/k/v, gate/up, and the CPU backend's weight packing), except for a layer that receives no tensor
     of its own: a tied `lm_head`, whose weight arrives as `model.embed_tokens.weight`. `repack_tied_embeddings`
     redoes that layer's post-processing. Either way the engine ends up exactly as if it had started from these
-    weights (tests/test_weight_sync.py checks logprobs against a fresh engine). Returns the seconds it took.
+    weights (tests/test_weight_broadcast.py checks logprobs against a fresh engine). Returns the seconds it took.
     """
     start = time.time()
     named_tensors = list(named_tensors)

@@ -1,7 +1,7 @@
 """How the learner's models are placed and stepped, and how its ranks talk: the single-process backend.
 
 PPOLearner runs the same code in one process and on every rank of a DeepSpeed group; what differs sits
-behind a backend with these members (`deepspeed_utils.DeepSpeedBackend` is the other one):
+behind a backend with these members (`deepspeed_backend.DeepSpeedBackend` is the other one):
 
 - `rank`, `world_size`, `device`;
 - `trainable(model, settings)`: a `ModelTrainer` (forward through `.model`, `backward` per micro-batch,

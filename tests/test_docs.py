@@ -1,0 +1,231 @@
+"""The README, the docs pages and the recipes' comments stay true: every link, path, module, flag and test they name
+exists; the flags reference is what the argument dataclasses generate; and the docs site builds with no warning
+(`mkdocs build --strict`: a broken link or anchor, or a page missing from the nav, fails it)."""
+
+import glob
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Flags of programs other than ours that the pages show in commands (pip, pytest, Ray, SLURM, mkdocs, ...).
+EXTERNAL_FLAGS = {
+    "--no-deps", "--no-build-isolation", "--upgrade", "--durations", "--head", "--address", "--port", "--block",
+    "--signal", "--requeue", "--mount-proc", "--strict", "--help", "--node-ip-address", "--generate", "--ip-address",
+}  # fmt: skip
+# Names the pages use on purpose although they are no flag of ours: the abbreviation the parser refuses, a placeholder.
+NOT_FLAGS_ON_PURPOSE = {"--learn", "--flag"}
+# Files of other projects the pages name (DeepSpeed's converter, the papers' reference scripts).
+EXTERNAL_FILES = {"ds_to_universal.py", "stage_1_and_2.py"}
+# Dotted names that are no module of ours: dataset row keys, and DeepSpeed's and vLLM's own names.
+EXTERNAL_DOTTED = {"reward_model", "nccl_common", "data_types"}
+
+PATH_PREFIXES = ("open_instruct/", "scripts/", "configs/", "tests/", "docs/")
+
+
+def doc_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "configs/model_configs/README.md",
+            REPO / "docs/measurements/README.md", REPO / "tests/README.md"]  # fmt: skip
+
+
+def texts() -> list[tuple[Path, str]]:
+    """Each page's text; for the recipes and the shell scripts, their comments only (their usage lines are docs too;
+    a recipe's keys are flags the trainer parses)."""
+    found = [(path, path.read_text(encoding="utf-8")) for path in doc_files() if path.exists()]
+    commented = [*sorted((REPO / "configs/train_configs").glob("*.yaml")), *sorted(REPO.glob("scripts/**/*.sh")),
+                 *sorted(REPO.glob("scripts/**/*.sbatch"))]  # fmt: skip
+    for recipe in commented:
+        comments = [line.split("#", 1)[1] for line in recipe.read_text(encoding="utf-8").splitlines() if "#" in line]
+        found.append((recipe, "\n".join(comments)))
+    return found
+
+
+def expand_braces(reference: str) -> list[str]:
+    """`scripts/train/debug/{ppo,grpo}.sh` -> both paths."""
+    match = re.search(r"\{([^{}]*)\}", reference)
+    if not match:
+        return [reference]
+    head, tail = reference[: match.start()], reference[match.end() :]
+    return [name for part in match.group(1).split(",") for name in expand_braces(head + part + tail)]
+
+
+def path_exists(reference: str) -> bool:
+    reference = reference.rstrip(".,:;)")
+    for candidate in expand_braces(reference):
+        if any(mark in candidate for mark in "*?"):
+            if not glob.glob(str(REPO / candidate)):
+                return False
+        elif not (REPO / candidate.split("#")[0]).exists():
+            return False
+    return True
+
+
+def code_spans(text: str) -> list[str]:
+    """Inline code spans and the lines of fenced code blocks."""
+    spans = []
+    for block in re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S):
+        spans += block.splitlines()
+    text = re.sub(r"```[^\n]*\n.*?```", "", text, flags=re.S)
+    return spans + re.findall(r"`([^`\n]+)`", text)
+
+
+def stale_paths(text: str) -> list[str]:
+    """Repository paths, in code spans or links, that do not exist; and `open_instruct.x.y` modules that do not."""
+    stale = []
+    for span in code_spans(text):
+        for token in re.findall(r"[\w./{},*?-]+", span):
+            stale += stale_module_names(token)
+            if token.startswith(PATH_PREFIXES) and not path_exists(token):
+                stale.append(token)
+            for module in re.findall(r"\bopen_instruct(?:\.\w+)+", token):
+                if not module_exists(module):
+                    stale.append(module)
+    return stale
+
+
+def stale_module_names(token: str) -> list[str]:
+    """`vllm_utils.load_weights`: a dotted name whose first part looks like one of our modules (snake_case with an
+    underscore) names a module stem of the repo or an installed package."""
+    match = re.fullmatch(r"([a-z][a-z0-9]*_[a-z0-9_]+)\.[A-Za-z_]\w*(?:\.\w+)*", token)
+    if not match or re.search(r"\.(py|sh|sbatch|json|yaml|yml|md|jsonl|png|pt|txt|log)$", token):
+        return []
+    name = match.group(1)
+    if name in EXTERNAL_DOTTED or name in module_stems() or importlib.util.find_spec(name) is not None:
+        return []
+    return [token]
+
+
+def module_stems() -> set[str]:
+    return {path.stem for path in REPO.glob("**/*.py") if ".venv" not in path.parts} | {
+        path.name for path in REPO.glob("open_instruct/*/") if path.is_dir()
+    }
+
+
+def module_exists(dotted: str) -> bool:
+    """`open_instruct.run.args` or `open_instruct.run.args.parse_args` (a module, then attributes)."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 1, -1):
+        path = REPO.joinpath(*parts[:end])
+        if path.with_suffix(".py").exists() or (path / "__init__.py").exists():
+            return True
+    return False
+
+
+def stale_file_names(text: str) -> list[str]:
+    """Bare file names of code and recipes in code spans (`test_resume.py`, `ppo_arithmetic_cpu.yaml`) that no file
+    of the repo has. Data files (`summary.json`, `args.json`) are what a run writes, and `CONFIG.yaml` a placeholder."""
+    names = {path.name for path in REPO.rglob("*") if ".git" not in path.parts and ".venv" not in path.parts}
+    stale = []
+    for span in code_spans(text):
+        for token in re.findall(r"(?<![\w/.{,-])([\w-]+\.(?:py|sh|sbatch)|[a-z0-9]+_[\w-]+\.yaml)\b", span):
+            if token not in names and token not in EXTERNAL_FILES:
+                stale.append(token)
+    return stale
+
+
+def stale_links(path: Path, text: str) -> list[str]:
+    stale = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^(https?:|mailto:|#)", target):
+            continue
+        if not (path.parent / target.split("#")[0]).exists():
+            stale.append(target)
+    return stale
+
+
+def trainer_flags() -> set[str]:
+    from open_instruct.run.args import ARG_GROUPS
+
+    names = set()
+    for group in ARG_GROUPS:
+        for field in fields(group):
+            names.add(f"--{field.name}")
+            names.update(field.metadata.get("aliases", []))
+    return names
+
+
+def script_flags() -> set[str]:
+    """Flags our other programs take: argparse options in Python, and the options shell scripts read."""
+    names = set()
+    for path in [*REPO.glob("open_instruct/**/*.py"), *REPO.glob("scripts/**/*.py")]:
+        names.update(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", path.read_text(encoding="utf-8")))
+    for path in [*REPO.glob("scripts/**/*.sh"), *REPO.glob("scripts/**/*.sbatch")]:
+        names.update(re.findall(r"(--[a-z][\w-]+)\)", path.read_text(encoding="utf-8")))  # case patterns
+        names.update(re.findall(r"== \"(--[a-z][\w-]+)\"", path.read_text(encoding="utf-8")))
+    from open_instruct.evaluate import EvalArgs
+
+    names.update(f"--{field.name}" for field in fields(EvalArgs))
+    return names
+
+
+def unknown_flags(text: str, known: set[str]) -> list[str]:
+    unknown = []
+    for span in code_spans(text):
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", span):
+            if flag not in known and flag not in EXTERNAL_FLAGS and flag not in NOT_FLAGS_ON_PURPOSE:
+                unknown.append(flag)
+    return unknown
+
+
+def test_tests_named_with_k_exist():
+    """`-k NAME` in a command must select some test: a file or a test function of that name."""
+    test_sources = "\n".join(path.read_text(encoding="utf-8") for path in (REPO / "tests").glob("test_*.py"))
+    names = {path.stem for path in (REPO / "tests").glob("test_*.py")}
+    names.update(re.findall(r"def (test_\w+)", test_sources))
+    missing = []
+    for path, text in texts():
+        for selector in re.findall(r"-k ([\w]+)", text):
+            if not any(selector in name for name in names):
+                missing.append(f"{path.relative_to(REPO)}: -k {selector}")
+    assert not missing, f"commands select tests that do not exist: {missing}"
+
+
+def test_references_exist():
+    """Every path, module, file name and link the README, the docs and the recipes' comments name exists."""
+    problems = []
+    for path, text in texts():
+        where = path.relative_to(REPO)
+        problems += [f"{where}: path {ref}" for ref in stale_paths(text)]
+        problems += [f"{where}: file {ref}" for ref in stale_file_names(text)]
+        if path.suffix == ".md":
+            problems += [f"{where}: link {ref}" for ref in stale_links(path, text)]
+    assert not problems, "references to things that do not exist:\n" + "\n".join(problems)
+
+
+def test_flags_exist():
+    """Every `--flag` the pages show is one the trainer or one of our scripts takes."""
+    known = trainer_flags() | script_flags()
+    problems = [f"{path.relative_to(REPO)}: {flag}" for path, text in texts() for flag in unknown_flags(text, known)]
+    assert not problems, "flags that no program of ours takes:\n" + "\n".join(sorted(set(problems)))
+
+
+def test_flags_reference_is_current():
+    """docs/flags.md is what scripts/docs/flags_reference.py writes from the argument dataclasses today."""
+    spec = importlib.util.spec_from_file_location("flags_reference", REPO / "scripts/docs/flags_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (REPO / "docs/flags.md").read_text(encoding="utf-8") == module.render(), (
+        "docs/flags.md is out of date; run python scripts/docs/flags_reference.py"
+    )
+
+
+def test_docs_site_builds_strict(tmp_path):
+    """`mkdocs build --strict`: no broken link or anchor, every page in the nav (requirements-docs.txt)."""
+    if importlib.util.find_spec("mkdocs") is None:
+        pytest.fail("mkdocs is not installed; bash scripts/install.sh installs requirements-docs.txt")
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site), "--config-file",
+         str(REPO / "mkdocs.yml")],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (site / "index.html").exists() and (site / "flags" / "index.html").exists()
+    shutil.rmtree(site)
