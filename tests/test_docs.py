@@ -4,6 +4,7 @@ exists; the flags reference is what the argument dataclasses generate; and the d
 
 import glob
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -17,9 +18,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Flags of programs other than ours that the pages show in commands (pip, pytest, Ray, SLURM, mkdocs, ...).
 EXTERNAL_FLAGS = {
-    "--no-deps", "--no-build-isolation", "--upgrade", "--durations", "--head", "--address", "--port", "--block",
-    "--signal", "--requeue", "--mount-proc", "--strict", "--help", "--node-ip-address", "--generate", "--ip-address",
-}  # fmt: skip
+    "--no-deps",
+    "--no-build-isolation",
+    "--upgrade",
+    "--durations",
+    "--head",
+    "--address",
+    "--port",
+    "--block",
+    "--signal",
+    "--requeue",
+    "--mount-proc",
+    "--strict",
+    "--help",
+    "--node-ip-address",
+    "--generate",
+    "--ip-address",
+    "--diff",
+}
 # Names the pages use on purpose although they are no flag of ours: the abbreviation the parser refuses, a placeholder.
 NOT_FLAGS_ON_PURPOSE = {"--learn", "--flag"}
 # Files of other projects the pages name (DeepSpeed's converter, the papers' reference scripts).
@@ -27,20 +43,33 @@ EXTERNAL_FILES = {"ds_to_universal.py", "stage_1_and_2.py"}
 # Dotted names that are no module of ours: dataset row keys, and DeepSpeed's and vLLM's own names.
 EXTERNAL_DOTTED = {"reward_model", "nccl_common", "data_types"}
 
+# Named by the pages and landing with another branch of the same change (issue 32): `scripts/test.sh --fast` and
+# tests/README.md come with the test-suite work. Remove each entry once it exists here.
+LANDING_FLAGS = {"--fast"}
+LANDING_PATHS = {"tests/README.md"}
+
 PATH_PREFIXES = ("open_instruct/", "scripts/", "configs/", "tests/", "docs/")
 
 
 def doc_files() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "configs/model_configs/README.md",
-            REPO / "docs/measurements/README.md", REPO / "tests/README.md"]  # fmt: skip
+    return [
+        REPO / "README.md",
+        *sorted((REPO / "docs").glob("*.md")),
+        REPO / "configs/model_configs/README.md",
+        REPO / "docs/measurements/README.md",
+        REPO / "tests/README.md",
+    ]
 
 
 def texts() -> list[tuple[Path, str]]:
     """Each page's text; for the recipes and the shell scripts, their comments only (their usage lines are docs too;
     a recipe's keys are flags the trainer parses)."""
     found = [(path, path.read_text(encoding="utf-8")) for path in doc_files() if path.exists()]
-    commented = [*sorted((REPO / "configs/train_configs").glob("*.yaml")), *sorted(REPO.glob("scripts/**/*.sh")),
-                 *sorted(REPO.glob("scripts/**/*.sbatch"))]  # fmt: skip
+    commented = [
+        *sorted((REPO / "configs/train_configs").glob("*.yaml")),
+        *sorted(REPO.glob("scripts/**/*.sh")),
+        *sorted(REPO.glob("scripts/**/*.sbatch")),
+    ]
     for recipe in commented:
         comments = [line.split("#", 1)[1] for line in recipe.read_text(encoding="utf-8").splitlines() if "#" in line]
         found.append((recipe, "\n".join(comments)))
@@ -82,7 +111,7 @@ def stale_paths(text: str) -> list[str]:
     for span in code_spans(text):
         for token in re.findall(r"[\w./{},*?-]+", span):
             stale += stale_module_names(token)
-            if token.startswith(PATH_PREFIXES) and not path_exists(token):
+            if token.startswith(PATH_PREFIXES) and token not in LANDING_PATHS and not path_exists(token):
                 stale.append(token)
             for module in re.findall(r"\bopen_instruct(?:\.\w+)+", token):
                 if not module_exists(module):
@@ -169,7 +198,7 @@ def unknown_flags(text: str, known: set[str]) -> list[str]:
     unknown = []
     for span in code_spans(text):
         for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", span):
-            if flag not in known and flag not in EXTERNAL_FLAGS and flag not in NOT_FLAGS_ON_PURPOSE:
+            if flag not in known | EXTERNAL_FLAGS | NOT_FLAGS_ON_PURPOSE | LANDING_FLAGS:
                 unknown.append(flag)
     return unknown
 
@@ -206,6 +235,15 @@ def test_flags_exist():
     assert not problems, "flags that no program of ours takes:\n" + "\n".join(sorted(set(problems)))
 
 
+def test_readme_layout_names_every_module():
+    """The README's layout lists every module of the package, so a newcomer finds each one from there."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    layout = readme[readme.index("## Layout") :]
+    modules = sorted(p for p in (REPO / "open_instruct").rglob("*.py") if p.name != "__init__.py")
+    missing = [str(path.relative_to(REPO)) for path in modules if not re.search(rf"\b{re.escape(path.name)}\b", layout)]
+    assert not missing, f"the README's layout leaves out {missing}; add each where its layer is listed"
+
+
 def test_flags_reference_is_current():
     """docs/flags.md is what scripts/docs/flags_reference.py writes from the argument dataclasses today."""
     spec = importlib.util.spec_from_file_location("flags_reference", REPO / "scripts/docs/flags_reference.py")
@@ -222,10 +260,22 @@ def test_docs_site_builds_strict(tmp_path):
         pytest.fail("mkdocs is not installed; bash scripts/install.sh installs requirements-docs.txt")
     site = tmp_path / "site"
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site), "--config-file",
-         str(REPO / "mkdocs.yml")],
-        capture_output=True, text=True, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--site-dir",
+            str(site),
+            "--config-file",
+            str(REPO / "mkdocs.yml"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert (site / "index.html").exists() and (site / "flags" / "index.html").exists()
     shutil.rmtree(site)

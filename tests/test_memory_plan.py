@@ -10,7 +10,7 @@ tiny model's once.
 - The CLI plans the Tulu 3 8B recipe offline from the configs shipped in configs/model_configs (HF_HUB_OFFLINE=1).
 
 The plan against measured peak memory of real learner ranks is scripts/benchmark/memory_plan_vs_measured.py (minutes,
-not CI); its table is in docs/distributed.md.
+not CI); its table is in docs/memory.md.
 """
 
 import os
@@ -116,7 +116,7 @@ def test_zero2_fills_one_reduce_bucket_at_a_time():
 
 def test_zero2_gradients_are_held_only_while_micro_batches_accumulate():
     # 8 responses a step over 2 ranks: micro-batches of 2 accumulate (2 per rank), of 4 do not (1 per rank): then
-    # each model frees its gradients at its step, before the other model's backward (measured: docs/distributed.md).
+    # each model frees its gradients at its step, before the other model's backward (measured: docs/memory.md).
     batch = ["--local_rollout_batch_size", "4", "--number_samples_per_prompt", "2", "--num_mini_batches", "1"]
     accumulating = plan_memory(parse_args(["--model_name_or_path", "tiny", *TWO_RANKS, "--deepspeed_stage", "2", *batch,
                                            "--per_device_train_batch_size", "2"]),

@@ -9,7 +9,7 @@ on the real trainer (tiny model, real vLLM engine, a few steps). Runs are subpro
 - Two SIGTERMs sent together to the process group (GNU timeout, SLURM): one preemption, a checkpoint, exit 143.
 - An absurd learning rate: the divergence guard stops the run with its cause, naming the newest checkpoint.
 
-Each test prints its seconds (pytest -s); README's "Resuming and failures" lists what a user sees in each case.
+Each test prints its seconds (pytest -s); docs/resume.md lists what a user sees in each case.
 """
 
 import json
@@ -50,7 +50,7 @@ def report_seconds(name: str, seconds: float) -> None:
 
 
 def report_line(name: str, line: str) -> None:
-    """What the user saw (pytest -s prints it; README's table quotes these)."""
+    """What the user saw (pytest -s prints it; docs/resume.md's table quotes these)."""
     print(f"[line] {name}: {line}")
 
 

@@ -85,8 +85,12 @@ def render() -> str:
     grpo_defaults = ALGORITHM_DEFAULTS["grpo"]
     lines = [HEADER]
     for group in ARG_GROUPS:
-        lines += [f"## {GROUP_TITLES[group.__name__]}", "", "| flag | default | accepted | on resume | what it does |",
-                  "| --- | --- | --- | --- | --- |"]
+        lines += [
+            f"## {GROUP_TITLES[group.__name__]}",
+            "",
+            "| flag | default | accepted | on resume | what it does |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for field in fields(group):
             default = f"`{show(default_value(field))}`"
             if field.name in grpo_defaults:

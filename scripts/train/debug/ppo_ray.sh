@@ -5,7 +5,7 @@
 #   bash scripts/train/debug/ppo_ray.sh
 #   bash scripts/train/debug/ppo_ray.sh --deepspeed_stage 3 --total_episodes 64
 #
-# Ray listens on every network interface, even when told to use 127.0.0.1 (README.md, "Scaling out"). On a CPU machine
+# Ray listens on every network interface, even when told to use 127.0.0.1 (docs/cluster.md). On a CPU machine
 # (these development machines) the run therefore goes into a network namespace that has only loopback.
 # The micro-batch is 4 (the config's 8 halved): each minibatch of 8 responses is split over the 2 ranks.
 # It is ppo.sh (same config choice, install check and environment) with the learner flags below.
