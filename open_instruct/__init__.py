@@ -11,4 +11,13 @@ The package is a stack of layers; each imports only the layers below it (tests/t
     rl/                           the math (advantages, losses) and the rewards (verifiers)
 """
 
+from typing import Annotated, TypeVar
+
 __version__ = "0.1.0"
+
+_Flag = TypeVar("_Flag")
+# The type of a flag that a `--resume` may set to another value: it changes nothing the run computes (where files go,
+# logging, timeouts, how often to save). Every other flag must equal the checkpoint's (run/checkpoint.py), and
+# docs/flags.md shows which is which. Declared beside the flag: `save_freq: MayChangeOnResume[int] = ...`.
+# The argument parser sees the plain type (HfArgumentParser resolves hints without their extras).
+MayChangeOnResume = Annotated[_Flag, "may change on resume"]

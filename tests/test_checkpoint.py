@@ -91,6 +91,15 @@ def test_resume_keeps_the_runs_name(tmp_path):
     assert resumed.step == 2 and args.run.run_name == "first-run"
 
 
+def test_resume_accepts_other_values_of_the_flags_declared_may_change_on_resume(tmp_path):
+    """How often to save, how many to keep, logging and the engine check's bound may change on resume (a requeued job
+    may need to save more often); the flags say so in their type (`MayChangeOnResume`), and docs/flags.md shows it."""
+    saved = make_args(tmp_path, "--save_freq", "2", "--keep_last_n", "1", "--num_samples_to_log", "4")
+    checkpoint.save_checkpoint(str(tmp_path), 2, checkpoint.LearnerStateFile(learner_state()), {"step": 2}, saved, keep_last_n=1)
+    args = make_args(tmp_path, "--save_freq", "1", "--keep_last_n", "3", "--num_samples_to_log", "0", "--resume")
+    assert checkpoint.load_checkpoint(args).step == 2
+
+
 # ---- the output_dir --------------------------------------------------------------------------------------------------
 
 

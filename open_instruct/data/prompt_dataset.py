@@ -25,6 +25,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
+from open_instruct import MayChangeOnResume
 from open_instruct.data.chat_templates import render_prompt, resolve_chat_template
 from open_instruct.data.sources import PROMPT_FEATURES, count_rows, normalise_row, open_source, take_rows
 
@@ -68,7 +69,7 @@ class DatasetArgs:
         default=None,
         metadata={"help": "A named chat template (tulu, simple_concat, plain, chatml); unset: the tokenizer's own."},
     )
-    dataset_cache_dir: str | None = field(
+    dataset_cache_dir: MayChangeOnResume[str | None] = field(
         default=None,
         metadata={"help": "Folder for the tokenised-prompt cache; unset: tokenise every run, cache nothing."},
     )

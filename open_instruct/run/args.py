@@ -14,10 +14,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field, fields
+from typing import get_type_hints
 
 import yaml
 from transformers import HfArgumentParser
 
+from open_instruct import MayChangeOnResume
 from open_instruct.data.prompt_dataset import DatasetArgs
 from open_instruct.rl.rewards import RewardConfig
 
@@ -194,8 +196,10 @@ class GenerationArgs:
         "generation but 0.4-0.6 s per sync to re-pack every layer (see generation/vllm_engine.py, set_cpu_weight_layout).",
         choices=["plain", "packed"],
     )
-    queue_timeout_s: float = arg(1800.0, "Longest wait on the generation thread before failing with a message.")
-    max_vllm_logprob_diff: float = arg(
+    queue_timeout_s: MayChangeOnResume[float] = arg(
+        1800.0, "Longest wait on the generation thread before failing with a message."
+    )
+    max_vllm_logprob_diff: MayChangeOnResume[float] = arg(
         0.5,
         "Stop the run when the mean |learner - vLLM| logprob of the sampled tokens passes this (nats per token): the "
         "engine is then not sampling from the learner's weights. Sync mode with an fp32 engine: ~1e-5; a bf16 "
@@ -206,53 +210,55 @@ class GenerationArgs:
 @dataclass
 class RunArgs:
     exp_name: str = arg("ppo", "Experiment name (default hub repo name).")
-    run_name: str | None = arg(None, "Run name; default {exp_name}__{seed}__{unix time}.")
+    run_name: MayChangeOnResume[str | None] = arg(None, "Run name; default {exp_name}__{seed}__{unix time}.")
     seed: int = arg(1, "Seed of torch, sampling and data order.")
-    output_dir: str = arg(
+    output_dir: MayChangeOnResume[str] = arg(
         "output/ppo", "Where metrics, checkpoints and the final model go (made absolute where the trainer starts)."
     )
-    save_freq: int = arg(
+    save_freq: MayChangeOnResume[int] = arg(
         -1, "Save a full checkpoint (resumable, in either mode: Ray learner ranks write theirs in parallel) every N "
         "steps (-1: only the final model, and a checkpoint on SIGTERM/SIGINT)."
     )
-    save_model_freq: int = arg(
+    save_model_freq: MayChangeOnResume[int] = arg(
         -1, "Also save the current policy as a loadable HF folder output_dir/model_step_N (fp32 masters in --save_dtype, "
         "sharded safetensors) every N steps, keeping the newest --keep_last_n (-1: only the final model)."
     )
-    save_dtype: str = arg(
+    save_dtype: MayChangeOnResume[str] = arg(
         "float32",
         "dtype of the saved model, checkpoints and what is pushed. float32: the trained (fp32 master) weights "
         "exactly. bfloat16 halves the files but can round small updates away: the run then reports how much.",
         choices=["float32", "bfloat16", "float16"],
     )
-    keep_last_n: int = arg(
+    keep_last_n: MayChangeOnResume[int] = arg(
         2, "Keep the newest N complete checkpoints in output_dir/checkpoints (and N model_step_* snapshots); delete "
         "older ones."
     )
-    fallback_save_dir: str | None = arg(
+    fallback_save_dir: MayChangeOnResume[str | None] = arg(
         None, "Where the final model goes when output_dir's disk has no room for it: FOLDER/<run_name>/model (default: "
         "$OPEN_INSTRUCT_CACHE/rescued). The run then ends with exit code 1 and a line naming the folder. Pick a disk "
         "that outlives the job (a cluster node's local disk may be wiped when it ends)."
     )
-    resume: str | None = arg(
+    resume: MayChangeOnResume[str | None] = arg(
         None,
         "Continue a run: `--resume` alone takes the newest complete checkpoint in --output_dir, `--resume PATH` a "
         "given one. Restores models, optimizers, schedulers, RNG, prompt order and step; metrics continue.",
         nargs="?",
         const="auto",
     )
-    overwrite_output_dir: bool = arg(
+    overwrite_output_dir: MayChangeOnResume[bool] = arg(
         False, "Start a fresh run in an --output_dir that holds an earlier run, deleting that run's files first."
     )
     skip_nonfinite_updates: bool = arg(
         False, "Skip an update whose loss or gradient is NaN/inf (counted in train/skipped_updates), not stop."
     )
-    preemption_timeout_s: float = arg(
+    preemption_timeout_s: MayChangeOnResume[float] = arg(
         300.0, "After SIGTERM/SIGINT, the longest wait for the step in progress and the checkpoint before exiting "
         "anyway; keep it under your scheduler's grace period."
     )
-    debug: bool = arg(False, "Print the full traceback of a configuration error (also: OPEN_INSTRUCT_DEBUG=1).")
-    verbose: bool = arg(
+    debug: MayChangeOnResume[bool] = arg(
+        False, "Print the full traceback of a configuration error (also: OPEN_INSTRUCT_DEBUG=1)."
+    )
+    verbose: MayChangeOnResume[bool] = arg(
         False, "Show other libraries' output (vLLM, transformers, datasets, DeepSpeed, Ray, warnings) on the console "
         "too; it always goes to output_dir/logs/libraries.log."
     )
@@ -260,20 +266,20 @@ class RunArgs:
     eval_samples_per_prompt: int = arg(
         4, "Besides greedy, sample this many responses per eval prompt at --temperature (0: greedy only)."
     )
-    num_samples_to_log: int = arg(4, "Sample completions logged per step.")
-    with_tracking: bool = arg(False, "Log to wandb.")
-    wandb_project_name: str = arg("open_instruct", "wandb project.")
-    wandb_entity: str | None = arg(None, "wandb entity.")
-    push_to_hub: bool = arg(False, "Upload the final model to the HF Hub.")
-    hf_entity: str | None = arg(None, "Hub user or org (default: the logged-in user).")
-    hf_repo_id: str | None = arg(None, "Hub repo name (default: exp_name).")
-    hf_repo_revision: str | None = arg(None, "Hub branch (default: run_name).")
-    hf_endpoint: str | None = arg(None, "Hub endpoint (default: huggingface_hub's, or HF_ENDPOINT).")
+    num_samples_to_log: MayChangeOnResume[int] = arg(4, "Sample completions logged per step.")
+    with_tracking: MayChangeOnResume[bool] = arg(False, "Log to wandb.")
+    wandb_project_name: MayChangeOnResume[str] = arg("open_instruct", "wandb project.")
+    wandb_entity: MayChangeOnResume[str | None] = arg(None, "wandb entity.")
+    push_to_hub: MayChangeOnResume[bool] = arg(False, "Upload the final model to the HF Hub.")
+    hf_entity: MayChangeOnResume[str | None] = arg(None, "Hub user or org (default: the logged-in user).")
+    hf_repo_id: MayChangeOnResume[str | None] = arg(None, "Hub repo name (default: exp_name).")
+    hf_repo_revision: MayChangeOnResume[str | None] = arg(None, "Hub branch (default: run_name).")
+    hf_endpoint: MayChangeOnResume[str | None] = arg(None, "Hub endpoint (default: huggingface_hub's, or HF_ENDPOINT).")
 
 
 @dataclass
 class DistributedArgs:
-    num_learners_per_node: list[int] = arg(
+    num_learners_per_node: MayChangeOnResume[list[int]] = arg(
         [1],
         "Learner ranks per node, one entry per node (on GPUs each takes one GPU). More than one learner in all "
         "runs them as Ray actors on DeepSpeed; one learner and no other flag below: a single process, no Ray.",
@@ -281,7 +287,7 @@ class DistributedArgs:
         aliases=["--actor_num_gpus_per_node"],
     )
     deepspeed_stage: int = arg(0, "DeepSpeed ZeRO stage of the learner ranks (non-zero implies Ray).", choices=[0, 2, 3])
-    ray_address: str | None = arg(
+    ray_address: MayChangeOnResume[str | None] = arg(
         None, "Ray cluster to join (implies Ray); default: start a local Ray instance when Ray is needed."
     )
     gather_whole_model: bool = arg(
@@ -295,7 +301,9 @@ class DistributedArgs:
         "when the learner computes in bf16 (--learner_compute_dtype), else float32 (CPUs).",
         choices=["auto", "bfloat16", "float32"],
     )
-    learner_timeout_s: float = arg(1800.0, "Longest wait on a call to the learner ranks before failing with a message.")
+    learner_timeout_s: MayChangeOnResume[float] = arg(
+        1800.0, "Longest wait on a call to the learner ranks before failing with a message."
+    )
     vllm_num_engines: int = arg(
         0,
         "vLLM engines as Ray actors (implies Ray); the generation thread splits each batch of prompts over them. "
@@ -314,7 +322,7 @@ class DistributedArgs:
     vllm_sync_bucket_mb: float = arg(
         256.0, "Size cap of one flat bucket of the weight broadcast (MB): one collective per bucket, not per tensor."
     )
-    vllm_sync_timeout_s: float = arg(
+    vllm_sync_timeout_s: MayChangeOnResume[float] = arg(
         600.0,
         "A weight transfer that does not finish within this ends the run. It starts when every engine has said it is "
         "ready to receive; the wait for the engines to finish generating first is bounded by --queue_timeout_s.",
@@ -322,7 +330,7 @@ class DistributedArgs:
     single_gpu_mode: bool = arg(
         False, "Engine actors share the learner ranks' GPUs (one learner and one engine per GPU) instead of their own."
     )
-    max_engine_restarts: int = arg(
+    max_engine_restarts: MayChangeOnResume[int] = arg(
         0,
         "vLLM engine actor deaths the run survives. A dead engine's prompts are generated again by a surviving engine "
         "with the dead one's seed (the same batch), while a new actor loads in its place and joins the weight group "
@@ -377,6 +385,17 @@ def truncated_importance_cap(args: "Args") -> float:
 
 
 ARG_GROUPS = (ModelArgs, DatasetArgs, RewardConfig, PPOArgs, GenerationArgs, RunArgs, DistributedArgs)
+
+
+def flags_that_may_change_on_resume() -> frozenset[str]:
+    """The flags declared `MayChangeOnResume[...]`: a resumed run may pass other values for them."""
+    marker = MayChangeOnResume.__metadata__
+    return frozenset(
+        name
+        for group in ARG_GROUPS
+        for name, hint in get_type_hints(group, include_extras=True).items()
+        if getattr(hint, "__metadata__", ()) == marker
+    )
 
 # The defaults `--algorithm` changes. GRPO: the KL to the reference is a k3 loss term (its advantages come from the
 # scores alone, so a KL in the reward would be ignored), one pass over each rollout (DeepSeekMath, TRL and

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from open_instruct.run import disk_space
-from open_instruct.run.args import Args, ConfigError
+from open_instruct.run.args import Args, ConfigError, flags_that_may_change_on_resume
 
 COMPLETE_MARKER = "COMPLETE"
 CHECKPOINTS = "checkpoints"
@@ -51,15 +51,10 @@ LEARNER_FILE = "learner.pt"  # the single-process learner's state
 TOPOLOGY_FILE = "topology.json"
 
 
-# Flags that may change between a run and its resumption: none of them changes what is computed.
-RESUMABLE_CHANGES = {
-    "resume", "overwrite_output_dir", "debug", "verbose", "queue_timeout_s", "run_name", "output_dir", "with_tracking",
-    "wandb_project_name", "wandb_entity", "push_to_hub", "hf_entity", "hf_repo_id", "hf_repo_revision", "hf_endpoint",
-    "num_samples_to_log", "save_freq", "keep_last_n", "preemption_timeout_s", "dataset_cache_dir",
-    "save_dtype", "max_vllm_logprob_diff", "fallback_save_dir", "save_model_freq",
-    # A requeued job gets another cluster; the rank count and stage are checked by check_topology instead.
-    "ray_address", "num_learners_per_node", "learner_timeout_s", "vllm_sync_timeout_s", "max_engine_restarts",
-}  # fmt: skip
+# Flags that may change between a run and its resumption (declared beside each flag: `MayChangeOnResume`); none of
+# them changes what is computed. A requeued job gets another cluster: --num_learners_per_node and --ray_address may
+# change, and the rank count and ZeRO stage are checked by check_topology instead.
+RESUMABLE_CHANGES = flags_that_may_change_on_resume()
 
 
 def _fsync_path(path: str) -> None:

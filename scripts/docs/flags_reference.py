@@ -3,8 +3,8 @@
 - help text, default and choices: the argument dataclasses (`open_instruct/run/args.py` and the groups it collects:
   `ARG_GROUPS`), with the defaults `--algorithm grpo` changes (`ALGORITHM_DEFAULTS`);
 - the accepted range: the table `validate_flags` checks before any model loads (`run/validation.py`, `_flag_rules`);
-- whether a flag may differ on `--resume`: `RESUMABLE_CHANGES` in `run/checkpoint.py`, the set the resume check
-  compares against (every other flag must equal the checkpoint's).
+- whether a flag may differ on `--resume`: its type, `MayChangeOnResume[...]` (`open_instruct/__init__.py`), which is
+  also what the resume check reads (`run/checkpoint.py`; every other flag must equal the checkpoint's).
 
     python scripts/docs/flags_reference.py           # rewrite docs/flags.md
     python scripts/docs/flags_reference.py --check   # exit 1 when docs/flags.md is not what it would write
@@ -20,8 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from open_instruct.run.args import ALGORITHM_DEFAULTS, ARG_GROUPS, Args  # noqa: E402
-from open_instruct.run.checkpoint import RESUMABLE_CHANGES  # noqa: E402
+from open_instruct.run.args import ALGORITHM_DEFAULTS, ARG_GROUPS, Args, flags_that_may_change_on_resume  # noqa: E402
 from open_instruct.run.validation import _flag_rules  # noqa: E402
 
 PAGE = REPO / "docs" / "flags.md"
@@ -82,6 +81,7 @@ def accepted_values() -> dict[str, str]:
 
 def render() -> str:
     accepted = accepted_values()
+    may_change_on_resume = flags_that_may_change_on_resume()
     grpo_defaults = ALGORITHM_DEFAULTS["grpo"]
     lines = [HEADER]
     for group in ARG_GROUPS:
@@ -99,7 +99,7 @@ def render() -> str:
             allowed = " | ".join(f"`{choice}`" for choice in choices) if choices else accepted.get(field.name, "")
             aliases = field.metadata.get("aliases", [])
             name = f"`--{field.name}`" + "".join(f" (alias `{alias}`)" for alias in aliases)
-            on_resume = "may change" if field.name in RESUMABLE_CHANGES else ""
+            on_resume = "may change" if field.name in may_change_on_resume else ""
             lines.append(
                 f"| {name} | {cell(default)} | {cell(allowed)} | {on_resume} | {cell(field.metadata.get('help', ''))} |"
             )
