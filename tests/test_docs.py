@@ -2,6 +2,7 @@
 exists; the flags reference is what the argument dataclasses generate; and the docs site builds with no warning
 (`mkdocs build --strict`: a broken link or anchor, or a page missing from the nav, fails it)."""
 
+import functools
 import glob
 import importlib.util
 import os
@@ -17,28 +18,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # Flags of programs other than ours that the pages show in commands (pip, pytest, Ray, SLURM, mkdocs, ...).
-EXTERNAL_FLAGS = {
-    "--no-deps",
-    "--no-build-isolation",
-    "--upgrade",
-    "--durations",
-    "--head",
-    "--address",
-    "--port",
-    "--block",
-    "--signal",
-    "--requeue",
-    "--mount-proc",
-    "--strict",
-    "--help",
-    "--node-ip-address",
-    "--generate",
-    "--ip-address",
-    "--diff",
-}
+EXTERNAL_FLAGS = set(
+    "--no-deps --no-build-isolation --upgrade"  # pip
+    " --durations --strict"  # pytest, mkdocs
+    " --head --address --port --block --node-ip-address --generate"  # ray start, ray get-auth-token
+    " --signal --requeue --mount-proc --ip-address --help".split()  # sbatch, unshare, hostname
+)
 # Names the pages use on purpose although they are no flag of ours: the abbreviation the parser refuses, a placeholder.
 NOT_FLAGS_ON_PURPOSE = {"--learn", "--flag"}
-# Files of other projects the pages name (DeepSpeed's converter, the papers' reference scripts).
+# Files of other projects the pages name (DeepSpeed's checkpoint converter and ZeRO-2 optimizer).
 EXTERNAL_FILES = {"ds_to_universal.py", "stage_1_and_2.py"}
 # Dotted names that are no module of ours: dataset row keys, and DeepSpeed's and vLLM's own names.
 EXTERNAL_DOTTED = {"reward_model", "nccl_common", "data_types"}
@@ -106,7 +94,8 @@ def code_spans(text: str) -> list[str]:
 
 
 def stale_paths(text: str) -> list[str]:
-    """Repository paths, in code spans or links, that do not exist; and `open_instruct.x.y` modules that do not."""
+    """Repository paths in code spans that do not exist; `open_instruct.x.y` modules and `our_module.name`s that
+    do not."""
     stale = []
     for span in code_spans(text):
         for token in re.findall(r"[\w./{},*?-]+", span):
@@ -132,9 +121,20 @@ def stale_module_names(token: str) -> list[str]:
 
 
 def module_stems() -> set[str]:
-    return {path.stem for path in REPO.glob("**/*.py") if ".venv" not in path.parts} | {
+    return {Path(name).stem for name in repo_file_names() if name.endswith(".py")} | {
         path.name for path in REPO.glob("open_instruct/*/") if path.is_dir()
     }
+
+
+@functools.cache
+def repo_file_names() -> frozenset[str]:
+    """The names of the repository's files, without walking the virtual environment, git's folder or run outputs."""
+    skip = {".git", ".venv", "output", "wandb", "site", "__pycache__", ".pytest_cache"}
+    names = set()
+    for _, folders, files in os.walk(REPO):
+        folders[:] = [folder for folder in folders if folder not in skip and not folder.endswith(".egg-info")]
+        names.update(files)
+    return frozenset(names)
 
 
 def module_exists(dotted: str) -> bool:
@@ -150,11 +150,10 @@ def module_exists(dotted: str) -> bool:
 def stale_file_names(text: str) -> list[str]:
     """Bare file names of code and recipes in code spans (`test_resume.py`, `ppo_arithmetic_cpu.yaml`) that no file
     of the repo has. Data files (`summary.json`, `args.json`) are what a run writes, and `CONFIG.yaml` a placeholder."""
-    names = {path.name for path in REPO.rglob("*") if ".git" not in path.parts and ".venv" not in path.parts}
     stale = []
     for span in code_spans(text):
         for token in re.findall(r"(?<![\w/.{,-])([\w-]+\.(?:py|sh|sbatch)|[a-z0-9]+_[\w-]+\.yaml)\b", span):
-            if token not in names and token not in EXTERNAL_FILES:
+            if token not in repo_file_names() and token not in EXTERNAL_FILES:
                 stale.append(token)
     return stale
 
