@@ -159,13 +159,28 @@ def stale_file_names(text: str) -> list[str]:
 
 
 def stale_links(path: Path, text: str) -> list[str]:
+    """Relative links to files that do not exist, or to a section (`page.md#anchor`) the page does not have."""
     stale = []
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
         if re.match(r"^(https?:|mailto:|#)", target):
             continue
-        if not (path.parent / target.split("#")[0]).exists():
+        file, _, anchor = target.partition("#")
+        linked = path.parent / file
+        if not linked.exists():
+            stale.append(target)
+        elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked):
             stale.append(target)
     return stale
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings as the docs site (mkdocs' toc) and GitHub make them, outside code blocks."""
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    anchors = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", text, flags=re.M):
+        words = re.sub(r"[^\w\s-]", "", heading).strip().lower()
+        anchors.add(re.sub(r"[-\s]+", "-", words))
+    return anchors
 
 
 def trainer_flags() -> set[str]:
