@@ -12,7 +12,7 @@ models load, and again (reset through /proc/self/clear_refs) during the step. Th
 runs with AdamW's moments allocated, as every step after the first does. The ranks run with glibc's
 MALLOC_MMAP_THRESHOLD_ at 64 KiB (--malloc_mmap_threshold), so that a freed tensor leaves the resident set as it
 leaves a GPU's allocated memory; with glibc's default, freed heap memory stays resident and the peaks measured here
-were 0.8-3.7 GB higher on the embedded model at 1 rank (docs/distributed.md). Predicted: `plan_memory` for the same
+were 0.8-3.7 GB higher on the embedded model at 1 rank (docs/memory.md). Predicted: `plan_memory` for the same
 flags on a CPU, computed in this process from the configs alone before any rank starts.
 
 Models: `embedded` (SmolLM2-135M; PPO with value model and reference) and `larger` (a random-weight Llama of 0.30B
