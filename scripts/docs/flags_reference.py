@@ -13,6 +13,7 @@ tests/test_docs.py fails when the committed page differs from a fresh one, so a 
 """
 
 import argparse
+import re
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -70,8 +71,10 @@ def show(value) -> str:
 
 
 def cell(text: str) -> str:
-    """A table cell: one line, pipes escaped, argparse's `%%` as the `%` --help prints."""
-    return " ".join(text.replace("%%", "%").split()).replace("|", "\\|")
+    """A table cell: one line, pipes escaped, argparse's `%%` as the `%` --help prints, and the docs pages the help
+    names (`docs/grpo.md`) as links to them."""
+    text = " ".join(text.replace("%%", "%").split()).replace("|", "\\|")
+    return re.sub(r"\bdocs/(\w+)\.md\b", r"[\1](\1.md)", text)
 
 
 def accepted_values() -> dict[str, str]:
