@@ -4,7 +4,7 @@
 
 CASES_JSON holds a list of {"name", "start", "load", "dtype", "layout"}: an engine is created from the folder `start`
 in `dtype` with that CPU weight layout (plain or packed); when `load` is a folder, its weights are then sent to the engine the way the trainer sends the learner's
-(`vllm_utils.load_weights` with HF-named tensors in the engine's dtype). The last stdout line is
+(`vllm_engine.load_weights` with HF-named tensors in the engine's dtype). The last stdout line is
 {name: {"loads_in_place": bool, "before": logprobs, "after": logprobs}}, each [[logprob of token i given tokens < i, for i >= 1] per
 sequence], before and after the weights were loaded ("after" only when something was loaded). Prompt logprobs go
 through the LM head, so a head left on old weights shows up in every number. tests/test_weight_broadcast.py runs this

@@ -5,7 +5,7 @@
 Faults:
 - `generation_crash`: the second time the generation thread runs a batch to its end (`EngineBatches.run_until_complete`)
   it raises RuntimeError("injected generation failure").
-- `skip_weight_sync`: `vllm_utils.load_weights` returns without loading anything, so the engine keeps
+- `skip_weight_sync`: `vllm_engine.load_weights` returns without loading anything, so the engine keeps
   generating with its start weights while the learner moves on.
 - `nan_loss`: the third call of `rl.policy_loss` (made by the learner) returns a NaN loss, still attached to
   the graph, so backward sends NaN into every gradient.

