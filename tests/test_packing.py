@@ -107,8 +107,8 @@ def mixed_length_rollout(tokenizer):
     return prompts, completions
 
 
-def learner_step(model_dir: str, algorithm: str, *flags: str):
-    """One make_experience + train of a fresh learner on the fixed mixed-length rollout; (metrics, experience, weights)."""
+def learner_with_experience(model_dir: str, algorithm: str, *flags: str):
+    """A fresh learner and its experience of the fixed mixed-length rollout; (learner, experience, its metrics)."""
     args = parse_args(["--model_name_or_path", model_dir, *EQUIVALENCE_FLAGS, "--response_length", "48", *flags],
                       algorithm=algorithm)  # fmt: skip
     tokenizer = load_tokenizer(model_dir)
@@ -117,7 +117,14 @@ def learner_step(model_dir: str, algorithm: str, *flags: str):
     learner = cls(args, compute_batch_sizes(args), tokenizer, model_dir, stop_token_ids_for(tokenizer, "eos"))
     prompts, completions = mixed_length_rollout(tokenizer)
     exp, experience_metrics, _ = learner.make_experience(prompts, completions, RewardManager(args.reward))
-    plans = [micro_batches(exp, m, 2, args.ppo.max_tokens_per_micro_batch, 0, 1) for m in torch.arange(8).split(4)]
+    return learner, exp, experience_metrics
+
+
+def learner_step(model_dir: str, algorithm: str, *flags: str):
+    """One make_experience + train of a fresh learner on the fixed mixed-length rollout; (metrics, experience, weights)."""
+    learner, exp, experience_metrics = learner_with_experience(model_dir, algorithm, *flags)
+    max_tokens = learner.args.ppo.max_tokens_per_micro_batch
+    plans = [micro_batches(exp, m, 2, max_tokens, 0, 1) for m in torch.arange(8).split(4)]
     metrics = {**experience_metrics, **learner.train(exp)}
     weights = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
     return metrics, exp, weights, plans
