@@ -67,7 +67,8 @@ def whole_minibatch_gradients(learner, exp) -> dict[str, torch.Tensor]:
 def assert_same_gradients(got: dict, expected: dict, what: str, rtol: float = 0.0) -> None:
     assert got.keys() == expected.keys(), what
     for name, gradient in expected.items():
-        torch.testing.assert_close(got[name], gradient, rtol=rtol, atol=1e-6, msg=lambda m: f"{what}, {name}: {m}")
+        where = f"{what}, {name}"
+        torch.testing.assert_close(got[name], gradient, rtol=rtol, atol=1e-6, msg=lambda m, where=where: f"{where}: {m}")
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
