@@ -64,11 +64,11 @@ def whole_minibatch_gradients(learner, exp) -> dict[str, torch.Tensor]:
             for role, model in models_by_role.items() for name, param in model.named_parameters()}  # fmt: skip
 
 
-def assert_same_gradients(got: dict, expected: dict, what: str, rtol: float = 0.0) -> None:
+def assert_same_gradients(got: dict, expected: dict, what: str, atol: float = 1e-6) -> None:
     assert got.keys() == expected.keys(), what
     for name, gradient in expected.items():
         where = f"{what}, {name}"
-        torch.testing.assert_close(got[name], gradient, rtol=rtol, atol=1e-6, msg=lambda m, where=where: f"{where}: {m}")
+        torch.testing.assert_close(got[name], gradient, rtol=0, atol=atol, msg=lambda m, where=where: f"{where}: {m}")
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
@@ -94,8 +94,9 @@ def test_every_split_of_a_minibatch_takes_the_gradients_of_the_whole_minibatch(t
     assert_same_gradients(first, whole, "1 padded micro-batch against the whole minibatch by hand, first step")
     for split, steps in steps_by_split.items():
         assert len(steps) == len(reference), split
-        # Packed, the attention sums each sequence alone (varlen_attention.py), in another order: after three updates
-        # the weights differ by rounding, and a gradient of ~0.07 by 1e-6 (1e-5 relative) on the CPUs measured.
-        rtol = 1e-5 if split.startswith("packed") else 0.0
         for number, (got, expected) in enumerate(zip(steps, reference)):
-            assert_same_gradients(got, expected, f"{split}, step {number}", rtol)
+            # Packed, the attention sums each sequence alone (varlen_attention.py), in another order: after the first
+            # update the weights differ from the padded run's by rounding (test_packing.py: 1e-5), and some gradient
+            # elements then by up to 2.3e-6 (measured); the first update's gradients agree within 1e-6.
+            later_packed = split.startswith("packed") and number >= len(learner.trainers)
+            assert_same_gradients(got, expected, f"{split}, step {number}", 1e-5 if later_packed else 1e-6)
