@@ -141,7 +141,7 @@ def micro_batches(
         plan = plan_micro_batches(lengths, max_tokens, world_size)[rank]
         groups = [torch.tensor(group, dtype=torch.long) for group in plan]
     # Every rank holds the whole rollout, so it counts the minibatch's tokens over all ranks without a collective.
-    # At least 1: a minibatch of empty responses has a loss of 0, as masked_mean gives an empty mask.
+    # At least 1: a minibatch of empty responses has a loss of 0, as masked_mean gives for an empty mask.
     whole = rl.WholeBatch(tokens=max(1, int(exp.response_mask[minibatch].sum())), sequences=len(minibatch))
     weight = 1.0 / (len(groups) * world_size)
     micro = []
