@@ -5,7 +5,9 @@
 - the packed forward of the tiny model gives the padded forward's logprobs, entropies, values and scores (no
   attention crosses from one packed sequence to another);
 - a PPO and a GRPO step (token and sequence aggregation), fp32, on a mixed-length rollout: packed micro-batches give
-  the padded step's metrics within 1e-6 and its weights, with fewer token slots.
+  the padded step's metrics within 1e-6 and its weights, with fewer token slots;
+- two DeepSpeed ranks, packed or in padded micro-batches, take the single process's step (the gradients of every
+  split of a minibatch, one process: test_micro_batches.py).
 """
 
 import pytest
@@ -107,8 +109,8 @@ def mixed_length_rollout(tokenizer):
     return prompts, completions
 
 
-def learner_step(model_dir: str, algorithm: str, *flags: str):
-    """One make_experience + train of a fresh learner on the fixed mixed-length rollout; (metrics, experience, weights)."""
+def learner_with_experience(model_dir: str, algorithm: str, *flags: str):
+    """A fresh learner and its experience of the fixed mixed-length rollout; (learner, experience, its metrics)."""
     args = parse_args(["--model_name_or_path", model_dir, *EQUIVALENCE_FLAGS, "--response_length", "48", *flags],
                       algorithm=algorithm)  # fmt: skip
     tokenizer = load_tokenizer(model_dir)
@@ -117,7 +119,14 @@ def learner_step(model_dir: str, algorithm: str, *flags: str):
     learner = cls(args, compute_batch_sizes(args), tokenizer, model_dir, stop_token_ids_for(tokenizer, "eos"))
     prompts, completions = mixed_length_rollout(tokenizer)
     exp, experience_metrics, _ = learner.make_experience(prompts, completions, RewardManager(args.reward))
-    plans = [micro_batches(exp, m, 2, args.ppo.max_tokens_per_micro_batch, 0, 1) for m in torch.arange(8).split(4)]
+    return learner, exp, experience_metrics
+
+
+def learner_step(model_dir: str, algorithm: str, *flags: str):
+    """One make_experience + train of a fresh learner on the fixed mixed-length rollout; (metrics, experience, weights)."""
+    learner, exp, experience_metrics = learner_with_experience(model_dir, algorithm, *flags)
+    max_tokens = learner.args.ppo.max_tokens_per_micro_batch
+    plans = [micro_batches(exp, m, 2, max_tokens, 0, 1) for m in torch.arange(8).split(4)]
     metrics = {**experience_metrics, **learner.train(exp)}
     weights = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
     return metrics, exp, weights, plans
@@ -159,17 +168,18 @@ def test_packed_micro_batches_take_the_padded_step(tiny_model_dir, algorithm, ag
 # ---- two DeepSpeed ranks (spawned here, gloo on 127.0.0.1: only inside the loopback-only namespace) ----------------
 
 
-def packed_step_on_rank(rank: int, port: int, results, model_dir: str, stage: int) -> None:
+def step_on_rank(rank: int, port: int, results, model_dir: str, stage: int, *flags: str) -> None:
     import deepspeed
 
     from tests.test_deepspeed_ranks import learner_on_rank
 
-    learner, tokenizer = learner_on_rank(rank, port, model_dir, stage, "--response_length", "48",
-                                         "--max_tokens_per_micro_batch", "100")  # fmt: skip
+    learner, tokenizer = learner_on_rank(rank, port, model_dir, stage, "--response_length", "48", *flags)
     prompts, completions = mixed_length_rollout(tokenizer)
     exp, metrics, _ = learner.make_experience(prompts, completions, RewardManager(learner.args.reward))
+    ppo = learner.args.ppo
     minibatches = torch.arange(8).split(4)
-    plans = [micro_batches(exp, m, 2, 100, rank, 2) for m in minibatches]
+    plans = [micro_batches(exp, m, ppo.per_device_train_batch_size, ppo.max_tokens_per_micro_batch, rank, 2)
+             for m in minibatches]  # fmt: skip
     metrics.update(learner.train(exp))
     weights = {}
     for name, param in learner.backend.hf_model(learner.policy).named_parameters():
@@ -179,19 +189,15 @@ def packed_step_on_rank(rank: int, port: int, results, model_dir: str, stage: in
     results[rank] = (metrics, weights if rank == 0 else None, [len(plan) for plan in plans], tokens)
 
 
-@needs_loopback_namespace
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_ranks_packed_by_tokens_take_the_single_process_padded_step(stage, tiny_model_dir):
-    """Two ZeRO ranks, each with its share of every minibatch by tokens (as many micro-batches each), packed at 100
-    tokens, take the step of one process that holds each minibatch in one padded micro-batch."""
+def two_ranks_against_one_whole_minibatch(model_dir: str, stage: int, *flags: str):
+    """One PPO step on two ZeRO ranks with `flags`, checked against one process that holds each minibatch in one
+    padded micro-batch: the same weights (1e-5) and metrics (1e-6). Returns the ranks' results and the reference."""
     from tests.test_deepspeed_ranks import run_two_ranks
 
-    padded, _, padded_weights, _ = learner_step(tiny_model_dir, "ppo", "--per_device_train_batch_size", "4")
-    results = run_two_ranks(packed_step_on_rank, tiny_model_dir, stage)
-    metrics, weights, counts, tokens = results[0]
+    padded, _, padded_weights, _ = learner_step(model_dir, "ppo", "--per_device_train_batch_size", "4")
+    results = run_two_ranks(step_on_rank, model_dir, stage, *flags)
+    metrics, weights, counts, _ = results[0]
     assert counts == results[1][2]  # every rank runs as many micro-batches (ZeRO's collectives)
-    for mine, other in zip(tokens, results[1][3]):
-        assert abs(mine - other) < 60  # within about one sequence of each other
     for name, weight in padded_weights.items():
         torch.testing.assert_close(weights[name], weight, rtol=0, atol=1e-5, msg=name)
     # Under ZeRO-3 policy/weight_norm_vs_start came out 6e-5 off the single process's although the weights agree
@@ -201,7 +207,34 @@ def test_two_ranks_packed_by_tokens_take_the_single_process_padded_step(stage, t
     for key in padded:
         if not key.startswith(("perf/", "time/")) and key not in unequal:
             assert metrics[key] == pytest.approx(padded[key], rel=1e-6, abs=1e-6), key
-    assert metrics["perf/real_tokens"] == metrics["perf/token_slots"] == padded["perf/real_tokens"]
+    assert metrics["perf/real_tokens"] == padded["perf/real_tokens"]
+    return results, padded
+
+
+@needs_loopback_namespace
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_packed_by_tokens_take_the_single_process_padded_step(stage, tiny_model_dir):
+    """Two ZeRO ranks, each with its share of every minibatch by tokens (as many micro-batches each), packed at 100
+    tokens, take the step of one process that holds each minibatch in one padded micro-batch."""
+    packing = ["--max_tokens_per_micro_batch", "100"]
+    results, padded = two_ranks_against_one_whole_minibatch(tiny_model_dir, stage, *packing)
+    for mine, other in zip(results[0][3], results[1][3]):
+        assert abs(mine - other) < 60  # within about one sequence of each other
+    assert results[0][0]["perf/token_slots"] == padded["perf/real_tokens"]
+
+
+@needs_loopback_namespace
+@pytest.mark.parametrize("stage,rows_per_micro_batch", [(2, 2), (2, 1), (3, 1)])
+def test_two_ranks_of_padded_micro_batches_take_the_single_process_whole_minibatch_step(
+    stage, rows_per_micro_batch, tiny_model_dir
+):
+    """Two ZeRO ranks, each with 2 rows of every 4-row minibatch in padded micro-batches of 2 rows or 1 (one or two
+    micro-batches a rank), take the step of one process that holds each minibatch in one micro-batch (issue 31:
+    each micro-batch took its own mean and DeepSpeed averaged them, so a short response's tokens weighed more)."""
+    results, _ = two_ranks_against_one_whole_minibatch(
+        tiny_model_dir, stage, "--per_device_train_batch_size", str(rows_per_micro_batch)
+    )
+    assert results[0][2] == [2 // rows_per_micro_batch] * 2  # micro-batches per minibatch on each rank
 
 
 def test_packed_attention_takes_each_sequence_alone_and_costs_its_own_length_only(tiny_model_dir):

@@ -394,6 +394,32 @@ def test_policy_loss_and_kl_loss_aggregate_by_token_or_by_sequence():
     assert rl.kl_penalty_loss(logprob, ref, mask, "k1", "sequence").item() == pytest.approx(2.5)
 
 
+
+def test_micro_batches_of_one_response_each_give_every_token_the_whole_minibatchs_weight():
+    """Issue 31's example: responses of 8 and 2 tokens, advantage 1, ratio 1, one micro-batch each. Each micro-batch's
+    loss divided by the minibatch's 10 tokens: every token's gradient weight is 1/10, as in one pass over both
+    (a mean of the two micro-batches' own means gave 1/16 and 1/4). Sequence aggregation divides by the minibatch's 2
+    responses: 1/(2*8) and 1/(2*2), each response weighing the same."""
+    lengths = torch.tensor([8, 2])
+    mask = rl.response_mask_from_lengths(lengths, 8)
+    whole = rl.WholeBatch(tokens=10, sequences=2)
+    for aggregation, expected in [("token", [0.1, 0.1]), ("sequence", [1 / 16, 1 / 4])]:
+        old_logprob = torch.full((2, 8), -1.0)
+        new_logprob = old_logprob.clone().requires_grad_()
+        for row in range(2):  # the micro-batches: their parts' gradients add up
+            part = slice(row, row + 1)
+            loss, *_ = rl.policy_loss(new_logprob[part], old_logprob[part], torch.ones(1, 8), mask[part], 0.2,
+                                      aggregation=aggregation, whole=whole)  # fmt: skip
+            loss.backward()
+        one_pass = old_logprob.clone().requires_grad_()
+        rl.policy_loss(one_pass, old_logprob, torch.ones(2, 8), mask, 0.2, aggregation=aggregation)[0].backward()
+        # d(-A * ratio)/d logprob = -A * ratio = -1 on each token, times its weight
+        weight = -new_logprob.grad
+        for row, length in enumerate(lengths.tolist()):
+            assert weight[row, :length].tolist() == pytest.approx([expected[row]] * length, abs=1e-7), aggregation
+            assert (weight[row, length:] == 0).all()
+        torch.testing.assert_close(new_logprob.grad, one_pass.grad, rtol=0, atol=1e-7)
+
 def test_value_loss_clipping_branches_and_gradients():
     # cliprange_value 0.2, vf_coef 0.5; v_clipped = old + clamp(new - old, -0.2, 0.2)
     #   old 1, new 1.5, R 2: v_clipped 1.2; max((1.5-2)^2, (1.2-2)^2) = max(0.25, 0.64) = 0.64 clipped

@@ -74,7 +74,8 @@ def load_ds_config(name: str) -> dict:
 
 
 class DeepSpeedTrainer:
-    """A DeepSpeed training engine: it averages gradients over ranks and micro-batches and clips by the global norm."""
+    """A DeepSpeed training engine: it sums the micro-batches' parts of the loss over ranks (see `backward`) and clips
+    by the global norm."""
 
     def __init__(self, model: nn.Module, settings: OptimizerSettings, config: dict):
         self.engine, *_ = deepspeed.initialize(
@@ -85,21 +86,14 @@ class DeepSpeedTrainer:
         )
         self.model = self.engine
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """`loss` is one micro-batch's mean. The engine divides it by gradient_accumulation_steps, and its step()
-        must follow every backward: it updates only after the last micro-batch of a minibatch. The engine would
-        apply a NaN update (fp32 has no loss scaler to skip it), so a non-finite loss stops this rank first; the
-        learner group then ends the run naming it."""
-        if not torch.isfinite(loss):
-            raise NonFiniteError(f"a non-finite loss ({loss.item()}) on this learner rank; lower the learning rate")
-        self.engine.backward(loss)
-        self.engine.step()
-
-    def backward_part(self, loss: torch.Tensor, last: bool) -> None:
-        """`loss` is one micro-batch's part of the minibatch's loss (packed micro-batches: every rank runs the same
-        number, which may differ from minibatch to minibatch): the parts' gradients add up over micro-batches and
-        ranks. The engine divides by its gradient_accumulation_steps and averages over ranks, which the scale undoes;
-        the minibatch's end is marked by hand instead of counted."""
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """`loss` is one micro-batch's part of the minibatch's loss (its sum over the minibatch's count, see
+        rl.WholeBatch): the parts' gradients add up over micro-batches and ranks. The engine divides by its
+        gradient_accumulation_steps and averages over ranks, which the scale undoes; the minibatch's end is marked by
+        hand (packed micro-batches: every rank runs the same number, which may differ from minibatch to minibatch).
+        Its step() must follow every backward: it updates only at that end. The engine would apply a NaN update (fp32
+        has no loss scaler to skip it), so a non-finite loss stops this rank first; the learner group then ends the
+        run naming it."""
         if not torch.isfinite(loss):
             raise NonFiniteError(f"a non-finite loss ({loss.item()}) on this learner rank; lower the learning rate")
         self.engine.set_gradient_accumulation_boundary(last)

@@ -115,9 +115,10 @@ class MicroBatch:
     positions: torch.Tensor  # [rows]: the rows' places in the minibatch
     rows: torch.Tensor  # [rows]: the rows' indices in the experience
     packed: PackedRows | None  # None: the padded rows themselves
-    # Packed: the whole minibatch's real tokens and responses, which each micro-batch's losses are divided by, so that
-    # the micro-batches' parts add up to the minibatch's mean; None: each micro-batch's mean, averaged (equal rows).
-    whole: rl.WholeBatch | None
+    # The whole minibatch's real response tokens and responses (every micro-batch of every rank), which each
+    # micro-batch's loss sums are divided by: the micro-batches' parts add up to the minibatch's mean, so a token
+    # weighs the same whichever micro-batch (padded or packed) and rank it lands in.
+    whole: rl.WholeBatch
     weight: float  # the micro-batch's share of its minibatch in the means of the logged stats
     real_tokens: int  # the real tokens a model pass computes on
     token_slots: int  # the token positions it computes on (real tokens plus padding)
@@ -130,25 +131,28 @@ def micro_batches(
 
     max_tokens 0: an equal slice of the rows per rank, `rows_per_micro_batch` padded rows at a time. Else the packed
     plan (rl/packing.py: groups of at most `max_tokens` real tokens, the same number on every rank, dealt by tokens),
-    the same on every rank because it depends only on the rows' lengths."""
+    the same on every rank because it depends only on the rows' lengths. Either way every micro-batch carries the
+    whole minibatch's token and response counts (`WholeBatch`): its losses are its part of the minibatch's mean."""
     if max_tokens == 0:
         local = torch.arange(len(minibatch)).tensor_split(world_size)[rank]
-        micro = []
-        for positions in local.split(rows_per_micro_batch):
-            rows = minibatch[positions]
-            real, slots = int(exp.attention_mask[rows].sum()), rows.numel() * exp.query_response.shape[1]
-            micro.append(MicroBatch(positions, rows, None, None, 1.0, real, slots))
-        return micro
-    lengths = exp.attention_mask[minibatch].sum(dim=1).tolist()
-    plan = plan_micro_batches(lengths, max_tokens, world_size)
-    whole = rl.WholeBatch(tokens=int(exp.response_mask[minibatch].sum()), sequences=len(minibatch))
-    weight = 1.0 / (len(plan[rank]) * world_size)
+        groups = local.split(rows_per_micro_batch)
+    else:
+        lengths = exp.attention_mask[minibatch].sum(dim=1).tolist()
+        plan = plan_micro_batches(lengths, max_tokens, world_size)[rank]
+        groups = [torch.tensor(group, dtype=torch.long) for group in plan]
+    # Every rank holds the whole rollout, so it counts the minibatch's tokens over all ranks without a collective.
+    # At least 1: a minibatch of empty responses has a loss of 0, as masked_mean gives for an empty mask.
+    whole = rl.WholeBatch(tokens=max(1, int(exp.response_mask[minibatch].sum())), sequences=len(minibatch))
+    weight = 1.0 / (len(groups) * world_size)
     micro = []
-    for group in plan[rank]:
-        positions = torch.tensor(group, dtype=torch.long)
+    for positions in groups:
         rows = minibatch[positions]
-        packed = pack_rows(exp.query_response[rows], exp.attention_mask[rows], exp.context_length)
-        micro.append(MicroBatch(positions, rows, packed, whole, weight, packed.num_tokens, packed.num_tokens))
+        if max_tokens == 0:
+            packed, real, slots = None, int(exp.attention_mask[rows].sum()), rows.numel() * exp.query_response.shape[1]
+        else:
+            packed = pack_rows(exp.query_response[rows], exp.attention_mask[rows], exp.context_length)
+            real = slots = packed.num_tokens
+        micro.append(MicroBatch(positions, rows, packed, whole, weight, real, slots))
     return micro
 
 

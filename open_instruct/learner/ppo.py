@@ -49,8 +49,9 @@ class PPOLearner(LearnerState):
     Every rank holds the whole rollout, runs the forward passes of `make_experience` on its share of the
     rows and gathers them, so advantages, their whitening and every metric are computed over the global
     batch, identically on each rank. `train` draws the same minibatch order on every rank and gives each
-    rank an equal slice of each minibatch: with gradients averaged over ranks and micro-batches, the update
-    is the single-process one.
+    rank a share of each minibatch: every micro-batch's loss is its sum over the whole minibatch's real tokens
+    (or responses), so the parts add up over micro-batches and ranks to the minibatch's mean, and the update is
+    the single-process one whatever the micro-batch size, packing or rank count.
     """
 
     uses_value_model = True  # a critic, trained beside the policy, that GAE takes its baseline from
@@ -335,7 +336,8 @@ class PPOLearner(LearnerState):
     def train(self, exp: Experience) -> dict[str, float]:
         """`num_epochs` PPO epochs over shuffled minibatches; one optimizer step per minibatch. Micro-batches are
         --per_device_train_batch_size padded rows, or packed by --max_tokens_per_micro_batch (experience.micro_batches):
-        the same update and metrics either way when the padded micro-batch is the whole minibatch."""
+        each one's losses are its part of the minibatch's mean, so the update and the metrics are those of the whole
+        minibatch in one pass, however it is split (into micro-batches, packed or not, and over ranks)."""
         ppo = self.args.ppo
         stats: dict[str, list[float]] = {}  # key: [sum of values, sum of weights]
         work_start = time.perf_counter()
@@ -384,8 +386,8 @@ class PPOLearner(LearnerState):
                     )
                 skipped_updates += not all(applied)
 
-        # Means over every micro-batch of every rank: [key, (sum, weight)] summed over ranks (a packed micro-batch's
-        # value is its part of its minibatch's mean, and its weight its share of the minibatch).
+        # Means over every micro-batch of every rank: [key, (sum, weight)] summed over ranks (a micro-batch's value is
+        # its part of its minibatch's mean, its weight its share of the minibatch: a minibatch's weights sum to 1).
         totals = self.backend.all_sum(torch.tensor(list(stats.values()), dtype=torch.float64))
         work_totals = self.backend.all_sum(torch.tensor(list(work.values()), dtype=torch.float64))
         global_mean = {key: (total / count).item() for key, (total, count) in zip(stats, totals)}
@@ -445,7 +447,7 @@ class PPOLearner(LearnerState):
                 new_logprob, exp.ref_logprob[rows], mask, "k3", ppo.loss_aggregation, micro.whole
             )
         loss = policy_objective.detach()
-        self.backward(self.policy_trainer, policy_objective, micro, last)
+        self.policy_trainer.backward(policy_objective, last)
         if self.value_model is not None:
             with devices.autocast(self.device, self.compute_dtype):
                 if micro.packed is None:
@@ -456,7 +458,7 @@ class PPOLearner(LearnerState):
                 new_value.float(), exp.value[rows], exp.return_[rows], mask, ppo.cliprange_value, whole=micro.whole
             )
             # The two models share no parameter: separate backward passes give the gradients of the sum.
-            self.backward(self.value_trainer, ppo.vf_coef * vf_loss, micro, last)
+            self.value_trainer.backward(ppo.vf_coef * vf_loss, last)
             loss = loss + ppo.vf_coef * vf_loss.detach()  # vf_loss is logged unweighted
             record(micro.weight, vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
         # Of each position's distribution, computed beside the logprobs.
@@ -464,15 +466,6 @@ class PPOLearner(LearnerState):
         record(micro.weight, pg_loss=pg_loss, loss=loss, pg_clipfrac=pg_clipfrac, approxkl=approxkl, ratio=ratio,
                entropy=entropy)  # fmt: skip
         return bool(torch.isfinite(loss)), new_logprob.detach()
-
-    @staticmethod
-    def backward(trainer, loss: torch.Tensor, micro: MicroBatch, last: bool) -> None:
-        """A padded micro-batch's loss is its own mean (the trainer averages them); a packed one's is its part of the
-        minibatch's mean (the parts add up)."""
-        if micro.whole is None:
-            trainer.backward(loss)
-        else:
-            trainer.backward_part(loss, last)
 
     # ---- the learner's work: tokens, padding and useful FLOPs of a step (the perf/* metrics, run/flops.py) ----
 

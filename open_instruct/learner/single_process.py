@@ -68,13 +68,10 @@ class AdamWTrainer:
         self.optimizer = adamw(model, settings)
         self.scheduler = lr_scheduler(self.optimizer, settings)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """`loss` is one micro-batch's mean; the minibatch's gradient is the mean over its micro-batches."""
-        (loss / self.settings.gradient_accumulation_steps).backward()
-
-    def backward_part(self, loss: torch.Tensor, last: bool) -> None:
-        """`loss` is one micro-batch's part of the minibatch's loss (packed micro-batches, whose number varies):
-        the parts' gradients add up. `last`: the minibatch's last micro-batch (DeepSpeed needs to know)."""
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """`loss` is one micro-batch's part of the minibatch's loss (its sum over the minibatch's count, see
+        rl.WholeBatch): the parts' gradients add up to the minibatch's. `last`: the minibatch's last micro-batch
+        (DeepSpeed needs to know)."""
         loss.backward()
 
     def step(self, apply: bool = True) -> bool:

@@ -40,7 +40,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = Non
 class WholeBatch:
     """The real tokens and the responses of a whole minibatch (every micro-batch of every rank). Given to
     `masked_aggregate`, a micro-batch's result is its part of the minibatch's mean, so that the parts add up to the
-    mean over the minibatch however its rows were grouped (packed micro-batches hold different numbers of rows)."""
+    mean over the minibatch however its rows were grouped. Each micro-batch's own mean, averaged, would weigh a token
+    by 1/(tokens in its micro-batch): a micro-batch of short responses as much as one of long responses."""
 
     tokens: int
     sequences: int
