@@ -462,7 +462,7 @@ from open_instruct.ppo_vllm_thread_ray_gtrl import RunData, build_learner
 from open_instruct.run.args import compute_batch_sizes, parse_args
 
 args = parse_args(["--model_name_or_path", {tiny_model_dir!r}, "--total_episodes", "32"], algorithm={algorithm!r})
-data = RunData({tiny_model_dir!r}, load_tokenizer({tiny_model_dir!r}), [], None, None)
+data = RunData({tiny_model_dir!r}, load_tokenizer({tiny_model_dir!r}), [], None, None, args)
 learner = build_learner(args, compute_batch_sizes(args), data)
 print(type(learner).__name__, sorted(m for m in ("ray", "deepspeed") if m in sys.modules))
 """
