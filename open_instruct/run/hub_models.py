@@ -81,7 +81,8 @@ def download_snapshot(repo_id: str, revision: str, flag: str) -> str:
     try:
         folder = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_MODEL_FILES)
     except RevisionNotFoundError:
-        raise ConfigError(f"{what}: the repo has no revision {revision!r}; give a branch, tag or commit of it.") from None
+        raise ConfigError(f"{what}: the repo has no revision {revision!r}; give a branch, tag or commit of it."
+                          ) from None  # fmt: skip
     except RepositoryNotFoundError:
         raise ConfigError(
             f"{what}: no such local folder, and no such model repo on {constants.ENDPOINT} (or it is private or gated "
@@ -89,10 +90,10 @@ def download_snapshot(repo_id: str, revision: str, flag: str) -> str:
         ) from None
     except LocalEntryNotFoundError as error:
         if constants.HF_HUB_OFFLINE:
-            raise ConfigError(f"{what} is not in the HF cache and HF_HUB_OFFLINE is set; run {download}, or unset "
-                              "HF_HUB_OFFLINE.") from error  # fmt: skip
-        raise ConfigError(f"{what}: the Hub at {constants.ENDPOINT} could not be reached and the snapshot is not in "
-                          f"the HF cache; check the network, or run {download}.") from error  # fmt: skip
+            raise ConfigError(f"{what} is no local folder, nor in the HF cache, and HF_HUB_OFFLINE is set; run "
+                              f"{download}, or unset HF_HUB_OFFLINE.") from error  # fmt: skip
+        raise ConfigError(f"{what} is no local folder, nor in the HF cache, and the Hub at {constants.ENDPOINT} could "
+                          f"not be reached; check the network, or run {download}.") from error  # fmt: skip
     except HfHubHTTPError as error:
         cause = " ".join(str(error).split())[:200]
         raise ConfigError(f"{what}: the Hub refused the download ({cause}); check the id and the token.") from error
