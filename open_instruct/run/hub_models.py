@@ -22,17 +22,11 @@ from dataclasses import replace
 
 from open_instruct.data.embedded import resolve_model_path
 from open_instruct.run.args import Args, ConfigError, ModelArgs
+from open_instruct.run.hub import looks_like_hub_id
 
 # Weights (safetensors only: what ZeRO-3 reads partitioned), config and generation config, and the tokenizer's files.
 HUB_MODEL_FILES = ["*.safetensors", "*.json", "tokenizer.model", "*.txt", "*.jinja"]
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
-
-
-def is_hub_id(name_or_path: str) -> bool:
-    """`owner/name`, not an existing folder (an existing folder of that name wins, as in transformers)."""
-    return name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~")) and not os.path.isdir(
-        os.path.expanduser(name_or_path)
-    )
 
 
 def with_local_models(args: Args) -> Args:
@@ -52,7 +46,7 @@ def with_local_models(args: Args) -> Args:
 
 def local_model_folder(name_or_path: str, revision: str | None, flag: str) -> str:
     """The local folder of one model flag's value: a folder (or embedded alias) as it is, a hub id's snapshot."""
-    if not is_hub_id(name_or_path):
+    if not looks_like_hub_id(name_or_path):
         if revision is not None:
             raise ConfigError(
                 f"{flag} {name_or_path} is a local folder and has no revisions, yet one was given ({revision!r}); "
