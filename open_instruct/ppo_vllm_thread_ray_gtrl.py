@@ -31,7 +31,6 @@ import torch
 from tqdm import tqdm
 
 from open_instruct.data.batches import PromptBatch, ShufflingIterator, prompt_batch
-from open_instruct.data.embedded import resolve_model_path
 from open_instruct.data.prompt_dataset import build_prompt_datasets
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.evaluation import sample_rows
@@ -61,6 +60,7 @@ from open_instruct.run.devices import (
     split_cpu_cores,
 )
 from open_instruct.run.divergence import DivergedError, check_divergence
+from open_instruct.run.hub_models import with_local_models
 from open_instruct.run.preemption import Preempted, StopRequest
 from open_instruct.run.run_directory import RunDirectory
 from open_instruct.run.tracking import MetricsLogger, format_progress, repair_jsonl
@@ -234,11 +234,12 @@ def engine_idle_metrics(rollout) -> dict:
 class RunData:
     """What the run reads, loaded and checked before any model: the policy's path and tokenizer, the prompts."""
 
-    policy_path: str
+    policy_path: str  # a local folder: a hub id's snapshot (hub_models.py)
     tokenizer: object
     stop_token_ids: list[int]
     train_dataset: object  # datasets.Dataset of tokenised prompts
     eval_prompts: PromptBatch | None
+    local_args: Args  # the run's args with every model a local folder: what the learners load
     longest_prompt: int | None = None  # in tokens: the memory plan of Ray learner ranks, checked where they run
 
     @property
@@ -276,27 +277,30 @@ def load_data(args: Args) -> RunData:
     """The policy's tokenizer, the prompts (every row checked), and the models' vocabularies and sizes: a problem with
     any of them is a one-line error here, before any model loads."""
     with as_config_errors():
-        policy_path = resolve_model_path(args.model.model_name_or_path)
-        tokenizer = load_tokenizer(policy_path, args.model.model_revision)
+        # Hub ids become snapshot folders at their revisions, here, before Ray starts: ZeRO-3 ranks read safetensors
+        # from a folder, and a missing repo, revision or download is one line now, not an error after the engines load.
+        local_args = with_local_models(args)
+        policy_path = local_args.model.model_name_or_path
+        tokenizer = load_tokenizer(policy_path)
         train_dataset, eval_dataset = build_prompt_datasets(
             args.data, tokenizer, row_checker(args, "train"), row_checker(args, "eval")
         )
-        validate_models(args, policy_path, tokenizer)
+        validate_models(local_args, policy_path, tokenizer)
         longest_prompt = max(len(ids) for ids in train_dataset["input_ids_prompt"])
         if not args.dist.uses_ray:  # this process is the learner
             device = learner_device()
-            validate_memory(args, longest_prompt, device.type, free_memory_bytes(device))
+            validate_memory(local_args, longest_prompt, device.type, free_memory_bytes(device))
         elif args.dist.device_memory_gb is not None:  # the user gave the learners' memory: refuse before Ray starts
             # torch.cuda.is_available() asks NVML for a count: no CUDA context on the driver. A head node without GPUs
             # plans its learners as CPU ranks; give the memory plan's CLI --device gpu to see the GPU plan.
-            validate_memory(args, longest_prompt, "cuda" if torch.cuda.is_available() else "cpu", None)
+            validate_memory(local_args, longest_prompt, "cuda" if torch.cuda.is_available() else "cpu", None)
         # else Ray learner ranks are checked against learner rank 0's own report, before any of them loads a model
     # The eval split is small and fixed: read it from the dataset once, not row by row at every eval.
     eval_prompts = None
     if eval_dataset is not None:
         eval_prompts = prompt_batch(eval_dataset, list(range(len(eval_dataset))), tokenizer)
     return RunData(policy_path, tokenizer, stop_token_ids_for(tokenizer, args.gen.stop_token), train_dataset,
-                   eval_prompts, longest_prompt)  # fmt: skip
+                   eval_prompts, local_args, longest_prompt)  # fmt: skip
 
 
 def open_logger(args: Args, sizes: BatchSizes, resume: checkpoint.Checkpoint | None, data: RunData) -> MetricsLogger:
@@ -346,7 +350,8 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
         # before any learner allocates: where the engines are (Ray's GPUs; this process's own for its engine).
         if (placement.uses_gpus if placement is not None else torch.cuda.is_available()):
             generator.wait_until_ready()
-        learner = build_learner(args, sizes, data, placement, compute_dtype)
+        # The learners load local folders; the driver's args keep the hub ids (the config logged, the model card).
+        learner = build_learner(data.local_args, sizes, data, placement, compute_dtype)
         if args.dist.uses_ray:  # learner rank 0 sends every policy version to the engines (actors or in-process)
             from open_instruct.generation.engine_actors import connect_engines
 
@@ -418,8 +423,9 @@ def start_generation_thread(args: Args, data: RunData, placement=None, cpu_cores
 
 def build_learner(args: Args, sizes: BatchSizes, data: RunData, placement=None, compute_dtype: tuple | None = None):
     """This process's learner (PPOLearner, or GRPOLearner with --algorithm grpo), or learner ranks of that class on
-    Ray + DeepSpeed behind the same methods. `compute_dtype`: this process's (dtype, why), chosen before the engine
-    started; Ray ranks choose on their own nodes."""
+    Ray + DeepSpeed behind the same methods; `args` name every model by a local folder (`RunData.local_args`).
+    `compute_dtype`: this process's (dtype, why), chosen before the engine started; Ray ranks choose on their own
+    nodes."""
     if not args.dist.uses_ray:
         return learner_class(args.ppo.algorithm)(args, sizes, data.tokenizer, data.policy_path, data.stop_token_ids,
                                                  compute_dtype=compute_dtype)  # fmt: skip

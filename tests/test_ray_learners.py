@@ -33,6 +33,7 @@ from open_instruct.learner.ppo import PPOLearner
 from open_instruct.data.batches import PromptBatch
 from open_instruct.data.tokenizer import stop_token_ids_for
 from open_instruct.generation.vllm_engine import Completion, engine_dtype
+from tests.fake_hub import FakeHub, download_env, folder_files
 from tests.test_ppo_trainer import (
     EVAL_QUESTIONS,
     RESPONSE_LENGTH,
@@ -343,6 +344,38 @@ def test_ray_run_final_model_loads_and_a_fresh_vllm_engine_reproduces_the_final_
     assert fresh_engine_ids == [row["token_ids"] for row in final_rows]
 
 
+# ---- the policy named by a hub id (issue 31) -------------------------------------------------------------------------
+
+
+@needs_loopback_namespace
+def test_a_zero3_run_whose_policy_is_a_hub_id_trains(ray_cluster, tiny_model_dir, eval_file, tmp_path):
+    """The 8B recipe names its models by hub id. Here the policy is `org/tiny` at --model_revision v2, served by a
+    local fake Hub (main holds only a config: a run that ignored the revision could not load it). The driver
+    downloads that commit before Ray starts; 2 learner ranks on 2 Ray nodes at ZeRO-3 read their shares from the
+    snapshot folder, the engine loads the same folder, and the run trains. (Before: the ranks looked for
+    safetensors in a folder named `org/tiny` and failed after Ray, placement and the engine had started.)"""
+    with FakeHub() as hub:
+        hub.add_repo("org/tiny", {"config.json": folder_files(tiny_model_dir)["config.json"]})
+        commit = hub.add_repo("org/tiny", folder_files(tiny_model_dir), branch="v2")
+        command = ray_trainer_command(
+            "org/tiny", ray_cluster, eval_file, tmp_path / "output",
+            "--model_revision", "v2", "--deepspeed_stage", "3", "--async_mode", "false",
+            "--total_episodes", "8", "--num_evals", "0",
+        )  # fmt: skip
+        process = run_to_completion(command, cwd=tmp_path, env=download_env(hub, tmp_path / "hf_cache"))
+
+    snapshot = tmp_path / "hf_cache" / "models--org--tiny" / "snapshots" / commit
+    assert f"[ppo] policy org/tiny ({snapshot})" in process.stdout, last_lines(process.stdout)
+    assert folder_files(snapshot) == folder_files(tiny_model_dir)
+    # Every file came from the v2 commit, each once: the driver downloaded, the ranks and the engine read the folder.
+    downloads = [request.path for request in hub.requests if request.method == "GET" and "/resolve/" in request.path]
+    assert sorted(downloads) == sorted(f"/org/tiny/resolve/{commit}/{path}" for path in folder_files(snapshot))
+    run = Run(tmp_path / "output", num_steps=1, async_mode=False)
+    [line] = run.step_lines()
+    assert is_finite_number(line["loss/policy_avg"]) and line["episode"] == 8, line
+    assert (run.model_dir / "model.safetensors").is_file()
+
+
 # ---- a dead learner ends the run -------------------------------------------------------------------------------------
 
 
@@ -462,7 +495,7 @@ from open_instruct.ppo_vllm_thread_ray_gtrl import RunData, build_learner
 from open_instruct.run.args import compute_batch_sizes, parse_args
 
 args = parse_args(["--model_name_or_path", {tiny_model_dir!r}, "--total_episodes", "32"], algorithm={algorithm!r})
-data = RunData({tiny_model_dir!r}, load_tokenizer({tiny_model_dir!r}), [], None, None)
+data = RunData({tiny_model_dir!r}, load_tokenizer({tiny_model_dir!r}), [], None, None, args)
 learner = build_learner(args, compute_batch_sizes(args), data)
 print(type(learner).__name__, sorted(m for m in ("ray", "deepspeed") if m in sys.modules))
 """

@@ -43,6 +43,7 @@ from open_instruct.generation.engine_batches import EngineBatches
 from open_instruct.generation.weight_broadcast import run_beside
 from open_instruct.generation.weight_transfer import WeightTransfer
 from open_instruct.run.cluster import ActorDied, first_line, start_ray, wait_for_actors
+from open_instruct.run.hub_models import folder_on_this_node
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class EngineActor:
     def __init__(self, config: vllm_engine.EngineConfig, index: int):
         self.index = index
         self.policy_version = 0
+        # The policy's snapshot folder as the driver resolved it; a node without it fetches the same commit.
+        config = dataclasses.replace(config, model_path=folder_on_this_node(config.model_path))
         self.llm = vllm_engine.create_engine(config)
         self.batches = EngineBatches(self.llm)
         self.transfer: WeightTransfer | None = None

@@ -18,6 +18,7 @@ Imported only when Ray is used: the single-process trainer never loads ray or de
 """
 
 import atexit
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -92,6 +93,12 @@ class LearnerRank:
         computes (the driver says it: a rank's own output goes to the Ray logs)."""
         from open_instruct.data.tokenizer import load_tokenizer
         from open_instruct.learner import deepspeed_backend
+        from open_instruct.run.hub_models import folder_on_this_node, models_on_this_node
+
+        # The driver resolved hub ids to snapshot folders in its HF cache; a node that does not share it fetches the
+        # same commit now, before any rank joins the group or loads (hub_models.py).
+        args = dataclasses.replace(args, model=models_on_this_node(args.model))
+        policy_path = folder_on_this_node(policy_path)
 
         deepspeed_backend.init_process_group(self.rank, sizes.num_learners, *master, args.dist.learner_timeout_s,
                                              local_rank=self.bind_gpu())  # fmt: skip
@@ -102,7 +109,7 @@ class LearnerRank:
             deepspeed_backend.weights_dtype(args.dist.deepspeed_weights_dtype, args.model.learner_compute_dtype),
         )
         torch.manual_seed(args.run.seed)  # PPO's value head init, identical on every rank and in one process
-        tokenizer = load_tokenizer(policy_path, args.model.model_revision)
+        tokenizer = load_tokenizer(policy_path)
         learner = learner_class(args.ppo.algorithm)  # the same class as a single-process run of these args
         self.learner = learner(args, sizes, tokenizer, policy_path, stop_token_ids, backend=backend)
         said = f"{self.learner.device.type}: computing in {self.learner.compute_dtype_reason}"

@@ -139,7 +139,9 @@ def push_folder_to_hub(
     return f"{api.endpoint}/{repo_id}/tree/{revision}"
 
 
-def _looks_like_hub_id(name: str) -> bool:
+def looks_like_hub_id(name: str) -> bool:
+    """`owner/name` with valid Hub names, and no such path here (an existing folder of that name wins, as in
+    transformers)."""
     owner, slash, repo = name.partition("/")
     return bool(slash) and bool(_HUB_NAME.match(owner)) and bool(_HUB_NAME.match(repo)) and not os.path.exists(name)
 
@@ -191,7 +193,7 @@ def write_model_card(
     Returns the path of the README.
     """
     os.makedirs(folder, exist_ok=True)
-    base_is_hub_id = _looks_like_hub_id(base_model)
+    base_is_hub_id = looks_like_hub_id(base_model)
     front_matter: dict[str, Any] = {"library_name": "transformers"}
     if base_is_hub_id:
         front_matter["base_model"] = base_model

@@ -10,7 +10,9 @@
 # or on SLURM: TRAIN_SCRIPT=scripts/train/tulu3/ppo_8b.sh sbatch scripts/train/multinode/ppo_slurm.sbatch
 #
 # Needs the Hugging Face Hub (the models, and GSM8K and MATH the first time: written to data/gsm8k and data/math
-# by this repo's converters). Extra arguments go to the trainer and win over the recipe.
+# by this repo's converters). The trainer downloads both models into node A's HF cache before Ray starts; node B's
+# engines fetch the same commit into node B's cache unless HF_HOME is shared (docs/distributed.md, "Models named by
+# a hub id"). Extra arguments go to the trainer and win over the recipe.
 #
 # Memory (the recipe's header has the whole plan; `python -m open_instruct.memory_plan configs/train_configs/ppo_tulu3_8b.yaml`
 # prints it offline): each learner GPU 24.2 GB at load (ZeRO-3: every rank builds only its 1/8 of each model) and
