@@ -77,10 +77,12 @@ from open_instruct.run.validation import (
     one_line,
     row_checker,
     start_warnings,
+    validate_async_depth,
     validate_flags,
     validate_hub,
     validate_memory,
     validate_models,
+    validate_packing,
     validate_work,
 )
 
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None, algorithm: str = "ppo") -> dict:
         validate_flags(args)
         sizes = compute_batch_sizes(args)  # inconsistent sizes fail here, before any model loads
         validate_work(args, sizes)
+        validate_async_depth(args, sizes)
         validate_hub(args)
     say(f"[ppo] run {args.run.run_name}: {describe_run(args, sizes)}")
     for warning in start_warnings(args, sizes):
@@ -283,6 +286,7 @@ def load_data(args: Args) -> RunData:
         )
         validate_models(args, policy_path, tokenizer)
         longest_prompt = max(len(ids) for ids in train_dataset["input_ids_prompt"])
+        validate_packing(args, longest_prompt)
         if not args.dist.uses_ray:  # this process is the learner
             device = learner_device()
             validate_memory(args, longest_prompt, device.type, free_memory_bytes(device))

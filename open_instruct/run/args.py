@@ -160,7 +160,8 @@ class GenerationArgs:
         "Decode the K batches in flight together and load each new policy into the engine between two decode steps, "
         "while they are half generated (no batch waits for another's longest answer). Each token records the version "
         "that generated it, and the engine's logprobs are then the true behaviour logprobs token by token (the running "
-        "requests recompute their KV cache with the new weights). Needs --async_steps 2 or more to change anything.",
+        "requests recompute their KV cache with the new weights). Needs --async_steps 2 or more to change anything (at 1: "
+        "a start warning).",
     )
     vllm_gpu_memory_utilization: float = arg(0.4, "GPU memory fraction for vLLM (the learner shares the GPU).")
     vllm_dtype: str = arg(
@@ -194,7 +195,10 @@ class GenerationArgs:
         "generation but 0.4-0.6 s per sync to re-pack every layer (see vllm_utils.set_cpu_weight_layout).",
         choices=["plain", "packed"],
     )
-    queue_timeout_s: float = arg(1800.0, "Longest wait on the generation thread before failing with a message.")
+    queue_timeout_s: float = arg(
+        1800.0, "Longest wait on the generation thread before failing with a message (at least 60 s: the first wait "
+        "includes the engine's loading).",
+    )
     max_vllm_logprob_diff: float = arg(
         0.5,
         "Stop the run when the mean |learner - vLLM| logprob of the sampled tokens passes this (nats per token): the "
