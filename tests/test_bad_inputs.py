@@ -355,6 +355,20 @@ def test_settings_that_work_but_not_as_written_are_named_at_start(tmp_path, caps
     ]
 
 
+def test_a_failed_start_removes_the_output_dir_it_made(tmp_path, capsys):
+    """A new --output_dir that a refused start (here a typo in the data path, found after the folder is locked) made
+    is gone again, not left holding only the run lock; one that existed stays, with the user's files."""
+    argv, out, _ = prepare(Case("typo", ["--dataset_mixer_list", "{tmp}/typo.jsonl", "1.0"], expected=""), tmp_path)
+    new_dir = tmp_path / "new" / "output"
+    with pytest.raises(SystemExit) as exit_info:
+        cli([a if a != str(out) else str(new_dir) for a in argv])
+    assert exit_info.value.code == 2 and "typo.jsonl does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # nor the parent it made
+    with pytest.raises(SystemExit):
+        cli(argv)
+    assert (out / "notes.txt").exists()
+
+
 def test_a_step_two_cpu_cores_cannot_sample_in_a_day_is_refused(monkeypatch):
     """The rate the day's-work check assumes is the device's: on CPUs a generous 1,000 tokens/s per core (the engine
     measured ~120), so 192 M response tokens a step are refused on 2 cores (at the 10,000 tokens/s per engine assumed
