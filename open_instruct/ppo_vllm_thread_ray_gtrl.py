@@ -65,6 +65,7 @@ from open_instruct.run.preemption import Preempted, StopRequest
 from open_instruct.run.run_directory import RunDirectory
 from open_instruct.run.tracking import MetricsLogger, format_progress, repair_jsonl
 from open_instruct.trainer_outputs import (
+    checkpoint_space_problem,
     evaluate_final_policy,
     final_model_space_problem,
     finish,
@@ -135,6 +136,8 @@ def train(
     if (problem := final_model_space_problem(args, data)) is not None:
         say(f"[ppo] warning: {problem}; free space there, or the final model will go to "
             f"{os.path.join(args.run.fallback_save_dir, args.run.run_name, 'model')}", error=True)  # fmt: skip
+    if (problem := checkpoint_space_problem(args, sizes, data)) is not None:
+        say(f"[ppo] warning: {problem}", error=True)
     logger = open_logger(args, sizes, resume, data)
     last_step = resume.step if resume else 0
     try:

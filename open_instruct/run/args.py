@@ -217,7 +217,8 @@ class RunArgs:
     )
     save_freq: int = arg(
         -1, "Save a full checkpoint (resumable, in either mode: Ray learner ranks write theirs in parallel) every N "
-        "steps (-1: only the final model, and a checkpoint on SIGTERM/SIGINT)."
+        "steps (-1: only the final model, and a checkpoint on SIGTERM/SIGINT). A disk that cannot hold one checkpoint "
+        "(~12 bytes per trained parameter) is named in a warning at start."
     )
     save_model_freq: int = arg(
         -1, "Also save the current policy as a loadable HF folder output_dir/model_step_N (fp32 masters in --save_dtype, "
