@@ -196,7 +196,7 @@ def train_step(run: "Run", step: int) -> None:
     step_time = time.time() - step_start
     metrics.update({
         "episode": step * sizes.rollout_batch_size,
-        "epoch": step * sizes.prompts_per_step / run.data.num_train_prompts,
+        "epoch": run.rollouts.prompts_received / run.data.num_train_prompts,  # GRPO's filter draws more than a step
         "lr": learner.lr,
         "policy_version/learner": learner_version,
         "policy_version/rollout": rollout.policy_version,
@@ -275,7 +275,8 @@ class Run:
         ppo = self.args.ppo
         self.batches = BatchCollector(self.rollouts, self.reward_manager, async_steps(self.args.gen),
                                       self.sizes.prompts_per_step, ppo.filter_zero_std_groups,
-                                      ppo.filter_max_extra_batches, self.data.stop_token_ids)  # fmt: skip
+                                      ppo.filter_max_extra_batches, self.data.stop_token_ids,
+                                      ppo.filter_metric)  # fmt: skip
 
 
 def load_data(args: Args) -> RunData:

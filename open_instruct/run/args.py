@@ -121,9 +121,16 @@ class PPOArgs:
     )
     filter_zero_std_groups: bool = arg(
         False,
-        "GRPO (DAPO's dynamic sampling): drop the groups whose responses all scored the same (their advantage is 0, "
-        "they teach nothing) and draw more batches until a step has --local_rollout_batch_size groups that differ; "
-        "the surplus of the last draw is discarded. Needs verifiable rewards (the driver scores before training).",
+        "GRPO (DAPO's dynamic sampling): drop the groups whose responses are all equally correct (--filter_metric) and "
+        "draw more batches until a step has --local_rollout_batch_size groups that differ; the surplus of the last "
+        "draw is discarded. Needs verifiable rewards (the driver scores before training).",
+    )
+    filter_metric: str = arg(
+        "correct",
+        "With --filter_zero_std_groups, what must differ within a group for it to be kept: correct: the verifiers' "
+        "verdicts (DAPO eq. 11 and verl filter on accuracy: an all-correct group whose answers differ only by the "
+        "overlong or format terms is dropped), score: the whole training score.",
+        choices=["correct", "score"],
     )
     filter_max_extra_batches: int = arg(
         4,
