@@ -119,6 +119,8 @@ CASES = [
     Case("zero-std filter with a reward model", ["--algorithm", "grpo", "--filter_zero_std_groups", "true",
          "--reward_model_multiplier", "1", "--reward_model_path", "tiny"],
          "--filter_zero_std_groups scores each batch before the learner runs"),  # fmt: skip
+    Case("filter metric without the filter", ["--algorithm", "grpo", "--filter_metric", "score"],
+         "--filter_metric score says what the groups of --filter_zero_std_groups must differ in, and that filter is off"),  # fmt: skip
     Case("negative extra batches", ["--filter_max_extra_batches", "-1"], "--filter_max_extra_batches -1 is not valid"),
     Case("overlong buffer as long as the responses", ["--overlong_buffer_length", "16"],
          "--overlong_buffer_length 16 is not below --response_length 16"),  # fmt: skip

@@ -250,6 +250,11 @@ def validate_grpo_flags(args: Args) -> None:
             f"{args.gen.response_length}: every response would be penalised; pass a buffer shorter than the responses "
             "(DAPO: a fifth of them), or 0 to turn it off."
         )
+    if ppo.filter_metric != "correct" and not ppo.filter_zero_std_groups:
+        raise ConfigError(
+            f"--filter_metric {ppo.filter_metric} says what the groups of --filter_zero_std_groups must differ in, and "
+            "that filter is off; pass --filter_zero_std_groups true, or drop --filter_metric."
+        )
     if ppo.filter_zero_std_groups:
         if ppo.algorithm != "grpo":
             raise ConfigError(
