@@ -65,6 +65,7 @@ from open_instruct.run.preemption import Preempted, StopRequest
 from open_instruct.run.run_directory import RunDirectory
 from open_instruct.run.tracking import MetricsLogger, format_progress, repair_jsonl
 from open_instruct.trainer_outputs import (
+    checkpoint_space_problem,
     evaluate_final_policy,
     final_model_space_problem,
     finish,
@@ -77,10 +78,12 @@ from open_instruct.run.validation import (
     one_line,
     row_checker,
     start_warnings,
+    validate_async_depth,
     validate_flags,
     validate_hub,
     validate_memory,
     validate_models,
+    validate_packing,
     validate_work,
 )
 
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None, algorithm: str = "ppo") -> dict:
         validate_flags(args)
         sizes = compute_batch_sizes(args)  # inconsistent sizes fail here, before any model loads
         validate_work(args, sizes)
+        validate_async_depth(args, sizes)
         validate_hub(args)
     say(f"[ppo] run {args.run.run_name}: {describe_run(args, sizes)}")
     for warning in start_warnings(args, sizes):
@@ -132,6 +136,8 @@ def train(
     if (problem := final_model_space_problem(args, data)) is not None:
         say(f"[ppo] warning: {problem}; free space there, or the final model will go to "
             f"{os.path.join(args.run.fallback_save_dir, args.run.run_name, 'model')}", error=True)  # fmt: skip
+    if (problem := checkpoint_space_problem(args, sizes, data)) is not None:
+        say(f"[ppo] warning: {problem}", error=True)
     logger = open_logger(args, sizes, resume, data)
     last_step = resume.step if resume else 0
     try:
@@ -190,7 +196,7 @@ def train_step(run: "Run", step: int) -> None:
     step_time = time.time() - step_start
     metrics.update({
         "episode": step * sizes.rollout_batch_size,
-        "epoch": step * sizes.prompts_per_step / run.data.num_train_prompts,
+        "epoch": run.rollouts.prompts_received / run.data.num_train_prompts,  # GRPO's filter draws more than a step
         "lr": learner.lr,
         "policy_version/learner": learner_version,
         "policy_version/rollout": rollout.policy_version,
@@ -270,7 +276,8 @@ class Run:
         ppo = self.args.ppo
         self.batches = BatchCollector(self.rollouts, self.reward_manager, async_steps(self.args.gen),
                                       self.sizes.prompts_per_step, ppo.filter_zero_std_groups,
-                                      ppo.filter_max_extra_batches, self.data.stop_token_ids)  # fmt: skip
+                                      ppo.filter_max_extra_batches, self.data.stop_token_ids,
+                                      ppo.filter_metric)  # fmt: skip
 
 
 def load_data(args: Args) -> RunData:
@@ -287,6 +294,7 @@ def load_data(args: Args) -> RunData:
         )
         validate_models(local_args, policy_path, tokenizer)
         longest_prompt = max(len(ids) for ids in train_dataset["input_ids_prompt"])
+        validate_packing(args, longest_prompt)
         if not args.dist.uses_ray:  # this process is the learner
             device = learner_device()
             validate_memory(local_args, longest_prompt, device.type, free_memory_bytes(device))

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from open_instruct.data.embedded import resolve_model_path
 from open_instruct.generation.evaluation import eval_metrics
 from open_instruct.run import checkpoint, disk_space, hub, summary
 from open_instruct.run.args import Args, batches_in_engine
@@ -105,6 +106,41 @@ def final_model_space_problem(args: Args, data) -> str | None:
         return None
     return (f"{args.run.output_dir} has {disk_space.gigabytes(free)} GB free, less than the ~"
             f"{disk_space.gigabytes(needed)} GB the final model needs")  # fmt: skip
+
+
+# A checkpoint holds each trained model's fp32 weights and AdamW's two fp32 moments: 12 bytes a parameter (the tiny
+# PPO run's policy and value model, 6.6 M parameters each, write 0.16 GB).
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+
+
+def checkpoint_size(args: Args, data) -> int | None:
+    """Bytes one checkpoint needs (with headroom), from the trained models' folders; None if a size is unknown."""
+    trained = [data.policy_path]
+    if args.ppo.algorithm == "ppo":  # the value model starts as --value_model_path, else the reward model, else the policy
+        init = args.model.value_model_path or args.model.reward_model_path
+        trained.append(resolve_model_path(init) if init is not None else data.policy_path)
+    counts = [disk_space.weights_numel(path) for path in trained]
+    if None in counts:
+        return None
+    return disk_space.with_headroom(sum(counts) * CHECKPOINT_BYTES_PER_PARAMETER)
+
+
+def checkpoint_space_problem(args: Args, sizes, data) -> str | None:
+    """Why output_dir's disk cannot hold the run's next checkpoint now (said at start, not at the first --save_freq
+    step, where the run would stop), or None; the checkpoints that save may delete first count as free."""
+    if sizes.save_freq <= 0 or sizes.save_freq > sizes.num_training_steps:
+        return None
+    needed = checkpoint_size(args, data)
+    free = disk_space.free_bytes(args.run.output_dir)
+    if needed is None or free is None:
+        return None
+    free += sum(disk_space.folder_bytes(path)
+                for path in checkpoint.doomed_checkpoints(args.run.output_dir, args.run.keep_last_n))  # fmt: skip
+    if free >= needed:
+        return None
+    return (f"{args.run.output_dir} has {disk_space.gigabytes(free)} GB free, less than the ~"
+            f"{disk_space.gigabytes(needed)} GB a checkpoint needs: the run would stop at its first checkpoint "
+            f"(--save_freq {sizes.save_freq}); free space there, or pass --save_freq -1 (no checkpoints)")  # fmt: skip
 
 
 def save_final_model(run):

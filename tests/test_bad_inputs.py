@@ -80,6 +80,8 @@ CASES = [
     Case("negative eval samples", ["--eval_samples_per_prompt", "-2"], "--eval_samples_per_prompt -2 is not valid"),
     Case("zero max_grad_norm", ["--max_grad_norm", "0"], "--max_grad_norm 0.0 is not valid"),
     Case("zero queue timeout", ["--queue_timeout_s", "0"], "--queue_timeout_s 0.0 is not valid"),
+    Case("a queue timeout no rollout can meet", ["--queue_timeout_s", "0.5"],
+         "--queue_timeout_s 0.5 is not valid; expected seconds >= 60"),  # fmt: skip
     Case("run_name with a slash", ["--run_name", "a/b"], "--run_name 'a/b' is not valid; expected a name without '/'"),
     Case("TIS cap below 1", ["--truncated_importance_sampling_ratio_cap", "0.5"],
          "--truncated_importance_sampling_ratio_cap 0.5 is not valid; expected 0 (off) or a number >= 1"),  # fmt: skip
@@ -107,6 +109,8 @@ CASES = [
     Case("several versions ahead, Ray learners, no in-flight updates", ["--async_steps", "2",
          "--num_learners_per_node", "2", "--per_device_train_batch_size", "2"],
          "--async_steps 2 without --inflight_updates with Ray learners"),  # fmt: skip
+    Case("more async steps than the run has", ["--async_steps", "2"],  # 16 episodes: 2 steps, lag at most 1
+         "--async_steps 2 lets data lag 2 policy versions, but the run's 2 step(s) can lag at most 1"),  # fmt: skip
     Case("all cores to the engine", ["--vllm_cpu_cores", "999"], "--vllm_cpu_cores 999 leaves no core to the learner"),
     Case("engine cores with engine actors", ["--vllm_cpu_cores", "1", "--vllm_num_engines", "1"],
          "--vllm_cpu_cores 1 splits a CPU machine's cores between the learner and the engine in this process"),  # fmt: skip
@@ -115,6 +119,8 @@ CASES = [
     Case("zero-std filter with a reward model", ["--algorithm", "grpo", "--filter_zero_std_groups", "true",
          "--reward_model_multiplier", "1", "--reward_model_path", "tiny"],
          "--filter_zero_std_groups scores each batch before the learner runs"),  # fmt: skip
+    Case("filter metric without the filter", ["--algorithm", "grpo", "--filter_metric", "score"],
+         "--filter_metric score says what the groups of --filter_zero_std_groups must differ in, and that filter is off"),  # fmt: skip
     Case("negative extra batches", ["--filter_max_extra_batches", "-1"], "--filter_max_extra_batches -1 is not valid"),
     Case("overlong buffer as long as the responses", ["--overlong_buffer_length", "16"],
          "--overlong_buffer_length 16 is not below --response_length 16"),  # fmt: skip
@@ -156,6 +162,9 @@ CASES = [
     Case("zero device memory", ["--device_memory_gb", "0"], "--device_memory_gb 0.0 is not valid; expected a number of GB > 0"),
     Case("negative token budget", ["--max_tokens_per_micro_batch", "-1"],
          "--max_tokens_per_micro_batch -1 is not valid; expected an integer >= 0"),
+    Case("token budget below one sequence", ["--max_tokens_per_micro_batch", "40"],  # the longest prompt: 38 tokens
+         "--max_tokens_per_micro_batch 40 is below one sequence: the longest prompt (38 tokens) plus "
+         "--response_length 16 make 54"),  # fmt: skip
     # ---- rewards, models, hub ----
     Case("reward model weight without a model", ["--reward_model_multiplier", "1"], "needs a reward model; pass --reward_model_path"),
     Case("no reward at all", ["--apply_verifiable_reward", "false"], "No reward is enabled"),
@@ -329,9 +338,10 @@ def test_debug_flag_shows_the_traceback(tmp_path, capsys):
 
 
 def test_settings_that_work_but_not_as_written_are_named_at_start(tmp_path, capsys):
-    """Episodes a step cannot hold and checkpoints that never come: one warning line each, before anything loads (the
+    """Episodes a step cannot hold, a flag that does nothing and checkpoints that never come: one warning line each, before anything loads (the
     run here then stops on a missing data file)."""
-    flags = ["--total_episodes", "20", "--save_freq", "5", "--dataset_mixer_list", "{tmp}/typo.jsonl", "1.0"]
+    flags = ["--total_episodes", "20", "--save_freq", "5", "--inflight_updates", "true", "--dataset_mixer_list",
+             "{tmp}/typo.jsonl", "1.0"]  # fmt: skip
     argv, _, _ = prepare(Case("warnings", flags, expected=""), tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         cli(argv)
@@ -340,9 +350,44 @@ def test_settings_that_work_but_not_as_written_are_named_at_start(tmp_path, caps
     assert warnings == [
         "[ppo] warning: --total_episodes 20 is not a multiple of a step's 8 responses: the run trains 2 steps (16 "
         "episodes) and drops the last 4; pass --total_episodes 16 or 24.",
+        "[ppo] warning: --inflight_updates does nothing at --async_steps 1: the engine holds one batch at a time and "
+        "takes each policy between batches; pass --async_steps 2 or more for it, or drop it.",
         "[ppo] warning: --save_freq 5 is more than the run's 2 steps: no checkpoint will be written (only the final "
         "model, and one on SIGTERM/SIGINT); pass --save_freq 2 or less for one.",
     ]
+
+
+def test_a_failed_start_removes_the_output_dir_it_made(tmp_path, capsys):
+    """A new --output_dir that a refused start (here a typo in the data path, found after the folder is locked) made
+    is gone again, not left holding only the run lock; one that existed stays, with the user's files."""
+    argv, out, _ = prepare(Case("typo", ["--dataset_mixer_list", "{tmp}/typo.jsonl", "1.0"], expected=""), tmp_path)
+    new_dir = tmp_path / "new" / "output"
+    with pytest.raises(SystemExit) as exit_info:
+        cli([a if a != str(out) else str(new_dir) for a in argv])
+    assert exit_info.value.code == 2 and "typo.jsonl does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # nor the parent it made
+    with pytest.raises(SystemExit):
+        cli(argv)
+    assert (out / "notes.txt").exists()
+
+
+def test_a_step_two_cpu_cores_cannot_sample_in_a_day_is_refused(monkeypatch):
+    """The rate the day's-work check assumes is the device's: on CPUs a generous 1,000 tokens/s per core (the engine
+    measured ~120), so 192 M response tokens a step are refused on 2 cores (at the 10,000 tokens/s per engine assumed
+    before, 5.3 hours: accepted), and on a GPU engine they are not."""
+    import torch
+
+    from open_instruct.run.args import ConfigError, compute_batch_sizes, parse_args
+    from open_instruct.run.validation import generous_sampling_rate, validate_work
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU machine's rate, on any test machine
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    args = parse_args(BASE + ["--number_samples_per_prompt", "3000000", "--total_episodes", "12000000"])
+    with pytest.raises(ConfigError, match=r"one step samples up to 192,000,000 response tokens .* more than a day's "
+                                          r"work even at 2,000 tokens/s \(2 CPU core\(s\)\)"):  # fmt: skip
+        validate_work(args, compute_batch_sizes(args))
+    assert generous_sampling_rate(True, 1, 2) == (200_000, "1 GPU engine(s)")
+    assert 192_000_000 / generous_sampling_rate(True, 1, 2)[0] < 24 * 3600
 
 
 SUBPROCESS_CASES = ["temperature 0", "no verifier name", "output_dir locked by a live run"]

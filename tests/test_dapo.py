@@ -11,7 +11,7 @@ import torch
 
 from open_instruct.data.batches import PromptBatch
 from open_instruct.generation.generation_thread import Rollout
-from open_instruct.generation.step_batch import GroupFilter, join_groups, join_rollouts, split_groups
+from open_instruct.generation.step_batch import GroupFilter, Scored, join_groups, join_rollouts, split_groups
 from open_instruct.generation.vllm_engine import Completion
 from open_instruct.rl.rewards import PrecomputedScores, RewardConfig, RewardManager, overlong_penalty
 from open_instruct.run.tracking import read_metrics
@@ -36,12 +36,37 @@ def test_the_overlong_penalty_adds_to_training_scores_and_not_to_evals():
     assert eval_score.tolist() == [1.0, 0.0] and "objective/overlong_penalty" not in eval_metrics
 
 
-def rollout_of(scores_by_prompt: list[list[float]], base: int = 0) -> tuple[PromptBatch, list[Completion], torch.Tensor]:
+def rollout_of(scores_by_prompt: list[list[float]], base: int = 0,
+               correct_by_prompt: list[list[float]] | None = None) -> tuple[PromptBatch, list[Completion], Scored]:  # fmt: skip
+    """A hand-made rollout, each response 2 tokens long; its verdicts are its scores unless given."""
     prompts = PromptBatch([[base + i] for i in range(len(scores_by_prompt))], [str(base + i) for i in range(len(scores_by_prompt))],
                           ["arithmetic"] * len(scores_by_prompt), [f"prompt {base + i}" for i in range(len(scores_by_prompt))])  # fmt: skip
     completions = [Completion(i, [base + i, j], f"answer {j}", "stop", [0.0, 0.0], [0, 0])
                    for i, scores in enumerate(scores_by_prompt) for j in range(len(scores))]  # fmt: skip
-    return prompts, completions, torch.tensor([s for scores in scores_by_prompt for s in scores])
+    correct = correct_by_prompt or scores_by_prompt
+    return prompts, completions, Scored(torch.tensor([s for scores in scores_by_prompt for s in scores]),
+                                        torch.tensor([c for values in correct for c in values]), [2] * len(completions),
+                                        {})  # fmt: skip
+
+
+def test_the_filter_keeps_groups_whose_verdicts_differ_not_their_lengths():
+    """DAPO eq. 11 and verl filter on accuracy: an all-correct group whose scores differ only by the overlong penalty
+    (1.0 and 0.75) is dropped under --filter_metric correct, as an all-wrong one is; `score` keeps it."""
+    scores, verdicts = [[1.0, 0.75], [1.0, 0.0], [0.0, -0.5]], [[1, 1], [1, 0], [0, 0]]
+    by_verdict = GroupFilter(groups_per_step=1, max_extra_batches=0, metric="correct")
+    by_verdict.add(split_groups(*rollout_of(scores, correct_by_prompt=verdicts)))
+    assert [g.token_ids for g in by_verdict.kept] == [[1]] and len(by_verdict.dropped) == 2
+    by_score = GroupFilter(groups_per_step=1, max_extra_batches=0, metric="score")
+    by_score.add(split_groups(*rollout_of(scores, correct_by_prompt=verdicts)))
+    assert [g.token_ids for g in by_score.kept] == [[0], [1], [2]]
+
+
+def test_the_managers_verdicts_leave_out_the_penalties_that_shape_the_score():
+    manager = RewardManager(RewardConfig(overlong_buffer_length=4, non_stop_penalty=True), max_response_length=20)
+    score, correct, metrics = manager.score_and_correct(["it is 5", "it is 5", "it is 4"], ["5", "5", "5"],
+                                                        ["arithmetic"] * 3, [True, False, True], None, [2, 18, 2])  # fmt: skip
+    assert score.tolist() == [1.0, -1.0, 0.0] and correct.tolist() == [1.0, 1.0, 0.0]
+    assert metrics["val/num_non_stop"] == 1.0 and metrics["objective/overlong_penalty"] == pytest.approx(-0.5 / 3)
 
 
 def test_zero_std_groups_are_dropped_more_are_drawn_and_the_surplus_is_discarded():
@@ -93,15 +118,32 @@ def test_joined_rollouts_keep_the_oldest_version_and_sum_their_timings():
 # ---- end to end -------------------------------------------------------------------------------------------------------
 
 
+def test_the_prompts_received_count_every_draw_and_not_those_in_flight():
+    """`epoch` is the prompts of the rollouts the learner took over the dataset's size: a step of GRPO's filter that
+    took 3 rollouts of 4 prompts counts 12, and the requests still in flight count nothing yet."""
+    from open_instruct.data.batches import ShufflingIterator
+    from open_instruct.generation.rollout_requests import InFlight, RolloutRequests
+
+    order = ShufflingIterator(num_items=10, batch_size=4, seed=0)
+    requests = RolloutRequests(None, None, None, None, order, None, 0, 0, 1.0, broadcast=False, async_steps=2)
+    for _ in range(5):  # 5 requests sent (the order wraps into its second pass), the last 2 still in flight
+        requests.in_flight.append(InFlight(None, next(order), 0, False))
+        if len(requests.in_flight) > 2:
+            requests.in_flight.popleft()
+    assert requests.prompts_received == 12 and order.handed_out == 20
+
+
 def test_grpo_with_dynamic_sampling_and_the_overlong_penalty_in_flight(varied_length_model_dir, tmp_path):
     """The tiny model never answers right, so its scores differ only by the overlong penalty (a buffer of 12 of 16
-    tokens on a model whose answers stop at 2..16 tokens): some groups differ, others do not and are dropped."""
+    tokens on a model whose answers stop at 2..16 tokens): under --filter_metric score some groups differ, others do
+    not and are dropped. The step's `epoch` counts every draw, and its non-stop count and overlong penalty are those
+    of the batch trained on (its scores are the penalty alone: the model is never right)."""
     command = [
         sys.executable, "-m", "open_instruct.grpo_vllm_thread_ray_gtrl",
         "--model_name_or_path", varied_length_model_dir,
         "--local_rollout_batch_size", "4", "--number_samples_per_prompt", "2", "--per_device_train_batch_size", "4",
         "--response_length", "16", "--total_episodes", "32", "--num_evals", "0",
-        "--filter_zero_std_groups", "true", "--filter_max_extra_batches", "3",
+        "--filter_zero_std_groups", "true", "--filter_max_extra_batches", "3", "--filter_metric", "score",
         "--overlong_buffer_length", "12", "--async_steps", "2", "--inflight_updates", "true",
         "--output_dir", str(tmp_path / "output"),
     ]  # fmt: skip
@@ -115,3 +157,8 @@ def test_grpo_with_dynamic_sampling_and_the_overlong_penalty_in_flight(varied_le
         assert row["grpo/zero_std_groups_frac"] == pytest.approx(row["filter/filled_groups"] / 4)
         assert row["policy_version/staleness_max"] <= 2
         assert math.isfinite(row["loss/policy_avg"]) and row["objective/overlong_penalty"] <= 0
+        assert row["objective/overlong_penalty"] == pytest.approx(row["objective/scores"], abs=1e-6)
+        assert row["val/num_non_stop"] == 8 - row["val/num_stop_token_ids"]
+    draws = [1 + row["filter/extra_batches"] for row in steps]
+    for index, row in enumerate(steps):  # 4 prompts a draw
+        assert row["epoch"] == pytest.approx(steps[0]["epoch"] * sum(draws[: index + 1]) / draws[0])

@@ -129,3 +129,20 @@ def test_building_the_cache_leaves_the_global_generators_as_they_were(smollm2_co
     assert (root / "models" / TINY / "model.safetensors").exists()
     after = (torch.rand(4), random.random(), np.random.rand())
     assert torch.equal(after[0], expected[0]) and after[1:] == expected[1:]
+
+
+def test_a_same_size_rewrite_that_keeps_the_time_is_found_in_a_file_cheap_to_hash(cache, capsys):
+    """Size and modification time kept (as `cp -p` or a restore puts them back): a file up to CHEAP_TO_HASH_BYTES, here
+    the tiny model's weights and its tokenizer, is hashed at every use all the same."""
+    folder = cache / "models" / TINY
+    original_sha = sha256(folder / "model.safetensors")
+    tiny_model_path()
+    for name in ("model.safetensors", "tokenizer.json"):
+        path = folder / name
+        assert path.stat().st_size <= cache_folders.CHEAP_TO_HASH_BYTES
+        stat = path.stat()
+        data = bytearray(path.read_bytes())
+        data[-100:] = bytes(100) if name.endswith(".safetensors") else b" " * 100  # the same size, other bytes
+        path.write_bytes(bytes(data))
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the time put back
+        assert_rebuilt_once(capsys, folder, original_sha, f"{name} differs from what was built (sha256)")

@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,6 +173,37 @@ def test_a_checkpoint_that_does_not_fit_stops_the_run_and_keeps_the_newest_compl
     assert all(torch.isfinite(t).all() for t in state["policy"].values())
     summary = json.loads((kept / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["last_checkpoint"] == str(output_dir / "checkpoints" / "step_1")
+
+
+# What the trainer checks at start, before any model loads: the data and the models' folders, then the disk.
+CHECKPOINT_SPACE_AT_START = """
+import sys
+from open_instruct.ppo_vllm_thread_ray_gtrl import load_data
+from open_instruct.run.args import compute_batch_sizes, parse_args
+from open_instruct.trainer_outputs import checkpoint_space_problem
+args = parse_args(sys.argv[1:])
+print("problem:", checkpoint_space_problem(args, compute_batch_sizes(args), load_data(args)))
+"""
+
+
+@pytest.mark.parametrize("disk_mb, save_freq, expected", [
+    (12, "1", r"{out} has 0\.01\d+ GB free, less than the ~0\.1[5-7]\d* GB a checkpoint needs: the run would stop at "
+              r"its first checkpoint \(--save_freq 1\); free space there, or pass --save_freq -1 \(no checkpoints\)"),
+    (260, "1", "None"),  # the disk that holds one checkpoint (test above)
+    (12, "-1", "None"),  # no checkpoints
+])  # fmt: skip
+def test_a_disk_that_cannot_hold_one_checkpoint_is_named_at_start(tmp_path, disk_mb, save_freq, expected):
+    """The tiny PPO run's checkpoint (policy, value model, both Adam states) is ~0.16 GB: on a 12 MB disk the run would
+    train until its first --save_freq step and stop there, so the start says so, as it does for the final model."""
+    small_disk_or_skip()
+    output_dir = tmp_path / "output"
+    output_dir.mkdir()
+    command = [sys.executable, "-c", CHECKPOINT_SPACE_AT_START, *TINY_RUN, "--total_episodes", "16", "--save_freq",
+               save_freq, "--output_dir", str(output_dir)]  # fmt: skip
+    process, _ = run_command(on_small_disk(str(output_dir), disk_mb, command), cwd=Path(__file__).parent.parent)
+    assert process.returncode == 0, last_lines(process.stderr)
+    problem = next(line for line in process.stdout.splitlines() if line.startswith("problem: "))
+    assert re.fullmatch(expected.format(out=re.escape(str(output_dir))), problem.removeprefix("problem: ")), problem
 
 
 def test_a_final_model_that_does_not_fit_goes_to_the_fallback_folder(tmp_path):

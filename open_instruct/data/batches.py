@@ -71,6 +71,11 @@ class ShufflingIterator:
         self.position = 0  # how many indices of the current pass were handed out
         self._order = self._pass_order(0)
 
+    @property
+    def handed_out(self) -> int:
+        """Indices handed out so far, over all passes."""
+        return self.epoch * self.num_items + self.position
+
     def _pass_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
 

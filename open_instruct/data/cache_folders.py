@@ -3,10 +3,13 @@ into place, with a manifest of what was built, checked at every use, so that a d
 failing every later run.
 
 A folder's manifest (`MANIFEST_NAME`) records each file's size, sha256 and modification time at build time. A use
-checks that every file is there with its size (a truncated or deleted file) and, for a file whose modification time
-changed, its sha256 (a file rewritten in place); the files' own structure is checked too (a safetensors header that
-promises more bytes than the file holds, a parquet file without its footer). Folders built before manifests existed
-are checked by structure alone and then given a manifest. Bit rot that keeps a file's size and time is not caught.
+checks that every file is there with its size (a truncated or deleted file), and the sha256 of every file that is cheap
+to hash (up to `CHEAP_TO_HASH_BYTES`: configs, tokenizers, the tiny model's weights, the datasets) or whose
+modification time changed (a file rewritten in place); the files' own structure is checked too (a safetensors header
+that promises more bytes than the file holds, a parquet file without its footer). So the only change not caught is
+one to a large file (the embedded model's weights) that keeps its size and modification time: bit rot, or a rewrite
+that puts the time back on purpose; hashing those at every use would cost seconds per start. Folders built before
+manifests existed are checked by structure alone and then given a manifest.
 
 A build leaves the caller's random number generators as it found them: the first run after installing builds the
 cache inside the trainer's process, after the run seeded them, and must go on as every later run does.
@@ -26,6 +29,9 @@ from collections.abc import Callable, Iterator
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = ".open_instruct_manifest.json"
+# Files up to this size are hashed at every use (sha256 reads ~0.5-1 GB/s: at most ~0.1 s a file); larger ones only
+# when their modification time changed.
+CHEAP_TO_HASH_BYTES = 64 * 2**20
 
 
 @contextlib.contextmanager
@@ -100,10 +106,11 @@ def folder_problem(folder: str, marker: str) -> str | None:
         stat = os.stat(path)
         if stat.st_size != built["bytes"]:
             return f"{name} holds {stat.st_size} bytes, {built['bytes']} when built"
-        if stat.st_mtime_ns != built["mtime_ns"]:
+        if stat.st_mtime_ns != built["mtime_ns"] or stat.st_size <= CHEAP_TO_HASH_BYTES:
             if file_sha256(path) != built["sha256"]:
                 return f"{name} differs from what was built (sha256)"
-            built["mtime_ns"], changed = stat.st_mtime_ns, True  # copied or touched, same bytes
+            if stat.st_mtime_ns != built["mtime_ns"]:
+                built["mtime_ns"], changed = stat.st_mtime_ns, True  # copied or touched, same bytes
     if changed:
         with contextlib.suppress(OSError):
             _write_json_atomically(os.path.join(folder, MANIFEST_NAME), manifest)

@@ -149,6 +149,12 @@ class RolloutRequests:
         """Requests in flight when the learner waits for the oldest: it and --async_steps more (sync: it alone)."""
         return self.async_steps + 1
 
+    @property
+    def prompts_received(self) -> int:
+        """Prompts of the requests whose rollouts the learner took (trained on, or dropped by GRPO's filter): those
+        handed out less those in flight. Restored with the checkpoint's prompt order and requests in flight."""
+        return self.prompt_order.handed_out - sum(len(request.prompt_indices) for request in self.in_flight)
+
     def next_sampling_seed(self) -> int:
         self.requests_sent += 1
         return sampling_seed(self.seed, self.requests_sent - 1)

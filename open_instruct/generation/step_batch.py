@@ -1,15 +1,19 @@
 """What one training step trains on (`BatchCollector.collect`): the oldest rollout in flight, after the requests in flight are
 topped up to --async_steps, held to the staleness bound; with --filter_zero_std_groups, GRPO's dynamic sampling.
 
-Dynamic sampling (DAPO, Yu et al. 2025, section 3.2): a group whose responses all scored the same has an advantage
-of 0 on every token, so it adds nothing to the policy gradient but still costs a forward and backward pass and
-dilutes the batch. Such groups are dropped and more batches are drawn until the step has --local_rollout_batch_size
-groups that differ; the surplus of the last draw is discarded (as DAPO and verl do: keeping it would make it older at
-the next step). After --filter_max_extra_batches extra draws the step is filled with dropped groups instead, so that
-its shapes (minibatches, ranks) stay what the run was sized for. The choice needs each response's score before the
+Dynamic sampling (DAPO, Yu et al. 2025, section 3.2, eq. 11): a group whose responses are all right or all wrong
+teaches little: with equal scores its advantage is 0 on every token, so it adds nothing to the policy gradient but
+still costs a forward and backward pass and dilutes the batch. Such groups are dropped and more batches are drawn
+until the step has --local_rollout_batch_size groups that differ; the surplus of the last draw is discarded (as DAPO
+and verl do: keeping it would make it older at the next step). What must differ is --filter_metric: `correct`, the
+verifiers' verdicts (DAPO's accuracy, verl's default), or `score`, the whole training score; with the soft overlong
+penalty an all-correct group whose answers differ only in length has scores that differ, and `correct` drops it all
+the same. After --filter_max_extra_batches extra draws the step is filled with dropped groups instead, so that its
+shapes (minibatches, ranks) stay what the run was sized for. The choice needs each response's score before the
 learner runs: the verifiers score every draw here, and the chosen batch's scores go to the learner
-(rl.PrecomputedScores) rather than being computed twice. The reward metrics of the step are its first draw's, an
-unbiased sample of the policy (the chosen groups are biased toward half right).
+(rl.PrecomputedScores) rather than being computed twice. The correct rates of the step are its first draw's, an
+unbiased sample of the policy (the chosen groups are biased toward half right); `val/num_non_stop` and
+`objective/overlong_penalty` describe the chosen batch, whose scores they are part of.
 """
 
 from dataclasses import dataclass, field
@@ -45,6 +49,7 @@ class BatchCollector:
     zero_std_filter: bool  # --filter_zero_std_groups
     max_extra_batches: int  # --filter_max_extra_batches
     stop_token_ids: list[int]
+    filter_metric: str = "correct"  # --filter_metric: what must differ within a kept group
 
     def collect(self, learner_version: int, steps_left: int) -> StepBatch:
         """The batch of the learner at `learner_version` with `steps_left` steps to go (this one included)."""
@@ -53,12 +58,12 @@ class BatchCollector:
         staleness = check_staleness(rollout, learner_version, self.max_lag)
         if not self.zero_std_filter:
             return StepBatch(request.prompts, rollout, [request], self.reward_manager, staleness)
-        groups = GroupFilter(self.groups_per_step, self.max_extra_batches)
+        groups = GroupFilter(self.groups_per_step, self.max_extra_batches, self.filter_metric)
         requests, received, reward_metrics = [request], [rollout], None
         while True:
-            scores, metrics = score(self.reward_manager, request.prompts, rollout.completions, self.stop_token_ids)
-            reward_metrics = reward_metrics or metrics
-            groups.add(split_groups(request.prompts, rollout.completions, scores))
+            scored = score(self.reward_manager, request.prompts, rollout.completions, self.stop_token_ids)
+            reward_metrics = reward_metrics or scored.metrics
+            groups.add(split_groups(request.prompts, rollout.completions, scored))
             if groups.full:
                 break
             self.rollouts.top_up(learner_version, steps_left)
@@ -69,21 +74,34 @@ class BatchCollector:
         chosen, filter_metrics = groups.batch()
         prompts, completions, scores = join_groups(chosen)
         joined = join_rollouts(received, completions)
-        return StepBatch(prompts, joined, requests, PrecomputedScores(scores, reward_metrics),
+        trained = self.reward_manager.length_metrics([c.finish_reason == "stop" for c in completions],
+                                                     [length for group in chosen for length in group.lengths])  # fmt: skip
+        return StepBatch(prompts, joined, requests, PrecomputedScores(scores, {**reward_metrics, **trained}),
                          {**check_staleness(joined, learner_version, self.max_lag), **filter_metrics})  # fmt: skip
 
 
+@dataclass
+class Scored:
+    """One draw's responses as the learner would score them, each [batch]."""
+
+    scores: torch.Tensor
+    correct: torch.Tensor  # the verifiers' verdicts alone
+    lengths: list[int]  # in tokens, up to the first stop token
+    metrics: dict
+
+
 def score(reward_manager: RewardManager, prompts: PromptBatch, completions: list[Completion],
-          stop_token_ids: list[int]) -> tuple[torch.Tensor, dict]:  # fmt: skip
+          stop_token_ids: list[int]) -> Scored:  # fmt: skip
     """Each response's score as the learner computes it: its length counts up to its first stop token (the PPO detail
     "truncate at the stop token", learner/experience.layout_rollout)."""
     lengths = [next((i + 1 for i, token in enumerate(c.token_ids) if token in stop_token_ids), len(c.token_ids))
                for c in completions]  # fmt: skip
-    return reward_manager.score(
+    scores, correct, metrics = reward_manager.score_and_correct(
         [c.text for c in completions], [prompts.ground_truths[c.prompt_index] for c in completions],
         [prompts.verifier_names[c.prompt_index] for c in completions], [c.finish_reason == "stop" for c in completions],
         None, lengths,
     )  # fmt: skip
+    return Scored(scores, correct, lengths, metrics)
 
 
 def join_rollouts(rollouts: list[Rollout], completions: list[Completion]) -> Rollout:
@@ -106,19 +124,26 @@ class Group:
     text: str
     completions: list[Completion]
     scores: list[float]
+    correct: list[float] = field(default_factory=list)  # the verifiers' verdicts
+    lengths: list[int] = field(default_factory=list)  # in tokens, up to the first stop token
 
-    @property
-    def scores_differ(self) -> bool:
-        return max(self.scores) != min(self.scores)
+    def differs(self, metric: str) -> bool:
+        """Whether its responses differ in `metric` (--filter_metric: correct or score)."""
+        values = self.correct if metric == "correct" else self.scores
+        return max(values) != min(values)
 
 
-def split_groups(prompts: PromptBatch, completions: list[Completion], scores: torch.Tensor) -> list[Group]:
+def split_groups(prompts: PromptBatch, completions: list[Completion], scored: Scored) -> list[Group]:
     """The groups of a rollout, in prompt order (completions come grouped by prompt)."""
     groups = [Group(ids, truth, name, text, [], []) for ids, truth, name, text in
               zip(prompts.token_ids, prompts.ground_truths, prompts.verifier_names, prompts.texts)]  # fmt: skip
-    for completion, score in zip(completions, scores.tolist()):
-        groups[completion.prompt_index].completions.append(completion)
-        groups[completion.prompt_index].scores.append(score)
+    for completion, score, correct, length in zip(completions, scored.scores.tolist(), scored.correct.tolist(),
+                                                  scored.lengths):  # fmt: skip
+        group = groups[completion.prompt_index]
+        group.completions.append(completion)
+        group.scores.append(score)
+        group.correct.append(correct)
+        group.lengths.append(length)
     return groups
 
 
@@ -140,6 +165,7 @@ class GroupFilter:
 
     groups_per_step: int
     max_extra_batches: int
+    metric: str = "correct"  # --filter_metric
     kept: list[Group] = field(default_factory=list)
     dropped: list[Group] = field(default_factory=list)
     draws: int = 0
@@ -147,7 +173,7 @@ class GroupFilter:
     def add(self, groups: list[Group]) -> None:
         self.draws += 1
         for group in groups:
-            (self.kept if group.scores_differ else self.dropped).append(group)
+            (self.kept if group.differs(self.metric) else self.dropped).append(group)
 
     @property
     def full(self) -> bool:

@@ -70,7 +70,23 @@ class RewardManager:
         rm_scores: torch.Tensor | None = None,
         response_lengths: list[int] | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Score each response; returns (score float32 [batch], metrics).
+        """Score each response; returns (score float32 [batch], metrics). See `score_and_correct`."""
+        score, _, metrics = self.score_and_correct(
+            responses, ground_truths, verifier_names, stopped, rm_scores, response_lengths
+        )
+        return score, metrics
+
+    def score_and_correct(
+        self,
+        responses: list[str],
+        ground_truths: list[str | None],
+        verifier_names: list[str | None],
+        stopped: list[bool],
+        rm_scores: torch.Tensor | None = None,
+        response_lengths: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Score each response; returns (score float32 [batch], correct float32 [batch], metrics), `correct` being the
+        verifier's score alone, in [0, 1] (0 where no verifier ran): what DAPO's dynamic sampling filters on.
 
         score = reward_model_multiplier * rm_score + verification_reward * verifier_score
         + r1_style_format_reward * format_score + the overlong penalty (each term when enabled), then replaced by
@@ -91,6 +107,7 @@ class RewardManager:
         use_reward_model = rm_scores is not None and config.reward_model_multiplier != 0
 
         score = torch.zeros(batch, dtype=torch.float32)
+        correct_each = torch.zeros(batch, dtype=torch.float32)
         if use_reward_model:
             score += config.reward_model_multiplier * rm_scores.detach().float().cpu().flatten()
         correct_by_verifier: dict[str, list[float]] = {}
@@ -112,25 +129,22 @@ class RewardManager:
                 canonical = resolve_verifier_name(name)
                 correct = VERIFIERS[canonical](response, ground_truth)
                 correct_by_verifier.setdefault(canonical, []).append(correct)
+                correct_each[i] = correct
                 score[i] += config.verification_reward * correct
             if config.add_r1_style_format_reward:
                 format_score = r1_format(response)
                 format_scores.append(format_score)
                 score[i] += config.r1_style_format_reward * format_score
 
-        overlong = None
-        if config.overlong_buffer_length > 0 and response_lengths is not None:  # training; evals grade answers alone
-            if self.max_response_length is None:
-                raise ValueError("the overlong penalty needs --response_length: pass max_response_length")
-            overlong = overlong_penalty(torch.tensor(response_lengths), self.max_response_length,
-                                        config.overlong_buffer_length, config.overlong_penalty_factor)  # fmt: skip
+        overlong = self.overlong(response_lengths)
+        if overlong is not None:
             score += overlong
 
         not_stopped = torch.tensor([not s for s in stopped], dtype=torch.bool)
         if config.non_stop_penalty:
             score = torch.where(not_stopped, torch.tensor(config.penalty_reward_value, dtype=torch.float32), score)
 
-        metrics: dict[str, float] = {"val/num_non_stop": float(not_stopped.sum())}
+        metrics = self.length_metrics(stopped, response_lengths)
         all_correct = [c for values in correct_by_verifier.values() for c in values]
         if all_correct:
             metrics["objective/verifiable_correct_rate"] = sum(all_correct) / len(all_correct)
@@ -138,9 +152,25 @@ class RewardManager:
             metrics[f"objective/{canonical}_correct_rate"] = sum(values) / len(values)
         if format_scores:
             metrics["objective/format_reward"] = sum(format_scores) / len(format_scores)
-        if overlong is not None:
+        return score, correct_each, metrics
+
+    def overlong(self, response_lengths: list[int] | None) -> torch.Tensor | None:
+        """Each response's overlong penalty [batch], or None when it is off or no lengths were given (an eval)."""
+        config = self.config
+        if config.overlong_buffer_length <= 0 or response_lengths is None:  # training only; evals grade answers alone
+            return None
+        if self.max_response_length is None:
+            raise ValueError("the overlong penalty needs --response_length: pass max_response_length")
+        return overlong_penalty(torch.tensor(response_lengths), self.max_response_length,
+                                config.overlong_buffer_length, config.overlong_penalty_factor)  # fmt: skip
+
+    def length_metrics(self, stopped: list[bool], response_lengths: list[int] | None = None) -> dict[str, float]:
+        """`val/num_non_stop` and, when it is on, `objective/overlong_penalty` (its mean) of these responses: what
+        describes the batch trained on, where GRPO's filter chose it from several draws."""
+        metrics = {"val/num_non_stop": float(sum(not s for s in stopped))}
+        if (overlong := self.overlong(response_lengths)) is not None:
             metrics["objective/overlong_penalty"] = overlong.mean().item()
-        return score, metrics
+        return metrics
 
 
 class PrecomputedScores:

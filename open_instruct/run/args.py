@@ -123,9 +123,16 @@ class PPOArgs:
     )
     filter_zero_std_groups: bool = arg(
         False,
-        "GRPO (DAPO's dynamic sampling): drop the groups whose responses all scored the same (their advantage is 0, "
-        "they teach nothing) and draw more batches until a step has --local_rollout_batch_size groups that differ; "
-        "the surplus of the last draw is discarded. Needs verifiable rewards (the driver scores before training).",
+        "GRPO (DAPO's dynamic sampling): drop the groups whose responses are all equally correct (--filter_metric) and "
+        "draw more batches until a step has --local_rollout_batch_size groups that differ; the surplus of the last "
+        "draw is discarded. Needs verifiable rewards (the driver scores before training).",
+    )
+    filter_metric: str = arg(
+        "correct",
+        "With --filter_zero_std_groups, what must differ within a group for it to be kept: correct: the verifiers' "
+        "verdicts (DAPO eq. 11 and verl filter on accuracy: an all-correct group whose answers differ only by the "
+        "overlong or format terms is dropped), score: the whole training score.",
+        choices=["correct", "score"],
     )
     filter_max_extra_batches: int = arg(
         4,
@@ -162,7 +169,8 @@ class GenerationArgs:
         "Decode the K batches in flight together and load each new policy into the engine between two decode steps, "
         "while they are half generated (no batch waits for another's longest answer). Each token records the version "
         "that generated it, and the engine's logprobs are then the true behaviour logprobs token by token (the running "
-        "requests recompute their KV cache with the new weights). Needs --async_steps 2 or more to change anything.",
+        "requests recompute their KV cache with the new weights). Needs --async_steps 2 or more to change anything (at 1: "
+        "a start warning).",
     )
     vllm_gpu_memory_utilization: float = arg(0.4, "GPU memory fraction for vLLM (the learner shares the GPU).")
     vllm_dtype: str = arg(
@@ -197,7 +205,8 @@ class GenerationArgs:
         choices=["plain", "packed"],
     )
     queue_timeout_s: MayChangeOnResume[float] = arg(
-        1800.0, "Longest wait on the generation thread before failing with a message."
+        1800.0, "Longest wait on the generation thread before failing with a message (at least 60 s: the first wait "
+        "includes the engine's loading).",
     )
     max_vllm_logprob_diff: MayChangeOnResume[float] = arg(
         0.5,
@@ -217,7 +226,8 @@ class RunArgs:
     )
     save_freq: MayChangeOnResume[int] = arg(
         -1, "Save a full checkpoint (resumable, in either mode: Ray learner ranks write theirs in parallel) every N "
-        "steps (-1: only the final model, and a checkpoint on SIGTERM/SIGINT)."
+        "steps (-1: only the final model, and a checkpoint on SIGTERM/SIGINT). A disk that cannot hold one checkpoint "
+        "(~12 bytes per trained parameter) is named in a warning at start."
     )
     save_model_freq: MayChangeOnResume[int] = arg(
         -1, "Also save the current policy as a loadable HF folder output_dir/model_step_N (fp32 masters in --save_dtype, "

@@ -195,11 +195,16 @@ def make_room_for(output_dir: str, needed: int, keep_last_n: int) -> None:
     free = disk_space.free_bytes(root)
     if free is None or free >= needed:
         return
-    existing = complete_checkpoints(output_dir)
-    doomed = [path for path in existing[: max(0, len(existing) - (keep_last_n - 1))] if path != existing[-1]]
+    doomed = doomed_checkpoints(output_dir, keep_last_n)
     if free + sum(disk_space.folder_bytes(path) for path in doomed) >= needed:
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def doomed_checkpoints(output_dir: str, keep_last_n: int) -> list[str]:
+    """The complete checkpoints the next save may delete before it writes (`make_room_for`)."""
+    existing = complete_checkpoints(output_dir)
+    return [path for path in existing[: max(0, len(existing) - (keep_last_n - 1))] if path != existing[-1]]
 
 
 @dataclass

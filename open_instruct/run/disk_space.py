@@ -104,25 +104,29 @@ def tensor_bytes(state) -> int:
     return 0
 
 
+def weights_numel(model_dir: str) -> int | None:
+    """The parameters of the HF folder `model_dir`, counted in its safetensors headers (no weights read); None when it
+    is not a local folder of safetensors files (a hub id, or .bin weights)."""
+    if not os.path.isdir(model_dir):
+        return None
+    weight_files = [name for name in os.listdir(model_dir) if name.endswith(".safetensors")]
+    if not weight_files:
+        return None
+    numel = 0
+    for name in weight_files:
+        _, header = safetensors_header(os.path.join(model_dir, name))
+        numel += sum(torch.Size(entry["shape"]).numel() for key, entry in header.items() if key != "__metadata__")
+    return numel
+
+
 def model_folder_bytes(model_dir: str, dtype: torch.dtype) -> int | None:
     """What an HF folder of this model takes with its weights stored in `dtype`: the weights' element count (read from
     the safetensors headers of `model_dir`) times the dtype's size, plus the folder's other files (tokenizer, config).
     None when `model_dir` is not a local folder of safetensors files (a hub id, or .bin weights)."""
-    if not os.path.isdir(model_dir):
+    numel = weights_numel(model_dir)
+    if numel is None:
         return None
-    names = os.listdir(model_dir)
-    weight_files = [name for name in names if name.endswith(".safetensors")]
-    if not weight_files:
-        return None
-    numel, other_files = 0, 0
-    for name in names:
-        path = os.path.join(model_dir, name)
-        if name in weight_files:
-            _, header = safetensors_header(path)
-            for key, entry in header.items():
-                if key != "__metadata__":
-                    numel += torch.Size(entry["shape"]).numel()
-        elif os.path.isfile(path):
-            other_files += os.path.getsize(path)
+    other_files = sum(os.path.getsize(os.path.join(model_dir, name)) for name in os.listdir(model_dir)
+                      if not name.endswith(".safetensors") and os.path.isfile(os.path.join(model_dir, name)))  # fmt: skip
     itemsize = torch.empty((), dtype=dtype).element_size()
     return numel * itemsize + other_files

@@ -7,6 +7,7 @@ and put back if it stops before that: a typo in a data path, a broken model fold
 loses nothing. A process killed in between leaves them aside; the next start in that folder decides the same way.
 """
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -40,8 +41,15 @@ class RunDirectory:
         self.output_dir = args.run.output_dir
         self.earlier_run = os.path.join(self.output_dir, EARLIER_RUN)
         self._lock_file = None
+        # The folders this run makes for output_dir (it and its missing parents, innermost first): a start that fails
+        # before writing in them removes them again.
+        self.created: list[str] = []
 
     def __enter__(self) -> "RunDirectory":
+        path = os.path.abspath(self.output_dir)
+        while not os.path.exists(path):
+            self.created.append(path)
+            path = os.path.dirname(path)
         os.makedirs(self.output_dir, exist_ok=True)
         lock_path = os.path.join(self.output_dir, LOCK_FILE)
         lock_file = open(lock_path, "a+", encoding="utf-8")
@@ -105,10 +113,20 @@ class RunDirectory:
         if os.path.isdir(self.earlier_run) and self._lock_file is not None:
             message = settle_earlier_run(self.output_dir)
             say(f"[ppo] {message}", error=exc[0] is not None)
-        if self._lock_file is not None:
-            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
-            self._lock_file.close()
-            self._lock_file = None
+        if self._lock_file is None:
+            return
+        # A folder this run made and left holding only its lock (a start that failed on its data, say) is removed,
+        # so that the user is not left with an empty run folder. The lock file goes first, while still held.
+        only_the_lock = bool(self.created) and os.listdir(self.output_dir) == [LOCK_FILE]
+        if only_the_lock:
+            os.remove(os.path.join(self.output_dir, LOCK_FILE))
+        fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+        self._lock_file.close()
+        self._lock_file = None
+        if only_the_lock:
+            with contextlib.suppress(OSError):  # something else wrote in one meanwhile: it and those above it stay
+                for folder in self.created:
+                    os.rmdir(folder)
 
 
 def has_an_artifact(output_dir: str) -> bool:

@@ -3,8 +3,10 @@
 `validate_flags` checks each flag's value against a table of rules; `validate_hub` the Hub settings of
 `--push_to_hub` (a push that would fail after hours of training fails now instead); `validate_models` the
 model folders' vocabularies and context lengths against the policy's tokens; `validate_memory` prints the learner's
-memory plan and refuses a run that cannot fit; `validate_work` the sampling that could never finish; `row_checker`
-every dataset row the run will read (ground truth present where its verifier needs one, verifier known). Each raises
+memory plan and refuses a run that cannot fit; `validate_work` the sampling that could never finish;
+`validate_async_depth` an --async_steps the run's steps cannot use; `validate_packing` a token budget below one
+sequence; `row_checker` every dataset row the run will read (ground truth present where its verifier needs one,
+verifier known). Each raises
 `ConfigError`, whose message names the value and the fix; the CLI prints it as `error: ...` and exits with code 2
 (see `ppo_vllm_thread_ray_gtrl.cli`). `start_warnings` names settings that work but not as a user would expect.
 """
@@ -53,6 +55,10 @@ def as_config_errors() -> Iterator[None]:
 def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
+
+# --queue_timeout_s bounds every wait on generation, the first batch's (the engine still loading) included: below a
+# minute a healthy run times out.
+MIN_QUEUE_TIMEOUT_S = 60
 
 # (is the value valid, what is expected): the kinds of value a flag can hold.
 AT_LEAST_1 = (lambda v: v >= 1, "an integer >= 1")
@@ -108,7 +114,9 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
             gen.vllm_kv_cache_memory_gb,
             (lambda v: v is None or POSITIVE[0](v), "a number of GiB > 0 (or unset: vLLM's default)"),
         ),
-        ("queue_timeout_s", gen.queue_timeout_s, POSITIVE),
+        ("queue_timeout_s", gen.queue_timeout_s,
+         (lambda v: _finite(v) and v >= MIN_QUEUE_TIMEOUT_S, f"seconds >= {MIN_QUEUE_TIMEOUT_S} (the longest wait for "
+          "a rollout, loading the engine and generating a batch; default 1800)")),
         ("max_vllm_logprob_diff", gen.max_vllm_logprob_diff, NON_NEGATIVE),
         ("max_prompt_token_length", data.max_prompt_token_length, AT_LEAST_1),
         ("dataset_seed", data.dataset_seed, NON_NEGATIVE_INT),
@@ -242,6 +250,11 @@ def validate_grpo_flags(args: Args) -> None:
             f"{args.gen.response_length}: every response would be penalised; pass a buffer shorter than the responses "
             "(DAPO: a fifth of them), or 0 to turn it off."
         )
+    if ppo.filter_metric != "correct" and not ppo.filter_zero_std_groups:
+        raise ConfigError(
+            f"--filter_metric {ppo.filter_metric} says what the groups of --filter_zero_std_groups must differ in, and "
+            "that filter is off; pass --filter_zero_std_groups true, or drop --filter_metric."
+        )
     if ppo.filter_zero_std_groups:
         if ppo.algorithm != "grpo":
             raise ConfigError(
@@ -340,12 +353,23 @@ def validate_engine_flags(dist) -> None:
 
 
 # Sampling that could not finish even at a generous rate is a typo (4000000 samples per prompt for 4), not a plan.
-# Generous: measured vLLM throughput here is ~100 tokens/s on 2 CPU cores (SmolLM2-135M); a GPU engine with a small
-# model and large batches does thousands to ~100k. The bounds are far past any run we know of (Tulu 3 8B PPO samples
-# ~0.5 M response tokens a step, ~0.2 G in all), so they refuse only what would never end.
-GENEROUS_TOKENS_PER_S_PER_ENGINE = {"cpu": 10_000, "gpu": 200_000}
+# Generous, per device: the CPU engine measured ~120 tokens/s per core here (docs/speed.md, "Generation": 242 tokens/s
+# on 2 cores, SmolLM2-135M in fp32), so a CPU machine gets 1,000 tokens/s per core, however many engines share the
+# cores; a GPU engine with a small model and large batches does thousands to ~100k, so 200k per engine. The bounds are
+# far past any run we know of (Tulu 3 8B PPO samples ~0.5 M response tokens a step, ~0.2 G in all), so they refuse
+# only what would never end.
+GENEROUS_TOKENS_PER_S_PER_CPU_CORE = 1_000
+GENEROUS_TOKENS_PER_S_PER_GPU_ENGINE = 200_000
 MAX_STEP_S = 24 * 3600  # one step's sampling
 MAX_RUN_S = 365 * 24 * 3600  # the whole run's
+
+
+def generous_sampling_rate(on_gpus: bool, num_engines: int, cpu_cores: int) -> tuple[int, str]:
+    """Response tokens per second no setup of these devices beats, and how it was counted."""
+    if on_gpus:
+        engines = max(1, num_engines)
+        return GENEROUS_TOKENS_PER_S_PER_GPU_ENGINE * engines, f"{engines} GPU engine(s)"
+    return GENEROUS_TOKENS_PER_S_PER_CPU_CORE * cpu_cores, f"{cpu_cores} CPU core(s)"
 
 
 def validate_work(args: Args, sizes: BatchSizes) -> None:
@@ -354,7 +378,7 @@ def validate_work(args: Args, sizes: BatchSizes) -> None:
 
     ppo, response_length = args.ppo, args.gen.response_length
     on_gpus = torch.cuda.is_available() or args.dist.ray_address is not None  # a cluster's engines may have GPUs
-    rate = GENEROUS_TOKENS_PER_S_PER_ENGINE["gpu" if on_gpus else "cpu"] * max(1, args.dist.vllm_num_engines)
+    rate, devices = generous_sampling_rate(on_gpus, args.dist.vllm_num_engines, len(os.sched_getaffinity(0)))
     step_tokens = sizes.rollout_batch_size * response_length
     run_tokens = sizes.num_training_steps * step_tokens
     sizes_named = (
@@ -364,12 +388,27 @@ def validate_work(args: Args, sizes: BatchSizes) -> None:
     if step_tokens / rate > MAX_STEP_S:
         raise ConfigError(
             f"one step samples up to {step_tokens:,} response tokens ({sizes_named}), more than a day's work even at "
-            f"{rate:,} tokens/s; lower --number_samples_per_prompt, --local_rollout_batch_size or --response_length."
+            f"{rate:,} tokens/s ({devices}); lower --number_samples_per_prompt, --local_rollout_batch_size or "
+            "--response_length."
         )
     if run_tokens / rate > MAX_RUN_S:
         raise ConfigError(
             f"the run samples up to {run_tokens:,} response tokens ({sizes.num_training_steps:,} steps of "
-            f"{sizes_named}), more than a year's work even at {rate:,} tokens/s; lower --total_episodes."
+            f"{sizes_named}), more than a year's work even at {rate:,} tokens/s ({devices}); lower --total_episodes."
+        )
+
+
+def validate_async_depth(args: Args, sizes: BatchSizes) -> None:
+    """--async_steps K above 1 turns the off-policy correction on (decoupled PPO, the truncated importance weight):
+    with K or fewer steps no batch can be more than steps - 1 versions old, so that K would change the loss for
+    nothing."""
+    lag, steps = async_steps(args.gen), sizes.num_training_steps
+    if lag > 1 and lag >= steps:
+        most = max(1, steps - 1)
+        raise ConfigError(
+            f"--async_steps {lag} lets data lag {lag} policy versions, but the run's {steps} step(s) can lag at most "
+            f"{steps - 1}, and above 1 it turns the off-policy correction on; pass --async_steps {most}, or more "
+            "--total_episodes."
         )
 
 
@@ -383,6 +422,11 @@ def start_warnings(args: Args, sizes: BatchSizes) -> list[str]:
             f"--total_episodes {total} is not a multiple of a step's {step} responses: the run trains "
             f"{sizes.num_training_steps} steps ({trained} episodes) and drops the last {total - trained}; pass "
             f"--total_episodes {trained} or {trained + step}."
+        )
+    if args.gen.inflight_updates and batches_in_engine(args.gen) == 1:
+        warnings.append(
+            f"--inflight_updates does nothing at --async_steps {args.gen.async_steps}: the engine holds one batch at a "
+            "time and takes each policy between batches; pass --async_steps 2 or more for it, or drop it."
         )
     if args.run.save_freq > sizes.num_training_steps:
         warnings.append(
@@ -468,6 +512,18 @@ def validate_models(args: Args, policy_path: str, policy_tokenizer) -> int:
         if role == "policy" and vocab_size is not None:
             policy_vocab_size = vocab_size
     return policy_vocab_size
+
+
+def validate_packing(args: Args, longest_prompt: int) -> None:
+    """--max_tokens_per_micro_batch T must hold the longest sequence the run can make, the longest prompt plus
+    --response_length: a longer one would run alone in a micro-batch over the budget the memory plan was made for."""
+    budget, longest = args.ppo.max_tokens_per_micro_batch, longest_prompt + args.gen.response_length
+    if 0 < budget < longest:
+        raise ConfigError(
+            f"--max_tokens_per_micro_batch {budget} is below one sequence: the longest prompt ({longest_prompt} tokens) "
+            f"plus --response_length {args.gen.response_length} make {longest}; pass --max_tokens_per_micro_batch "
+            f"{longest} or more (a few sequences' worth packs them), or 0 for padded micro-batches."
+        )
 
 
 def validate_memory(
