@@ -33,7 +33,7 @@ from open_instruct.learner.models import ModelSpec
 from open_instruct.learner.saving import SavedModel
 from open_instruct.learner.single_process import OptimizerSettings, SingleProcess
 from open_instruct.rl.packing import pack_rows, plan_micro_batches
-from open_instruct.rl.rewards import RewardManager
+from open_instruct.rl.rewards import Scorer
 from open_instruct.run import checkpoint, devices
 from open_instruct.run.args import Args, BatchSizes, truncated_importance_cap
 from open_instruct.run.flops import LearnerWork, ModelFlops
@@ -154,7 +154,7 @@ class PPOLearner(LearnerState):
         return self.policy_trainer.lr
 
     def make_experience(
-        self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager
+        self, prompts: PromptBatch, completions: list[Completion], reward_manager: Scorer
     ) -> tuple[Experience, dict[str, float], dict]:
         """Score a rollout and compute logprobs, values, KL-shaped rewards and advantages. Three parts: the rollout as
         tensors (`layout_rollout`), the forward passes that give logprobs and scores (`forward_logprobs`, `score`),
@@ -211,7 +211,7 @@ class PPOLearner(LearnerState):
 
     def score(
         self, rollout: RolloutTensors, prompts: PromptBatch, completions: list[Completion],
-        reward_manager: RewardManager, timings: dict,
+        reward_manager: Scorer, timings: dict,
     ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
         """Each response's score [batch] (on the learner's device): verifiers, the reward model's score (a forward
         pass, only with --reward_model_multiplier non-zero), the format reward and the non-stop penalty."""
@@ -332,7 +332,7 @@ class PPOLearner(LearnerState):
         exp.advantage, exp.return_ = rl.compute_gae(reward, exp.value, exp.response_mask, ppo.gamma, ppo.lam)
         return {"val/value_mean": rl.masked_mean(exp.value, exp.response_mask).item()}
 
-    def train(self, exp: Experience) -> dict[str, float]:
+    def train(self, experience: Experience) -> dict[str, float]:
         """`num_epochs` PPO epochs over shuffled minibatches; one optimizer step per minibatch. Micro-batches are
         --per_device_train_batch_size padded rows, or packed by --max_tokens_per_micro_batch (experience.micro_batches):
         the same update and metrics either way when the padded micro-batch is the whole minibatch."""
@@ -351,19 +351,19 @@ class PPOLearner(LearnerState):
 
         for epoch in range(ppo.num_epochs):
             # The same order on every rank (same seed); each rank trains on its share of each minibatch.
-            order = torch.randperm(exp.query_response.shape[0], generator=self.shuffle_generator)
+            order = torch.randperm(experience.query_response.shape[0], generator=self.shuffle_generator)
             for index, minibatch in enumerate(order.split(self.sizes.mini_batch_size)):
                 finite_losses = True
                 # Before the first update the policy is still the one the batch was made with: its logprobs here are
                 # the learner's old ones, which make_experience did not compute with --old_logprobs_from vllm.
-                check_agreement = epoch == 0 and index == 0 and exp.engine_logprob_to_check is not None
-                first_logprobs = torch.zeros(len(minibatch), exp.response_mask.shape[1], device=self.device)
+                check_agreement = epoch == 0 and index == 0 and experience.engine_logprob_to_check is not None
+                first_logprobs = torch.zeros(len(minibatch), experience.response_mask.shape[1], device=self.device)
                 plan = micro_batches(
-                    exp, minibatch, ppo.per_device_train_batch_size, ppo.max_tokens_per_micro_batch,
+                    experience, minibatch, ppo.per_device_train_batch_size, ppo.max_tokens_per_micro_batch,
                     self.backend.rank, self.backend.world_size,
                 )  # fmt: skip
                 for number, micro in enumerate(plan):
-                    finite, new_logprob = self.train_micro_batch(exp, micro, number == len(plan) - 1, record)
+                    finite, new_logprob = self.train_micro_batch(experience, micro, number == len(plan) - 1, record)
                     finite_losses &= finite
                     if check_agreement:
                         first_logprobs[micro.positions] = new_logprob
@@ -372,7 +372,7 @@ class PPOLearner(LearnerState):
                 if check_agreement:  # summed over ranks: each rank filled its rows of the minibatch
                     learner_logprob = self.backend.all_sum(first_logprobs)
                     agreement = agreement_metrics(
-                        learner_logprob, exp.engine_logprob_to_check[minibatch], exp.response_mask[minibatch]
+                        learner_logprob, experience.engine_logprob_to_check[minibatch], experience.response_mask[minibatch]
                     )
                     check_engine_matches_learner(agreement, self.args.gen.max_vllm_logprob_diff)  # before the update
                 # A non-finite loss or gradient norm is never applied to the weights (see AdamWTrainer.step).
@@ -399,7 +399,7 @@ class PPOLearner(LearnerState):
         norm = weight_norm(self.policy, self.backend)  # for the trainer's divergence guard (run/divergence.py)
         value_metrics["policy/weight_norm_vs_start"] = norm / self.initial_weight_norm
         # perf/*: see run/flops.py; the slots the micro-batches (padded or packed) computed on, per epoch
-        self.add_training_work(exp, int(work_totals[1]) // ppo.num_epochs)
+        self.add_training_work(experience, int(work_totals[1]) // ppo.num_epochs)
         self.work.seconds += time.perf_counter() - work_start
         return {
             "train/skipped_updates": float(skipped_updates),
@@ -519,6 +519,9 @@ class PPOLearner(LearnerState):
             return reader
         initial = models.load_policy(self.policy_path, torch.device("cpu"), self.args.model.model_revision)
         return dict(initial.named_parameters())
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the models go with this process (Ray learner ranks are killed here)."""
 
     @property
     def trainers(self) -> tuple:

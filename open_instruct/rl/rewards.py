@@ -5,6 +5,7 @@ then applies the non-stop penalty ("The N Implementation Details of RLHF with PP
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -39,6 +40,23 @@ def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer_len
     the same penalty."""
     start = max_length - buffer_length
     return -factor * ((response_lengths.float() - start) / buffer_length).clamp(0.0, 1.0)
+
+
+class Scorer(Protocol):
+    """The rewards' seam: what the learner calls to score a rollout (`RewardManager`, or `PrecomputedScores` when the
+    driver scored the batch already). tests/test_seams.py holds both to this signature."""
+
+    def score(
+        self,
+        responses: list[str],
+        ground_truths: list[str | None],
+        verifier_names: list[str | None],
+        stopped: list[bool],
+        rm_scores: torch.Tensor | None = None,
+        response_lengths: list[int] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One score per response (float32 [batch]) and the step's reward metrics."""
+        ...
 
 
 class RewardManager:
@@ -150,7 +168,16 @@ class PrecomputedScores:
     def __init__(self, scores: torch.Tensor, metrics: dict[str, float]):
         self.scores, self.metrics = scores, metrics
 
-    def score(self, responses: list[str], *_, **__) -> tuple[torch.Tensor, dict[str, float]]:
+    def score(
+        self,
+        responses: list[str],
+        ground_truths: list[str | None],
+        verifier_names: list[str | None],
+        stopped: list[bool],
+        rm_scores: torch.Tensor | None = None,
+        response_lengths: list[int] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The scores computed before; the other arguments are those they were computed from."""
         if len(responses) != len(self.scores):
             raise ValueError(f"{len(self.scores)} precomputed scores for {len(responses)} responses")
         return self.scores.clone(), dict(self.metrics)
