@@ -9,6 +9,7 @@ Protocol would only look at the names.
 """
 
 import ast
+import dataclasses
 import inspect
 import textwrap
 
@@ -17,17 +18,17 @@ import pytest
 from open_instruct.generation.engine_actors import EngineGroup
 from open_instruct.generation.generation_thread import InProcessEngine
 from open_instruct.generation.seams import BroadcastsWeights, Engine, HandsOutWeights
-from open_instruct.learner.grpo import GRPOLearner
+from open_instruct.learner.algorithms import LEARNERS
 from open_instruct.learner.ppo import PPOLearner
 from open_instruct.learner.ray_group import LearnerGroup
 from open_instruct.learner.seams import Learner
 from open_instruct.rl.rewards import PrecomputedScores, RewardManager, Scorer
+from open_instruct.run.args import ALGORITHM_DEFAULTS, PPOArgs
 
 IMPLEMENTATIONS = [
     (Engine, InProcessEngine),
     (Engine, EngineGroup),
-    (Learner, PPOLearner),
-    (Learner, GRPOLearner),
+    *[(Learner, learner) for learner in LEARNERS.values()],  # every --algorithm's learner class
     (Learner, LearnerGroup),
     (BroadcastsWeights, LearnerGroup),
     (Scorer, RewardManager),
@@ -132,3 +133,10 @@ def test_the_check_sees_a_backend_that_drifted():
 
     missing = {line.split(":")[0] for line in seam_problems(Engine, EngineWithoutRestarts)}
     assert "EngineWithoutRestarts.restarts" in missing and "EngineWithoutRestarts.num_workers" not in missing
+
+
+def test_every_algorithm_has_a_learner_and_its_defaults():
+    """--algorithm's choices (run/args.py, which may not import the learner layer), the learner classes that run them
+    (learner/algorithms.LEARNERS, each held to the Learner seam above) and their flag defaults name the same ones."""
+    choices = next(f for f in dataclasses.fields(PPOArgs) if f.name == "algorithm").metadata["choices"]
+    assert set(choices) == set(LEARNERS) == set(ALGORITHM_DEFAULTS)
