@@ -1,7 +1,8 @@
 """Every backend behind a seam offers the seam's methods with the seam's parameters (issue 32).
 
 The trainer's loop calls a learner, a generation engine and a scorer without knowing which backend runs them (one
-process or Ray learner ranks; an engine in this process or engine actors; the verifiers or scores computed before).
+process or Ray learner ranks; an engine in this process or engine actors; the verifiers or scores computed before),
+and the learner runs the same code on one process or a DeepSpeed rank (its backend and trainers).
 Each seam is a `typing.Protocol` (generation/seams.py, learner/seams.py, rl/rewards.Scorer); here each implementation
 is held to it member by member: a method must be a method with the same parameters (names, kinds, defaults), a
 property a property, an attribute present on the class or set in its `__init__`. `isinstance` on a runtime-checkable
@@ -19,9 +20,11 @@ from open_instruct.generation.engine_actors import EngineGroup
 from open_instruct.generation.generation_thread import InProcessEngine
 from open_instruct.generation.seams import BroadcastsWeights, Engine, HandsOutWeights
 from open_instruct.learner.algorithms import LEARNERS
+from open_instruct.learner.deepspeed_backend import DeepSpeedBackend, DeepSpeedTrainer
 from open_instruct.learner.ppo import PPOLearner
 from open_instruct.learner.ray_group import LearnerGroup
-from open_instruct.learner.seams import Learner
+from open_instruct.learner.seams import EngineCheckpoints, Learner, LearnerBackend, ModelTrainer
+from open_instruct.learner.single_process import AdamWTrainer, SingleProcess
 from open_instruct.rl.rewards import PrecomputedScores, RewardManager, Scorer
 from open_instruct.run.args import ALGORITHM_DEFAULTS, PPOArgs
 
@@ -31,10 +34,14 @@ IMPLEMENTATIONS = [
     *[(Learner, learner) for learner in LEARNERS.values()],  # every --algorithm's learner class
     (Learner, LearnerGroup),
     (BroadcastsWeights, LearnerGroup),
+    (LearnerBackend, SingleProcess),
+    (EngineCheckpoints, DeepSpeedBackend),
+    (ModelTrainer, AdamWTrainer),
+    (ModelTrainer, DeepSpeedTrainer),
     (Scorer, RewardManager),
     (Scorer, PrecomputedScores),
 ]
-SEAMS = [Engine, HandsOutWeights, BroadcastsWeights, Learner, Scorer]
+SEAMS = [Engine, HandsOutWeights, BroadcastsWeights, Learner, LearnerBackend, EngineCheckpoints, ModelTrainer, Scorer]
 ATTRIBUTE = "attribute"
 
 

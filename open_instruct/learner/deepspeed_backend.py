@@ -128,7 +128,7 @@ def weights_dtype(requested: str, learner_compute_dtype: str) -> str:
 
 
 class DeepSpeedBackend:
-    """One rank's models on DeepSpeed (see single_process.py for the members PPOLearner uses).
+    """One rank's models on DeepSpeed: the seams.LearnerBackend (and EngineCheckpoints) PPOLearner runs on.
 
     `weights_dtype`: the dtype of the module weights the engines compute with at ZeRO-2/3. bfloat16 is DeepSpeed's
     bf16 mode: bf16 weights on the device, fp32 master weights (and, set here, fp32 gradient accumulation) in the

@@ -31,6 +31,7 @@ from open_instruct.learner.experience import (
 from open_instruct.learner.learner_state import LearnerState
 from open_instruct.learner.models import ModelSpec
 from open_instruct.learner.saving import SavedModel
+from open_instruct.learner.seams import LearnerBackend
 from open_instruct.learner.single_process import OptimizerSettings, SingleProcess
 from open_instruct.rl.packing import pack_rows, plan_micro_batches
 from open_instruct.rl.rewards import Scorer
@@ -56,14 +57,15 @@ class PPOLearner(LearnerState):
     uses_value_model = True  # a critic, trained beside the policy, that GAE takes its baseline from
 
     def __init__(
-        self, args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int], backend=None,
+        self, args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int],
+        backend: LearnerBackend | None = None,
         compute_dtype: tuple[torch.dtype, str] | None = None,
     ):  # fmt: skip
         """`compute_dtype`: (dtype, why) as `devices.learner_compute_dtype` chose it before the engine started loading
         (its probe times matmuls: best on quiet cores); None: this learner chooses now."""
         self.args, self.sizes, self.tokenizer = args, sizes, tokenizer
         self.stop_token_ids = stop_token_ids
-        self.backend = backend or SingleProcess()
+        self.backend: LearnerBackend = backend or SingleProcess()
         self.device = self.backend.device
         model_args = args.model
         if compute_dtype is None:
