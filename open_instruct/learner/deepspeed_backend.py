@@ -1,4 +1,4 @@
-"""The learner backend of one DeepSpeed rank (see single_process.py for the members PPOLearner uses).
+"""The learner backend of one DeepSpeed rank (learner/seams.LearnerBackend says what PPOLearner uses of it).
 
 Policy and value model are DeepSpeed training engines at ZeRO stage 0, 2 or 3, with torch AdamW as the
 client optimizer (DeepSpeed's own Adam kernels JIT-compile for minutes on CPUs); the reference and reward

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 
 class PPOLearner(LearnerState):
-    """The learner of one process, or one rank of a DeepSpeed group (`backend`, see single_process.py).
+    """The learner of one process, or one rank of a DeepSpeed group (`backend`: seams.LearnerBackend).
 
     Subclasses change the algorithm through `uses_value_model` and `compute_advantages` (GRPO: grpo.py).
 
