@@ -11,8 +11,9 @@ into the engine between two decode steps); without it, the same code waits for t
 
 The learner is this process's PPOLearner, or, with more than one learner (--num_learners_per_node), a --ray_address
 or a --deepspeed_stage, learner ranks as Ray actors on DeepSpeed behind the same methods (learner/ray_group.py;
-docs/distributed.md): the seams the loop calls are declared once, learner/seams.py (the learner) and
-generation/seams.py (the engine; what the engines need from a learner). GRPO (grpo_vllm_thread_ray_gtrl.py) only picks another learner class. The loop is the same.
+docs/distributed.md); each seam the loop calls is declared once: learner/seams.py (the learner), generation/seams.py
+(the engine, and what it needs from a learner). GRPO (grpo_vllm_thread_ray_gtrl.py) only picks another learner
+class. The loop is the same.
 
 The recipe, in order: parse args -> data -> models -> generation thread -> loop {send weights and prompts, receive
 rollout, score + advantages, PPO epochs, log, eval, save} -> final eval, save, push. `main` and `train` show it;

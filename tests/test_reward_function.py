@@ -6,6 +6,7 @@ GRPO's zero-std filter); the function travels to Ray learner ranks by pickle and
 tests/test_bad_inputs.py; here the loader's own messages.
 """
 
+import json
 import os
 import pickle
 import subprocess
@@ -122,3 +123,36 @@ def test_rows_need_no_known_verifier_name_with_a_reward_function(tmp_path):
     row_checker(parse_args(["--reward_function", spec]), "train")(row, "row 0")
     with pytest.raises(ConfigError, match="row 0: Unknown verifier 'my_task'"):
         row_checker(parse_args([]), "train")(row, "row 0")
+
+
+def test_a_grpo_run_scores_its_responses_with_the_function(tiny_model_dir, tmp_path):
+    """End to end, the tiny model for 2 steps: every logged sample's score is what the function gives its response,
+    and each step logs the function's correct rate (the rows name a verifier the registry does not know)."""
+    path = reward_file(tmp_path, "def even_length(response, ground_truth):\n    return float(len(response) % 2 == 0)\n")
+    rows = [{"prompt": f"What is {a} + {a}?", "ground_truth": str(2 * a), "dataset": "my_task"} for a in range(8)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output_dir = tmp_path / "output"
+    command = [
+        sys.executable, "-m", "open_instruct.grpo_vllm_thread_ray_gtrl",
+        "--model_name_or_path", tiny_model_dir,
+        "--dataset_mixer_list", str(data), "1.0",
+        "--reward_function", f"{path}:even_length",
+        "--local_rollout_batch_size", "4", "--number_samples_per_prompt", "2", "--per_device_train_batch_size", "4",
+        "--response_length", "16", "--total_episodes", "16", "--num_samples_to_log", "8",
+        "--output_dir", str(output_dir),
+    ]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in steps if "policy_version/learner" in line]
+    samples = [json.loads(line) for line in (output_dir / "samples.jsonl").read_text().splitlines()]
+    samples = [row for row in samples if "score" in row]
+    assert len(steps) == 2 and len(samples) == 16
+    for row in samples:
+        assert row["score"] == float(len(row["response"]) % 2 == 0), row
+    for step in steps:
+        step_samples = [row["score"] for row in samples if row["step"] == step["step"]]
+        assert step["objective/even_length_correct_rate"] == pytest.approx(sum(step_samples) / len(step_samples))
+        assert step["objective/verifiable_correct_rate"] == step["objective/even_length_correct_rate"]
