@@ -61,15 +61,12 @@ def test_the_other_reward_terms_still_apply(tmp_path):
     assert score.tolist() == [1.0, -1.0]  # the format reward is 0 for both; the second never stopped
 
 
-def test_a_manager_sent_to_another_process_loads_the_function_again_from_its_path(tmp_path):
+def test_a_manager_sent_to_another_process_loads_the_function_again_from_its_path(tmp_path, monkeypatch):
     """As a Ray learner rank receives it: pickled without the function, unpickled in a process that never imported the
     file and runs in another folder (the spec was relative to the driver's)."""
     reward_file(tmp_path)
-    os.chdir(tmp_path)  # pytest's monkeypatch would do, but the relative spec must be resolved here
-    try:
-        manager = RewardManager(RewardConfig(reward_function="my_reward.py:shouts_the_answer"))
-    finally:
-        os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.chdir(tmp_path)
+    manager = RewardManager(RewardConfig(reward_function="my_reward.py:shouts_the_answer"))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     script = ("import pickle, sys; manager = pickle.load(sys.stdin.buffer); "
