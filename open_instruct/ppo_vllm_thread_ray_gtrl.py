@@ -11,7 +11,9 @@ into the engine between two decode steps); without it, the same code waits for t
 
 The learner is this process's PPOLearner, or, with more than one learner (--num_learners_per_node), a --ray_address
 or a --deepspeed_stage, learner ranks as Ray actors on DeepSpeed behind the same methods (learner/ray_group.py;
-docs/distributed.md). GRPO (grpo_vllm_thread_ray_gtrl.py) only picks another learner class. The loop is the same.
+docs/distributed.md); each seam the loop calls is declared once: learner/seams.py (the learner), generation/seams.py
+(the engine, and what it needs from a learner). GRPO (grpo_vllm_thread_ray_gtrl.py) only picks another learner
+class. The loop is the same.
 
 The recipe, in order: parse args -> data -> models -> generation thread -> loop {send weights and prompts, receive
 rollout, score + advantages, PPO epochs, log, eval, save} -> final eval, save, push. `main` and `train` show it;
@@ -40,6 +42,7 @@ from open_instruct.generation.step_batch import BatchCollector
 from open_instruct.generation.vllm_engine import EngineConfig
 from open_instruct.learner.algorithms import learner_class
 from open_instruct.learner.experience import check_engine_matches_learner
+from open_instruct.learner.seams import Learner
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run import checkpoint, console, disk_space, summary
 from open_instruct.run.args import (
@@ -263,7 +266,7 @@ class Run:
     logger: MetricsLogger
     reward_manager: RewardManager
     generator: GenerationThread
-    learner: object  # PPOLearner / GRPOLearner in this process, or ray_group.LearnerGroup: the same methods
+    learner: Learner  # PPOLearner / GRPOLearner in this process, or ray_group.LearnerGroup: learner/seams.py
     rollouts: RolloutRequests
     stop: StopRequest
     start_time: float
@@ -372,7 +375,7 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
         if resume is not None:
             learner.read_checkpoint(resume.path)
             rollouts.load_state_dict(resume.trainer_state)
-            if hasattr(generator.engine, "restarts"):  # --max_engine_restarts counts over the whole run
+            if generator.engine is not None:  # engine actors: --max_engine_restarts counts over the whole run
                 generator.engine.restarts = resume.trainer_state.get("engine_restarts", 0)
             for version in rollouts.send_unfinished(learner_version=resume.step):
                 say(f"[ppo] warning: the batch of policy {version} was not finished when {resume.path} was written; "
@@ -380,8 +383,8 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
                     error=True)  # fmt: skip
         yield generator, learner, rollouts
     except BaseException:
-        if learner is not None and hasattr(learner, "shutdown"):  # Ray learner ranks: stopped now, not at exit
-            learner.shutdown()  # (after a run that ends well they still save the final model, then stop at exit)
+        if learner is not None:  # Ray learner ranks are stopped now, not at exit (after a run that ends well they
+            learner.shutdown()  # still save the final model, then stop at exit); one process: nothing to stop
         raise
     finally:
         generator.shutdown()
@@ -429,7 +432,8 @@ def start_generation_thread(args: Args, data: RunData, placement=None, cpu_cores
     return thread
 
 
-def build_learner(args: Args, sizes: BatchSizes, data: RunData, placement=None, compute_dtype: tuple | None = None):
+def build_learner(args: Args, sizes: BatchSizes, data: RunData, placement=None, compute_dtype: tuple | None = None
+                  ) -> Learner:  # fmt: skip
     """This process's learner (PPOLearner, or GRPOLearner with --algorithm grpo), or learner ranks of that class on
     Ray + DeepSpeed behind the same methods; `args` name every model by a local folder (`RunData.local_args`).
     `compute_dtype`: this process's (dtype, why), chosen before the engine started; Ray ranks choose on their own
@@ -467,7 +471,8 @@ def describe_models(args: Args, data: RunData) -> str:
     value = "none (GRPO)" if args.ppo.algorithm == "grpo" else (
         model.value_model_path or model.reward_model_path or "the policy with a new score head")  # fmt: skip
     reference = "none (--beta 0)" if args.ppo.beta == 0 else "the initial policy"
-    rewards = [name for name, on in (("verifiers", args.reward.apply_verifiable_reward),
+    verifiers = f"reward function {args.reward.reward_function}" if args.reward.reward_function else "verifiers"
+    rewards = [name for name, on in ((verifiers, args.reward.apply_verifiable_reward),
                                      (f"reward model {model.reward_model_path}", args.reward.reward_model_multiplier != 0)) if on]  # fmt: skip
     evals = f"{len(data.eval_prompts.token_ids)} eval prompts" if data.eval_prompts is not None else "no eval set"
     return (f"[ppo] policy {model.model_name_or_path} ({data.policy_path}); value model: {value}; reference: {reference}; "

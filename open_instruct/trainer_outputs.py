@@ -36,7 +36,8 @@ def save_checkpoint(run, step: int, wait_s: float | None = None) -> checkpoint.S
         "run_id": run.args.run.run_name,
         "wandb_run_id": run.logger.wandb_run_id,
         "time_from_scratch": time.time() - run.start_time,
-        "engine_restarts": getattr(run.generator.engine, "restarts", 0),  # engine actors: the run's count goes on
+        # engine actors: the run's count goes on (an in-process engine is never restarted)
+        "engine_restarts": run.generator.engine.restarts if run.generator.engine is not None else 0,
         **run.rollouts.state_dict(learner_version=step, wait_s=wait_s,
                                   inflight_updates=batches_in_engine(run.args.gen) > 1),
     }

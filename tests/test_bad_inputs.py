@@ -168,6 +168,17 @@ CASES = [
     # ---- rewards, models, hub ----
     Case("reward model weight without a model", ["--reward_model_multiplier", "1"], "needs a reward model; pass --reward_model_path"),
     Case("no reward at all", ["--apply_verifiable_reward", "false"], "No reward is enabled"),
+    Case("reward function file missing", ["--reward_function", "{tmp}/no_reward.py:score"],
+         "--reward_function '{tmp}/no_reward.py:score': {tmp}/no_reward.py is not a file"),  # fmt: skip
+    Case("reward function not in its file", ["--reward_function", "{tmp}/reward.py:scroe"],
+         "reward.py defines no function 'scroe' (its functions: one_argument, score)", setup="reward_file"),  # fmt: skip
+    Case("reward function with the wrong signature", ["--reward_function", "{tmp}/reward.py:one_argument"],
+         "one_argument(response) cannot be called as one_argument(response, ground_truth)", setup="reward_file"),  # fmt: skip
+    Case("reward function without a file name", ["--reward_function", "score"],
+         "--reward_function 'score' is not a file and a function's name; give path/to/file.py:function"),  # fmt: skip
+    Case("reward function with verifiable rewards off", ["--reward_function", "{tmp}/reward.py:score",
+         "--apply_verifiable_reward", "false", "--reward_model_multiplier", "1", "--reward_model_path", "tiny"],
+         "replaces the rows' verifiers, and --apply_verifiable_reward is false", setup="reward_file"),  # fmt: skip
     Case("policy folder missing", ["--model_name_or_path", "{tmp}/no_model"], "is not a folder; give an existing HF model folder"),
     Case("policy folder without a model", ["--model_name_or_path", "{tmp}/empty_model"], "Could not load the tokenizer", setup="empty_model"),
     Case(
@@ -226,6 +237,12 @@ def setup_small_vocab_model(tmp: Path, out: Path) -> None:
         shutil.copy(Path(tiny_model_path()) / name, folder / name)
     config = json.loads((Path(tiny_model_path()) / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+
+
+def setup_reward_file(tmp: Path, out: Path) -> None:
+    (tmp / "reward.py").write_text(
+        "def score(response, ground_truth):\n    return 1.0\n\n\ndef one_argument(response):\n    return 1.0\n"
+    )
 
 
 def setup_a_file(tmp: Path, out: Path) -> None:

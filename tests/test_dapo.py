@@ -104,7 +104,7 @@ def test_precomputed_scores_answer_the_learners_score_call():
     score, metrics = scorer.score(["a", "b"], ["1", "1"], ["arithmetic"] * 2, [True, True], None, [2, 2])
     assert score.tolist() == [1.0, 0.0] and metrics == {"objective/verifiable_correct_rate": 0.5}
     with pytest.raises(ValueError, match="2 precomputed scores for 3 responses"):
-        scorer.score(["a", "b", "c"])
+        scorer.score(["a", "b", "c"], ["1"] * 3, ["arithmetic"] * 3, [True] * 3)
 
 
 def test_joined_rollouts_keep_the_oldest_version_and_sum_their_timings():

@@ -40,6 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from open_instruct.generation import vllm_engine, weight_transfer
 from open_instruct.generation.engine_batches import EngineBatches
+from open_instruct.generation.seams import BroadcastsWeights, Engine
 from open_instruct.generation.weight_broadcast import run_beside
 from open_instruct.generation.weight_transfer import WeightTransfer
 from open_instruct.run.cluster import ActorDied, first_line, start_ray, wait_for_actors
@@ -187,7 +188,7 @@ class EngineActorsClient:
 
 class EngineGroup:
     """N engine actors: `generate` over all of them, `receive_weights` from learner rank 0, checksums, restarts,
-    shutdown."""
+    shutdown; the seams.Engine the generation thread calls, as its in-process engine is."""
 
     def __init__(self, config: vllm_engine.EngineConfig, num_engines: int, tensor_parallel_size: int = 1,
                  placement=None, timeout_s: float = 1800.0, sync_timeout_s: float = 600.0,
@@ -566,7 +567,7 @@ def start_engine_actors(args, engine_config: vllm_engine.EngineConfig, placement
     return engines
 
 
-def connect_engines(learner, engines, dist) -> WeightTransfer:
+def connect_engines(learner: BroadcastsWeights, engines: Engine, dist) -> WeightTransfer:
     """Learner rank 0 and every engine worker agree on the transfer and set it up.
 
     `learner`: the Ray learner ranks (learner/ray_group.LearnerGroup); `engines`: the engine actors, or the trainer's

@@ -1,5 +1,5 @@
 """Scoring what the engine generated for people to read: the eval's greedy and sampled correct rates on the eval prompts
-(graded by each row's verifier), and the sample rows logged each step.
+(graded by each row's verifier, or the --reward_function), and the sample rows logged each step.
 """
 
 from open_instruct.data.batches import PromptBatch

@@ -49,6 +49,7 @@ import torch
 
 from open_instruct.generation import vllm_engine
 from open_instruct.generation.engine_batches import EngineBatches
+from open_instruct.generation.seams import Engine
 from open_instruct.run.args import ConfigError
 from open_instruct.run.devices import pin_this_thread
 
@@ -112,15 +113,22 @@ class GenerationSettings:
 class InProcessEngine:
     """One vLLM engine inside this process: weights arrive as tensors (by reference) and are loaded in place, or, beside
     Ray learner ranks, from learner rank 0's transfer (the same receiving side as an engine actor's; no model travels
-    through Ray's object store)."""
+    through Ray's object store). The seams.Engine the generation thread calls, as engine_actors.EngineGroup is."""
 
     num_workers = 1
     regroup_pending = False  # the weight group never changes (engine actors: restarts)
+    restarts = 0  # it lives and dies with this process: never restarted
 
     def __init__(self, config: vllm_engine.EngineConfig):
         self.llm = vllm_engine.create_engine(config)
         self.batches = EngineBatches(self.llm)
         self.transfer = None
+
+    def wait_until_ready(self) -> None:
+        pass  # loaded when constructed
+
+    def regroup(self, learner) -> None:
+        pass  # never pending: no engine of this weight group can be lost and replaced
 
     # ---- the receiving side of a transfer from Ray learners (as engine_actors.EngineGroup) ----
     def device_reports(self) -> list[dict]:
@@ -167,12 +175,11 @@ class InProcessEngine:
     def restore(self, partial_batches: list[dict]) -> None:
         self.batches.restore(partial_batches)
 
-    @property
     def engine_steps(self) -> int:
         return self.batches.steps
 
     def restart_metrics(self) -> dict[str, float]:
-        return {}  # it lives and dies with this process
+        return {}  # never restarted
 
     def shutdown(self) -> None:
         pass  # the engine goes with this process
@@ -200,7 +207,8 @@ class GenerationThread(threading.Thread):
     """Owns the vLLM engine: admit requests (their weights, evals and batches), step the engine, hand back rollouts, until
     told to stop."""
 
-    def __init__(self, settings: GenerationSettings, poll_s: float = 1.0, timeout_s: float = 1800.0, engine=None):
+    def __init__(self, settings: GenerationSettings, poll_s: float = 1.0, timeout_s: float = 1800.0,
+                 engine: Engine | None = None):  # fmt: skip
         """`engine`: engine actors already created (engine_actors.EngineGroup); None: start one in this process."""
         super().__init__(name="vllm-generation", daemon=True)
         self.settings = settings
@@ -437,15 +445,15 @@ class GenerationThread(threading.Thread):
         self._learner_wait(wait_for_event, what)
 
     @property
-    def weight_receivers(self):
-        """What receives learner rank 0's transfers: the engine actors, or this thread's own engine."""
+    def weight_receivers(self) -> Engine | None:
+        """The engine behind this thread, which receives the weights: the engine actors, or this thread's own engine
+        (None until the thread has created it)."""
         return self.engine if self.engine is not None else self.local_engine
 
     def wait_until_ready(self) -> None:
         """Block until the engine is up (on a shared GPU, vLLM must size its cache before the learner allocates)."""
         self.wait_for(self._engine_ready, "start the vLLM engine")
-        if self.engine is not None:
-            self.engine.wait_until_ready()
+        self.weight_receivers.wait_until_ready()
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

@@ -36,6 +36,7 @@ from open_instruct.generation.generation_thread import (
     GenerationThreadError,
     Rollout,
 )
+from open_instruct.generation.seams import BroadcastsWeights, HandsOutWeights
 from open_instruct.generation.weight_broadcast import checksum_mismatch, run_beside
 
 
@@ -130,7 +131,7 @@ class RolloutRequests:
     flight, received first, or as the engine held them) is part of a checkpoint.
     """
 
-    def __init__(self, generator: GenerationThread, learner, dataset, tokenizer, prompt_order: ShufflingIterator,
+    def __init__(self, generator: GenerationThread, learner: HandsOutWeights | BroadcastsWeights, dataset, tokenizer, prompt_order: ShufflingIterator,
                  eval_prompts: PromptBatch | None, eval_freq: int, seed: int, sync_timeout_s: float,
                  broadcast: bool, async_steps: int = 1):  # fmt: skip
         """`broadcast`: the learner is Ray learner ranks, whose rank 0 sends the weights to the engines (else the

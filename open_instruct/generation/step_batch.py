@@ -24,7 +24,7 @@ from open_instruct.data.batches import PromptBatch
 from open_instruct.generation.generation_thread import Rollout
 from open_instruct.generation.rollout_requests import RolloutRequests, check_staleness
 from open_instruct.generation.vllm_engine import Completion
-from open_instruct.rl.rewards import PrecomputedScores, RewardManager
+from open_instruct.rl.rewards import PrecomputedScores, RewardManager, Scorer
 
 
 @dataclass
@@ -34,7 +34,7 @@ class StepBatch:
     prompts: PromptBatch
     rollout: Rollout  # its completions (under --filter_zero_std_groups, groups joined from several rollouts)
     requests: list  # the rollout requests it came from (their evals, their weight syncs)
-    scorer: object  # what scores it: the run's RewardManager, or the filter's scores (rl.PrecomputedScores)
+    scorer: Scorer  # what scores it: the run's RewardManager, or the filter's scores (rl.PrecomputedScores)
     metrics: dict  # staleness, and the filter's
 
 

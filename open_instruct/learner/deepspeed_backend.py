@@ -1,4 +1,4 @@
-"""The learner backend of one DeepSpeed rank (see single_process.py for the members PPOLearner uses).
+"""The learner backend of one DeepSpeed rank (learner/seams.LearnerBackend says what PPOLearner uses of it).
 
 Policy and value model are DeepSpeed training engines at ZeRO stage 0, 2 or 3, with torch AdamW as the
 client optimizer (DeepSpeed's own Adam kernels JIT-compile for minutes on CPUs); the reference and reward
@@ -122,7 +122,7 @@ def weights_dtype(requested: str, learner_compute_dtype: str) -> str:
 
 
 class DeepSpeedBackend:
-    """One rank's models on DeepSpeed (see single_process.py for the members PPOLearner uses).
+    """One rank's models on DeepSpeed: the seams.LearnerBackend (and EngineCheckpoints) PPOLearner runs on.
 
     `weights_dtype`: the dtype of the module weights the engines compute with at ZeRO-2/3. bfloat16 is DeepSpeed's
     bf16 mode: bf16 weights on the device, fp32 master weights (and, set here, fp32 gradient accumulation) in the

@@ -31,9 +31,10 @@ from open_instruct.learner.experience import (
 from open_instruct.learner.learner_state import LearnerState
 from open_instruct.learner.models import ModelSpec
 from open_instruct.learner.saving import SavedModel
+from open_instruct.learner.seams import LearnerBackend
 from open_instruct.learner.single_process import OptimizerSettings, SingleProcess
 from open_instruct.rl.packing import pack_rows, plan_micro_batches
-from open_instruct.rl.rewards import RewardManager
+from open_instruct.rl.rewards import Scorer
 from open_instruct.run import checkpoint, devices
 from open_instruct.run.args import Args, BatchSizes, truncated_importance_cap
 from open_instruct.run.flops import LearnerWork, ModelFlops
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 
 class PPOLearner(LearnerState):
-    """The learner of one process, or one rank of a DeepSpeed group (`backend`, see single_process.py).
+    """The learner of one process, or one rank of a DeepSpeed group (`backend`: seams.LearnerBackend).
 
     Subclasses change the algorithm through `uses_value_model` and `compute_advantages` (GRPO: grpo.py).
 
@@ -57,14 +58,15 @@ class PPOLearner(LearnerState):
     uses_value_model = True  # a critic, trained beside the policy, that GAE takes its baseline from
 
     def __init__(
-        self, args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int], backend=None,
+        self, args: Args, sizes: BatchSizes, tokenizer, policy_path: str, stop_token_ids: list[int],
+        backend: LearnerBackend | None = None,
         compute_dtype: tuple[torch.dtype, str] | None = None,
     ):  # fmt: skip
         """`compute_dtype`: (dtype, why) as `devices.learner_compute_dtype` chose it before the engine started loading
         (its probe times matmuls: best on quiet cores); None: this learner chooses now."""
         self.args, self.sizes, self.tokenizer = args, sizes, tokenizer
         self.stop_token_ids = stop_token_ids
-        self.backend = backend or SingleProcess()
+        self.backend: LearnerBackend = backend or SingleProcess()
         self.device = self.backend.device
         model_args = args.model
         if compute_dtype is None:
@@ -155,7 +157,7 @@ class PPOLearner(LearnerState):
         return self.policy_trainer.lr
 
     def make_experience(
-        self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager
+        self, prompts: PromptBatch, completions: list[Completion], reward_manager: Scorer
     ) -> tuple[Experience, dict[str, float], dict]:
         """Score a rollout and compute logprobs, values, KL-shaped rewards and advantages. Three parts: the rollout as
         tensors (`layout_rollout`), the forward passes that give logprobs and scores (`forward_logprobs`, `score`),
@@ -212,7 +214,7 @@ class PPOLearner(LearnerState):
 
     def score(
         self, rollout: RolloutTensors, prompts: PromptBatch, completions: list[Completion],
-        reward_manager: RewardManager, timings: dict,
+        reward_manager: Scorer, timings: dict,
     ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
         """Each response's score [batch] (on the learner's device): verifiers, the reward model's score (a forward
         pass, only with --reward_model_multiplier non-zero), the format reward and the non-stop penalty."""
@@ -333,7 +335,7 @@ class PPOLearner(LearnerState):
         exp.advantage, exp.return_ = rl.compute_gae(reward, exp.value, exp.response_mask, ppo.gamma, ppo.lam)
         return {"val/value_mean": rl.masked_mean(exp.value, exp.response_mask).item()}
 
-    def train(self, exp: Experience) -> dict[str, float]:
+    def train(self, experience: Experience) -> dict[str, float]:
         """`num_epochs` PPO epochs over shuffled minibatches; one optimizer step per minibatch. Micro-batches are
         --per_device_train_batch_size padded rows, or packed by --max_tokens_per_micro_batch (experience.micro_batches):
         each one's losses are its part of the minibatch's mean, so the update and the metrics are those of the whole
@@ -353,19 +355,19 @@ class PPOLearner(LearnerState):
 
         for epoch in range(ppo.num_epochs):
             # The same order on every rank (same seed); each rank trains on its share of each minibatch.
-            order = torch.randperm(exp.query_response.shape[0], generator=self.shuffle_generator)
+            order = torch.randperm(experience.query_response.shape[0], generator=self.shuffle_generator)
             for index, minibatch in enumerate(order.split(self.sizes.mini_batch_size)):
                 finite_losses = True
                 # Before the first update the policy is still the one the batch was made with: its logprobs here are
                 # the learner's old ones, which make_experience did not compute with --old_logprobs_from vllm.
-                check_agreement = epoch == 0 and index == 0 and exp.engine_logprob_to_check is not None
-                first_logprobs = torch.zeros(len(minibatch), exp.response_mask.shape[1], device=self.device)
+                check_agreement = epoch == 0 and index == 0 and experience.engine_logprob_to_check is not None
+                first_logprobs = torch.zeros(len(minibatch), experience.response_mask.shape[1], device=self.device)
                 plan = micro_batches(
-                    exp, minibatch, ppo.per_device_train_batch_size, ppo.max_tokens_per_micro_batch,
+                    experience, minibatch, ppo.per_device_train_batch_size, ppo.max_tokens_per_micro_batch,
                     self.backend.rank, self.backend.world_size,
                 )  # fmt: skip
                 for number, micro in enumerate(plan):
-                    finite, new_logprob = self.train_micro_batch(exp, micro, number == len(plan) - 1, record)
+                    finite, new_logprob = self.train_micro_batch(experience, micro, number == len(plan) - 1, record)
                     finite_losses &= finite
                     if check_agreement:
                         first_logprobs[micro.positions] = new_logprob
@@ -374,7 +376,7 @@ class PPOLearner(LearnerState):
                 if check_agreement:  # summed over ranks: each rank filled its rows of the minibatch
                     learner_logprob = self.backend.all_sum(first_logprobs)
                     agreement = agreement_metrics(
-                        learner_logprob, exp.engine_logprob_to_check[minibatch], exp.response_mask[minibatch]
+                        learner_logprob, experience.engine_logprob_to_check[minibatch], experience.response_mask[minibatch]
                     )
                     check_engine_matches_learner(agreement, self.args.gen.max_vllm_logprob_diff)  # before the update
                 # A non-finite loss or gradient norm is never applied to the weights (see AdamWTrainer.step).
@@ -401,7 +403,7 @@ class PPOLearner(LearnerState):
         norm = weight_norm(self.policy, self.backend)  # for the trainer's divergence guard (run/divergence.py)
         value_metrics["policy/weight_norm_vs_start"] = norm / self.initial_weight_norm
         # perf/*: see run/flops.py; the slots the micro-batches (padded or packed) computed on, per epoch
-        self.add_training_work(exp, int(work_totals[1]) // ppo.num_epochs)
+        self.add_training_work(experience, int(work_totals[1]) // ppo.num_epochs)
         self.work.seconds += time.perf_counter() - work_start
         return {
             "train/skipped_updates": float(skipped_updates),
@@ -512,6 +514,9 @@ class PPOLearner(LearnerState):
             return reader
         initial = models.load_policy(self.policy_path, torch.device("cpu"), self.args.model.model_revision)
         return dict(initial.named_parameters())
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the models go with this process (Ray learner ranks are killed here)."""
 
     @property
     def trainers(self) -> tuple:

@@ -34,7 +34,7 @@ from open_instruct.learner.experience import Experience
 from open_instruct.learner.ppo import PPOLearner
 from open_instruct.learner.saving import SavedModel
 from open_instruct.learner.weight_sender import WeightSender
-from open_instruct.rl.rewards import RewardManager
+from open_instruct.rl.rewards import Scorer
 from open_instruct.run import devices
 from open_instruct.run.args import Args, BatchSizes, ConfigError
 from open_instruct.run.cluster import folder_problem, node_address_with_free_port, wait_for_actors, write_folder_token
@@ -116,7 +116,7 @@ class LearnerRank:
         return said + (f"\n{self.learner.dtype_warning}" if self.learner.dtype_warning else "")
 
     def make_experience(
-        self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager
+        self, prompts: PromptBatch, completions: list[Completion], reward_manager: Scorer
     ) -> tuple[dict, dict]:
         self.experience, metrics, samples = self.learner.make_experience(prompts, completions, reward_manager)
         return metrics, samples
@@ -160,8 +160,8 @@ class ExperienceOnRanks:
 
 
 class LearnerGroup:
-    """PPOLearner's methods (make_experience, train, save, lr, the checkpoint's) and the weight transfer's over Ray
-    learner ranks."""
+    """PPOLearner's methods (seams.Learner: make_experience, train, save, lr, the checkpoint's) and the weight
+    transfer's (generation/seams.BroadcastsWeights) over Ray learner ranks."""
 
     def __init__(self, args: Args, sizes: BatchSizes, policy_path: str, stop_token_ids: list[int],
                  placement: Placement | None = None, check_devices: Callable[[list[dict]], None] | None = None):  # fmt: skip
@@ -223,7 +223,7 @@ class LearnerGroup:
         return wait_for_actors(refs, names, method, self.timeout_s, LearnerFailed, advice)
 
     def make_experience(
-        self, prompts: PromptBatch, completions: list[Completion], reward_manager: RewardManager
+        self, prompts: PromptBatch, completions: list[Completion], reward_manager: Scorer
     ) -> tuple[ExperienceOnRanks, dict, dict]:
         metrics, samples = self._call_all("make_experience", prompts, completions, reward_manager)[0]
         return ExperienceOnRanks(), metrics, samples

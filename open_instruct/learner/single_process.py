@@ -1,19 +1,9 @@
 """How the learner's models are placed and stepped, and how its ranks talk: the single-process backend.
 
-PPOLearner runs the same code in one process and on every rank of a DeepSpeed group; what differs sits
-behind a backend with these members (`deepspeed_backend.DeepSpeedBackend` is the other one):
-
-- `rank`, `world_size`, `device`;
-- `trainable(model, settings)`: a `ModelTrainer` (forward through `.model`, `backward` per micro-batch,
-  `step` per minibatch, `lr`); `frozen(model)`: a forward-only model (reference, reward);
-- `local_rows(n)`: the rows of an n-row global batch this rank runs forward passes on (an equal share);
-  `gather_rows(t)`: the ranks' row shares concatenated back into the global batch, in order;
-  `all_sum(t)`: a tensor summed over ranks;
-- `named_weights(model, dtype[, slot])`: the full weights with HF names on rank 0 (None elsewhere); `slot`: a
-  reusable buffer the single-process backend copies into (the DeepSpeed one ignores it: its copies travel by Ray);
-  `full_model(model)`: a context giving rank 0 the complete HF model (to save it), None elsewhere;
-- `saves_engines`: whether a checkpoint holds each trainer's own checkpoint, written by every rank
-  (`save_engine_checkpoint`, `load_engine_checkpoint`, `engine_checkpoint_bytes`), or one state_dict.
+PPOLearner runs the same code in one process and on every rank of a DeepSpeed group; what differs sits behind a
+backend, the seam learner/seams.LearnerBackend (each member is described there; `deepspeed_backend.DeepSpeedBackend`
+is the other one), and the trainers it builds (seams.ModelTrainer: `AdamWTrainer` here). In one process every model
+is on this process's device and the collectives are the identity.
 
 This module imports neither torch.distributed nor deepspeed: the single-process path never needs them.
 """
@@ -133,7 +123,10 @@ class SingleProcess:
             return named_weights_for_engine(self.hf_model(model), dtype)
         return self.snapshots.take(self.hf_model(model), dtype, slot)
 
-    def iter_named_weights(self, model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_named_weights(
+        self, model: nn.Module, dtype: torch.dtype, every_rank: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, whatever `every_rank` says: this process is rank 0 and the only one."""
         for name, param in self.hf_model(model).named_parameters():
             yield name, param.detach().to(dtype=dtype)  # copied into a broadcast bucket at once
 

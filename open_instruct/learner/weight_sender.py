@@ -55,7 +55,7 @@ class WeightSender:
 
     def __init__(self, learner):
         self.learner = learner
-        self.rank = getattr(learner.backend, "rank", 0)
+        self.rank = learner.backend.rank
         self.transfer: WeightTransfer | None = None
         self.group = None  # gloo: our stateless group; nccl: vLLM's PyNcclCommunicator (rank 0 only)
         self.ipc_engine = None  # ipc: vLLM's IPC trainer engine (every rank)

@@ -1,13 +1,16 @@
 """Rewards: `RewardManager.score` turns responses into one scalar score each, from each row's verifier (see
-`verifiers`), an optional reward model's score, an optional R1-style format reward and DAPO's soft overlong penalty,
-then applies the non-stop penalty ("The N Implementation Details of RLHF with PPO").
+`verifiers`; with --reward_function, the user's own for every row: `reward_function`), an optional reward model's
+score, an optional R1-style format reward and DAPO's soft overlong penalty, then applies the non-stop penalty ("The N
+Implementation Details of RLHF with PPO").
 """
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from open_instruct.rl.reward_function import absolute_spec, checked_score, load_reward_function, split_spec
 from open_instruct.rl.verifiers import VERIFIER_ALIASES, VERIFIERS, r1_format, resolve_verifier_name
 
 
@@ -19,6 +22,11 @@ def _option(default, help: str):
 @dataclass
 class RewardConfig:
     apply_verifiable_reward: bool = _option(True, "Score responses with each row's verifier against its ground truth.")
+    reward_function: str | None = _option(
+        None, "path/to/file.py:fn, a verifier of your own, fn(response, ground_truth) -> float in [0, 1], that "
+        "replaces the rows' verifiers for every row; its correct rate is logged as objective/<fn>_correct_rate "
+        "(docs/extending.md)."
+    )
     verification_reward: float = _option(1.0, "Reward for a correct answer (times the verifier's score in [0, 1]).")
     reward_model_multiplier: float = _option(0.0, "Weight of the reward model's score; 0 turns the reward model off.")
     add_r1_style_format_reward: bool = _option(False, "Reward `<think>...</think><answer>...</answer>` responses.")
@@ -41,13 +49,56 @@ def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer_len
     return -factor * ((response_lengths.float() - start) / buffer_length).clamp(0.0, 1.0)
 
 
+class Scorer(Protocol):
+    """The rewards' seam: what the learner calls to score a rollout (`RewardManager`, or `PrecomputedScores` when the
+    driver scored the batch already). tests/test_seams.py holds both to this signature."""
+
+    def score(
+        self,
+        responses: list[str],
+        ground_truths: list[str | None],
+        verifier_names: list[str | None],
+        stopped: list[bool],
+        rm_scores: torch.Tensor | None = None,
+        response_lengths: list[int] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One score per response (float32 [batch]) and the step's reward metrics."""
+        ...
+
+
 class RewardManager:
     """Turns responses into one scalar score each, following a RewardConfig."""
 
     def __init__(self, config: RewardConfig, max_response_length: int | None = None):
-        """`max_response_length`: --response_length, which the overlong penalty counts back from."""
+        """`max_response_length`: --response_length, which the overlong penalty counts back from. A --reward_function
+        is loaded here (its problems raise ValueError now, not at the first score)."""
         self.config = config
         self.max_response_length = max_response_length
+        self.reward_function_spec = None if config.reward_function is None else absolute_spec(config.reward_function)
+        self._reward_function = None
+        if self.reward_function_spec is not None:
+            self._reward_function = load_reward_function(self.reward_function_spec)
+
+    def __getstate__(self) -> dict:
+        # A function from the user's file is loaded again from its path where the manager is unpickled (a Ray learner
+        # rank): pickle would look for its module by name, which only this process has.
+        return {**self.__dict__, "_reward_function": None}
+
+    def verify(self, response: str, ground_truth: str, verifier_name: str | None, index: int) -> tuple[str, float]:
+        """(the verifier's name in the metrics, its score in [0, 1]) of response `index`: the --reward_function for
+        every row when one is given, else the row's own verifier."""
+        if self.reward_function_spec is not None:
+            if self._reward_function is None:
+                self._reward_function = load_reward_function(self.reward_function_spec)
+            score = self._reward_function(response, ground_truth)
+            return split_spec(self.reward_function_spec)[1], checked_score(score, self.config.reward_function, index)
+        if verifier_name is None:
+            raise ValueError(
+                f"Row {index} has a ground truth but no verifier name; set its `dataset`/`data_source` to one "
+                f"of {', '.join(sorted(VERIFIER_ALIASES))}."
+            )
+        canonical = resolve_verifier_name(verifier_name)
+        return canonical, VERIFIERS[canonical](response, ground_truth)
 
     def validate(self, verifier_names: Iterable[str | None]) -> None:
         """Fail at start-up, not mid-run: some reward must be on, and every dataset name must have a verifier."""
@@ -56,7 +107,7 @@ class RewardManager:
                 "No reward is enabled (apply_verifiable_reward is false and reward_model_multiplier is 0); "
                 "pass `--apply_verifiable_reward true` or a non-zero `--reward_model_multiplier`."
             )
-        if self.config.apply_verifiable_reward:
+        if self.config.apply_verifiable_reward and self.reward_function_spec is None:
             for name in set(verifier_names):
                 if name is not None:
                     resolve_verifier_name(name)
@@ -121,13 +172,7 @@ class RewardManager:
                     f"`--reward_model_multiplier`."
                 )
             if verified:
-                if name is None:
-                    raise ValueError(
-                        f"Row {i} has a ground truth but no verifier name; set its `dataset`/`data_source` to one "
-                        f"of {', '.join(sorted(VERIFIER_ALIASES))}."
-                    )
-                canonical = resolve_verifier_name(name)
-                correct = VERIFIERS[canonical](response, ground_truth)
+                canonical, correct = self.verify(response, ground_truth, name, i)
                 correct_by_verifier.setdefault(canonical, []).append(correct)
                 correct_each[i] = correct
                 score[i] += config.verification_reward * correct
@@ -180,7 +225,16 @@ class PrecomputedScores:
     def __init__(self, scores: torch.Tensor, metrics: dict[str, float]):
         self.scores, self.metrics = scores, metrics
 
-    def score(self, responses: list[str], *_, **__) -> tuple[torch.Tensor, dict[str, float]]:
+    def score(
+        self,
+        responses: list[str],
+        ground_truths: list[str | None],
+        verifier_names: list[str | None],
+        stopped: list[bool],
+        rm_scores: torch.Tensor | None = None,
+        response_lengths: list[int] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The scores computed before; the other arguments are those they were computed from."""
         if len(responses) != len(self.scores):
             raise ValueError(f"{len(self.scores)} precomputed scores for {len(responses)} responses")
         return self.scores.clone(), dict(self.metrics)

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from open_instruct.rl.reward_function import load_reward_function
 from open_instruct.rl.verifiers import VERIFIERS, resolve_verifier_name
 from open_instruct.run.args import (
     Args,
@@ -179,6 +180,7 @@ def validate_flags(args: Args) -> None:
             "No reward is enabled (--apply_verifiable_reward false and --reward_model_multiplier 0); pass "
             "--apply_verifiable_reward true or a non-zero --reward_model_multiplier with --reward_model_path."
         )
+    validate_reward_function(args)
     validate_async_flags(args)
     if (args.ppo.truncated_importance_sampling_ratio_cap or 0) > 0 and args.ppo.old_logprobs_from == "vllm":
         raise ConfigError(
@@ -191,6 +193,23 @@ def validate_flags(args: Args) -> None:
         raise ConfigError("--resume continues the run in --output_dir and --overwrite_output_dir deletes it; pick one.")
     validate_engine_flags(args.dist)
     validate_deepspeed_flags(args.dist)
+
+
+def validate_reward_function(args: Args) -> None:
+    """--reward_function: the file and the function are there and take (response, ground_truth), before any model
+    loads (importing the user's file is the only way to know)."""
+    spec = args.reward.reward_function
+    if spec is None:
+        return
+    if not args.reward.apply_verifiable_reward:
+        raise ConfigError(
+            f"--reward_function {spec} replaces the rows' verifiers, and --apply_verifiable_reward is false; pass "
+            "--apply_verifiable_reward true, or drop --reward_function."
+        )
+    try:
+        load_reward_function(spec)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
 
 
 def validate_async_flags(args: Args) -> None:
@@ -555,8 +574,8 @@ def validate_memory(
 def row_checker(args: Args, split: str):
     """A function (row, where) that raises ConfigError for a dataset row the run could not score.
 
-    Training rows need a reward source: a ground truth with a known verifier (when verifiable rewards are on)
-    or a reward model. Eval rows may lack a ground truth (they count for lengths), but what they hold must be
+    Training rows need a reward source: a ground truth with a known verifier (when verifiable rewards are on; any
+    verifier name with --reward_function, which replaces them) or a reward model. Eval rows may lack a ground truth (they count for lengths), but what they hold must be
     usable. Numeric verifiers need a number in the ground truth.
     """
     reward = args.reward
@@ -567,17 +586,8 @@ def row_checker(args: Args, split: str):
         if reward.apply_verifiable_reward and ground_truth is not None:
             if not ground_truth.strip():
                 raise ConfigError(f"{where}: the ground truth is empty; give the answer, or drop the row.")
-            if verifier is None:
-                raise ConfigError(
-                    f"{where}: has a ground truth but no verifier name; set its `dataset`/`data_source` to one of "
-                    f"{', '.join(sorted(VERIFIERS))}."
-                )
-            try:
-                canonical = resolve_verifier_name(verifier)
-                if canonical in NUMERIC_VERIFIERS:
-                    VERIFIERS[canonical]("", ground_truth)  # raises for a ground truth it cannot compare
-            except ValueError as error:
-                raise ConfigError(f"{where}: {error}") from error
+            if reward.reward_function is None:  # else it replaces the row's verifier: `dataset` is not read
+                check_verifier(verifier, ground_truth, where)
         if split == "train" and not has_reward_model and (ground_truth is None or not reward.apply_verifiable_reward):
             raise ConfigError(
                 f"{where}: has no reward source (no ground truth, or --apply_verifiable_reward false, and no reward "
@@ -586,3 +596,18 @@ def row_checker(args: Args, split: str):
             )
 
     return check
+
+
+def check_verifier(verifier: str | None, ground_truth: str, where: str) -> None:
+    """The row's verifier is known and can grade its ground truth."""
+    if verifier is None:
+        raise ConfigError(
+            f"{where}: has a ground truth but no verifier name; set its `dataset`/`data_source` to one of "
+            f"{', '.join(sorted(VERIFIERS))}."
+        )
+    try:
+        canonical = resolve_verifier_name(verifier)
+        if canonical in NUMERIC_VERIFIERS:
+            VERIFIERS[canonical]("", ground_truth)  # raises for a ground truth it cannot compare
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from error
