@@ -145,6 +145,7 @@ def finish(run, final_eval: dict) -> dict:
     saved = save_final_model(run)
     result = {
         "status": "completed",
+        "reason": f"trained all {run.sizes.num_training_steps} steps",
         **summary.summarize(os.path.join(args.run.output_dir, "metrics.jsonl")),
         "model_dir": saved.path,
         "save_dtype": saved.dtype,
