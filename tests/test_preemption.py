@@ -17,19 +17,15 @@ import textwrap
 import threading
 import time
 
-import datasets
 import pytest
 
-from open_instruct.data.batches import ShufflingIterator
-from open_instruct.generation.generation_thread import GenerationSettings, GenerationThread, WaitAbandoned
-from open_instruct.generation.rollout_requests import RolloutRequests
+from open_instruct.generation.generation_thread import GenerationThread, WaitAbandoned
 from open_instruct.generation.step_batch import BatchCollector
-from open_instruct.generation.vllm_engine import EngineConfig
 from open_instruct.rl.rewards import RewardConfig, RewardManager
 from open_instruct.run import summary
 from open_instruct.run.preemption import LAST_WORDS_S, WAIT_SHARE, Preempted, StopRequest
 from open_instruct.run.tracking import MetricsLogger
-from tests.test_async_schedule import InstantLearner, ScriptedEngine, Tokenizer
+from tests.test_async_schedule import ScriptedEngine, start_requests
 
 # ---- the learner's side of a step given up ---------------------------------------------------------------------------
 
@@ -53,15 +49,7 @@ class StallingEngine(ScriptedEngine):
 
 
 def start_collector(engine, async_steps: int, zero_std_filter: bool = False) -> tuple[GenerationThread, BatchCollector]:
-    settings = GenerationSettings(EngineConfig("unused", max_model_len=64), samples_per_prompt=1, temperature=1.0,
-                                  response_length=16, stop_token_ids=[], stop_strings=None)  # fmt: skip
-    thread = GenerationThread(settings, poll_s=0.01, timeout_s=20.0, engine=engine)
-    thread.start()
-    dataset = datasets.Dataset.from_dict(
-        {"input_ids_prompt": [[i] for i in range(50)], "ground_truth": ["0"] * 50, "dataset": ["arithmetic"] * 50}
-    )
-    requests = RolloutRequests(thread, InstantLearner(), dataset, Tokenizer(), ShufflingIterator(50, 1, 0), None, 0, 0,
-                               sync_timeout_s=20, broadcast=False, async_steps=async_steps)  # fmt: skip
+    thread, requests = start_requests(engine, async_steps)
     # One prompt a step; with the filter, every group (one response) has zero std: each step draws every extra batch.
     return thread, BatchCollector(requests, RewardManager(RewardConfig()), async_steps, 1, zero_std_filter,
                                   max_extra_batches=3, stop_token_ids=[])  # fmt: skip
