@@ -155,8 +155,7 @@ def finish(run, final_eval: dict) -> dict:
     }
     if args.run.push_to_hub:
         result["hub_url"] = push_to_hub(args, saved.path, saved.dtype, logger.wandb_url, {**final_eval, **result})
-    for key, value in result.items():
-        logger.set_summary(key, value)
+    logger.update_summary(result)
     logger.finish()
     return result
 
