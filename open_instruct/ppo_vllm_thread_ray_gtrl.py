@@ -181,8 +181,8 @@ def train_step(run: "Run", step: int) -> None:
         with run.generator.abandoning_waits_when(run.stop.out_of_patience):
             batch = run.batches.collect(learner_version, steps_left=sizes.num_training_steps - step + 1)
     except WaitAbandoned:
-        say(f"[ppo] the rollout of step {step} did not come within {time.time() - step_start:.0f}s, "
-            f"{time.monotonic() - run.stop.received_at:.0f}s after {run.stop.name}: giving up step {step}, "
+        say(f"[ppo] step {step} waited {time.time() - step_start:.0f}s for its rollout, "
+            f"{time.monotonic() - run.stop.received_at:.0f}s of them after {run.stop.name}: giving up step {step}, "
             f"checkpointing step {step - 1}", error=True)  # fmt: skip
         stop_with_checkpoint(run, step - 1)
     learner_wait = time.time() - step_start

@@ -284,7 +284,8 @@ def test_sigterm_while_generation_stalls_checkpoints_the_last_step_and_resumes_e
     step_1 = output_dir / "checkpoints" / "step_1"
     assert line == (f"error: stopped by SIGTERM after step 1; checkpoint saved in {step_1}; resume with the same "
                     "command plus --resume"), last_lines(output)  # fmt: skip
-    assert "the rollout of step 2 did not come within" in output
+    assert re.search(r"step 2 waited \d+s for its rollout, \d+s of them after SIGTERM: giving up step 2, "
+                     r"checkpointing step 1", output), last_lines(output)  # fmt: skip
     assert (step_1 / "COMPLETE").is_file() and seconds < STALL_PREEMPTION_S
     written = json.loads((output_dir / "summary.json").read_text())
     assert written["status"] == "preempted" and written["reason"] == line.removeprefix("error: ")
