@@ -335,10 +335,10 @@ def open_logger(args: Args, sizes: BatchSizes, resume: checkpoint.Checkpoint | N
         run_id=args.run.run_name,
         wandb_run_id=resume.trainer_state.get("wandb_run_id") if resume else None,
     )
-    logger.set_summary("status", "running")
     if resume is None:  # the dataset's prompt lengths (wandb histogram + length_histograms.png)
         prompt_lengths = [len(ids) for ids in data.train_dataset["input_ids_prompt"]]
         logger.log_histograms({"lengths/prompt_tokens": prompt_lengths}, 0)
+    logger.set_summary("status", "running")  # last: from here on, every ending says how it ended (`train`)
     return logger
 
 
