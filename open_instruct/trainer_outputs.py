@@ -182,6 +182,7 @@ def finish(run, final_eval: dict) -> dict:
     saved = save_final_model(run)
     result = {
         "status": "completed",
+        "reason": f"trained all {run.sizes.num_training_steps} steps",
         **summary.summarize(os.path.join(args.run.output_dir, "metrics.jsonl")),
         "model_dir": saved.path,
         "save_dtype": saved.dtype,
@@ -191,8 +192,7 @@ def finish(run, final_eval: dict) -> dict:
     }
     if args.run.push_to_hub:
         result["hub_url"] = push_to_hub(args, saved.path, saved.dtype, logger.wandb_url, {**final_eval, **result})
-    for key, value in result.items():
-        logger.set_summary(key, value)
+    logger.update_summary(result)
     logger.finish()
     return result
 

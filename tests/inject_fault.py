@@ -5,6 +5,9 @@
 Faults:
 - `generation_crash`: the second time the generation thread runs a batch to its end (`EngineBatches.run_until_complete`)
   it raises RuntimeError("injected generation failure").
+- `generation_stalls`: the second time the generation thread runs a batch to its end it never gets there: it keeps
+  calling the thread's `between_steps` (so it still takes the learner's requests and stops when told to) without
+  ever stepping the engine, as an engine too slow to finish in time would. It says so on stderr (`STALL_MESSAGE`).
 - `skip_weight_sync`: `vllm_engine.load_weights` returns without loading anything, so the engine keeps
   generating with its start weights while the learner moves on.
 - `nan_loss`: the third call of `rl.policy_loss` (made by the learner) returns a NaN loss, still attached to
@@ -15,11 +18,13 @@ Faults:
   (`run_until_complete`), once per run (a replacement of engine 1 does not die again).
 
 tests/test_ppo_trainer.py and tests/test_resume.py check that each ends the run (or, for `nan_loss` with
---skip_nonfinite_updates, skips that one update) with its cause, without hanging, and that nothing bad reaches disk.
+--skip_nonfinite_updates, skips that one update) with its cause, without hanging, and that nothing bad reaches disk;
+tests/test_never_lose_a_run.py that a SIGTERM during `generation_stalls` still leaves a checkpoint that resumes.
 """
 
 import os
 import sys
+import time
 
 from open_instruct import ppo_vllm_thread_ray_gtrl
 from open_instruct import rl
@@ -39,6 +44,20 @@ def run_until_complete_then_fail(self, *args, **kwargs):
     if calls == FAIL_ON_CALL:
         raise RuntimeError(INJECTED_MESSAGE)
     return real_run_until_complete(self, *args, **kwargs)
+
+
+STALL_MESSAGE = "[inject_fault] the generation stalls"
+
+
+def run_until_complete_then_stall(self, batch_id, between_steps=None):
+    global calls
+    calls += 1
+    if calls == FAIL_ON_CALL:
+        print(STALL_MESSAGE, file=sys.stderr, flush=True)
+        while True:
+            between_steps()
+            time.sleep(0.05)
+    return real_run_until_complete(self, batch_id, between_steps)
 
 
 def load_nothing(llm, named_tensors) -> float:
@@ -102,6 +121,7 @@ def engine_1_dies() -> None:
 
 FAULTS = {
     "generation_crash": (EngineBatches, "run_until_complete", run_until_complete_then_fail),
+    "generation_stalls": (EngineBatches, "run_until_complete", run_until_complete_then_stall),
     "skip_weight_sync": (vllm_engine, "load_weights", load_nothing),
     "nan_loss": (rl, "policy_loss", policy_loss_with_one_nan),
 }

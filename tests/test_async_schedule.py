@@ -69,10 +69,8 @@ class Tokenizer:
         return " ".join(map(str, ids))
 
 
-def run_schedule(async_steps: int, batches_in_engine: int, lengths: list[int], steps: int):
-    """The trainer's loop without training: per step (learner version step-1) top up, receive, check staleness.
-    Returns per step (batch id, the versions of its tokens, the staleness metrics) and the engine."""
-    engine = ScriptedEngine(dict(enumerate(lengths)))
+def start_requests(engine, async_steps: int, batches_in_engine: int = 1) -> tuple[GenerationThread, RolloutRequests]:
+    """A generation thread started on `engine`, and the learner's requests to it: one prompt each, of 50."""
     settings = GenerationSettings(EngineConfig("unused", max_model_len=64), samples_per_prompt=1, temperature=1.0,
                                   response_length=16, stop_token_ids=[], stop_strings=None,
                                   batches_in_engine=batches_in_engine)  # fmt: skip
@@ -83,6 +81,14 @@ def run_schedule(async_steps: int, batches_in_engine: int, lengths: list[int], s
     )
     requests = RolloutRequests(thread, InstantLearner(), dataset, Tokenizer(), ShufflingIterator(50, 1, 0), None, 0, 0,
                                sync_timeout_s=20, broadcast=False, async_steps=async_steps)  # fmt: skip
+    return thread, requests
+
+
+def run_schedule(async_steps: int, batches_in_engine: int, lengths: list[int], steps: int):
+    """The trainer's loop without training: per step (learner version step-1) top up, receive, check staleness.
+    Returns per step (batch id, the versions of its tokens, the staleness metrics) and the engine."""
+    engine = ScriptedEngine(dict(enumerate(lengths)))
+    thread, requests = start_requests(engine, async_steps, batches_in_engine)
     trained = []
     try:
         for step in range(1, steps + 1):

@@ -7,6 +7,9 @@ on the real trainer (tiny model, real vLLM engine, a few steps). Runs are subpro
 - A full disk (a small tmpfs as output_dir, tests/small_disk.py): a checkpoint that does not fit stops the run with
   one line and keeps the newest complete checkpoint; a final model that does not fit goes to --fallback_save_dir.
 - Two SIGTERMs sent together to the process group (GNU timeout, SLURM): one preemption, a checkpoint, exit 143.
+- A generation that cannot finish in time (tests/inject_fault.py generation_stalls) and SIGTERM while the learner
+  waits on it: the step is given up, the previous one checkpointed (summary.json: preempted), and `--resume` ends
+  the run equal to an uninterrupted one; a second SIGTERM meanwhile exits at once, and summary.json says so.
 - An absurd learning rate: the divergence guard stops the run with its cause, naming the newest checkpoint.
 
 Each test prints its seconds (pytest -s); docs/resume.md lists what a user sees in each case.
@@ -29,9 +32,10 @@ from safetensors.torch import load_file
 
 from open_instruct.learner.saving import weights_sha256
 from open_instruct.run.tracking import read_metrics
+from tests.inject_fault import STALL_MESSAGE
 from tests.small_disk import on_small_disk, small_disk_unavailable
-from tests.test_ppo_trainer import FP32_LEARNER, SMALL_RUN, TRAINER, last_lines, run_command
-from tests.test_resume import comparable, finish, offline_env, wait_for_step
+from tests.test_ppo_trainer import FP32_LEARNER, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
+from tests.test_resume import assert_same_run, comparable, finish, offline_env, wait_for_step
 
 TINY_RUN = ["--model_name_or_path", "tiny", "--num_evals", "0", *SMALL_RUN]
 
@@ -266,6 +270,83 @@ def test_two_sigterms_to_the_process_group_give_one_checkpoint_and_exit_143(tmp_
     checkpoint_dir = Path(line.split("checkpoint saved in ")[1].split(";")[0])
     assert (checkpoint_dir / "COMPLETE").is_file()
     assert "stopped without a new checkpoint" not in output
+
+
+# ---- a preemption while the step waits on a generation that cannot finish in time --------------------------------
+
+# Sync mode, 2 steps: the generation of step 2's batch stalls (tests/inject_fault.py generation_stalls), so SIGTERM
+# finds the learner waiting for a rollout that never comes. The batch is the checkpoint's own policy's, so the resumed
+# run generates it again exactly (async mode would generate an older policy's batch with the newer one, and warn).
+STALL_PREEMPTION_S = 20  # the step waits 10 s of it (preemption.WAIT_SHARE), the checkpoint has the rest
+STALLED_RUN = TINY_RUN + ["--total_episodes", "16", "--async_mode", "false", *FP32_LEARNER,
+                          "--preemption_timeout_s", str(STALL_PREEMPTION_S)]  # fmt: skip
+
+
+def start_stalled_run(tmp_path: Path, output_dir: Path) -> subprocess.Popen:
+    """The stalled run, once the learner waits on the stalled generation (step 1 logged)."""
+    command = [sys.executable, str(TESTS_DIR / "inject_fault.py"), "generation_stalls", *STALLED_RUN,
+               "--output_dir", str(output_dir)]  # fmt: skip
+    log = open(tmp_path / f"{output_dir.name}.log", "w")
+    process = subprocess.Popen(command, cwd=tmp_path, env=offline_env(), stdout=log, stderr=subprocess.STDOUT)
+    process.log_path = Path(log.name)
+    wait_for_step(process, output_dir, 1)
+    deadline = time.time() + 60
+    while STALL_MESSAGE not in process.log_path.read_text(errors="replace"):
+        assert process.poll() is None and time.time() < deadline, last_lines(process.log_path.read_text())
+        time.sleep(0.1)
+    return process
+
+
+def test_sigterm_while_generation_stalls_checkpoints_the_last_step_and_resumes_exactly(tmp_path):
+    reference = tmp_path / "reference"
+    process, _ = run_command(TRAINER + STALLED_RUN + ["--output_dir", str(reference)], cwd=tmp_path)
+    assert process.returncode == 0, last_lines(process.stderr)
+
+    output_dir = tmp_path / "output"
+    stalled = start_stalled_run(tmp_path, output_dir)
+    sent = time.time()
+    stalled.send_signal(signal.SIGTERM)
+    exit_code, output = finish(stalled)
+    seconds = time.time() - sent
+    report_seconds("SIGTERM while generation stalls, to exit", seconds)
+    line = last_line(output)
+    report_line("SIGTERM while generation stalls", line)
+    assert exit_code == 128 + signal.SIGTERM, last_lines(output)
+    step_1 = output_dir / "checkpoints" / "step_1"
+    assert line == (f"error: stopped by SIGTERM after step 1; checkpoint saved in {step_1}; resume with the same "
+                    "command plus --resume"), last_lines(output)  # fmt: skip
+    assert re.search(r"step 2 waited \d+s for its rollout, \d+s of them after SIGTERM: giving up step 2, "
+                     r"checkpointing step 1", output), last_lines(output)  # fmt: skip
+    assert (step_1 / "COMPLETE").is_file() and seconds < STALL_PREEMPTION_S
+    written = json.loads((output_dir / "summary.json").read_text())
+    assert written["status"] == "preempted" and written["reason"] == line.removeprefix("error: ")
+    assert written["last_step"] == 1 and written["last_checkpoint"] == str(step_1)
+
+    resumed, _ = run_command(TRAINER + STALLED_RUN + ["--output_dir", str(output_dir), "--resume"], cwd=tmp_path)
+    assert resumed.returncode == 0, last_lines(resumed.stderr)
+    assert "generates it again" not in resumed.stderr  # the batch of step 2 is the checkpoint's own policy's
+    assert_same_run(output_dir, reference)
+    written = json.loads((output_dir / "summary.json").read_text())
+    assert written["status"] == "completed" and written["reason"] == "trained all 2 steps"
+
+
+def test_a_second_sigterm_while_generation_stalls_says_how_the_run_ended_in_summary_json(tmp_path):
+    """The second signal (4 s after the first, before the step gives up its wait) stops the run at once, without a
+    checkpoint: summary.json says so, not `running`."""
+    output_dir = tmp_path / "output"
+    stalled = start_stalled_run(tmp_path, output_dir)
+    stalled.send_signal(signal.SIGTERM)
+    time.sleep(4)
+    stalled.send_signal(signal.SIGTERM)
+    exit_code, output = finish(stalled)
+    assert exit_code == 128 + signal.SIGTERM, last_lines(output)
+    line = last_line(output)
+    report_line("a second SIGTERM while generation stalls", line)
+    assert re.fullmatch(r"error: a second SIGTERM came \d+s after the first: stopped without a new checkpoint; there "
+                        r"is no complete checkpoint \(resume with --resume\)", line), line  # fmt: skip
+    written = json.loads((output_dir / "summary.json").read_text())
+    assert written == {"status": "preempted", "reason": line.removeprefix("error: "), "last_step": 1,
+                       "last_checkpoint": None}  # fmt: skip
 
 
 # ---- the divergence guard ------------------------------------------------------------------------------------------

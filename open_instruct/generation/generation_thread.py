@@ -35,7 +35,9 @@ learner starts only then, under --vllm_sync_timeout_s (rollout_requests.py).
 
 Failure handling: any exception in the thread is stored and the thread ends; every queue wait in
 the learner wakes up at least every `poll_s` seconds, sees the failure and raises it with its
-cause. A wait longer than `timeout_s` raises with a message instead of hanging.
+cause. A wait longer than `timeout_s` raises with a message instead of hanging. Inside `abandoning_waits_when(cond)`
+a wait that `cond()` says has gone on long enough raises WaitAbandoned (a preemption: the learner gives up a step
+whose rollout does not come in time, and checkpoints the step before).
 """
 
 import queue
@@ -43,6 +45,8 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -203,6 +207,11 @@ class GenerationStopped(Exception):
     """Raised between two engine steps when the thread is told to stop."""
 
 
+class WaitAbandoned(Exception):
+    """Raised in a learner's wait inside `abandoning_waits_when` once its condition holds: what was awaited has not
+    come, and the learner stops waiting for it (the request stays in flight)."""
+
+
 class GenerationThread(threading.Thread):
     """Owns the vLLM engine: admit requests (their weights, evals and batches), step the engine, hand back rollouts, until
     told to stop."""
@@ -230,6 +239,7 @@ class GenerationThread(threading.Thread):
         self.ended = False  # the learner sent END: no more scheduled batches
         self.snapshot_request: Snapshot | None = None
         self.idle_seconds = 0.0  # waiting for a request, or for the learner to take a rollout, since the last rollout
+        self.abandon_waits: Callable[[], bool] | None = None  # the learner's waits give up once it returns True
 
     # ---- generator side (this thread) ----
     def run(self) -> None:
@@ -415,6 +425,15 @@ class GenerationThread(threading.Thread):
             self.snapshot_request = None
         return result
 
+    @contextmanager
+    def abandoning_waits_when(self, condition: Callable[[], bool]):
+        """The learner's waits in this block raise WaitAbandoned once `condition()` is True (checked every `poll_s`)."""
+        self.abandon_waits = condition
+        try:
+            yield
+        finally:
+            self.abandon_waits = None
+
     def _learner_wait(self, call, what: str, within_s: float | None = None):
         deadline = time.time() + self.timeout_s
         give_up = None if within_s is None else time.time() + within_s
@@ -428,6 +447,8 @@ class GenerationThread(threading.Thread):
                     raise GenerationThreadError(f"The generation thread ended without an error before it could {what}.")
                 if give_up is not None and time.time() >= give_up:
                     return None
+                if self.abandon_waits is not None and self.abandon_waits():
+                    raise WaitAbandoned(f"the generation thread did not {what} in time") from None
                 if time.time() > deadline:
                     raise TimeoutError(
                         f"Waited {self.timeout_s:.0f}s for the generation thread to {what}; raise "

@@ -246,11 +246,18 @@ class RolloutRequests:
         return rollout
 
     def receive(self) -> tuple[InFlight, Rollout]:
-        """The oldest request and its rollout, checked to come from the weights the learner sent."""
-        request = self.in_flight.popleft()
+        """The oldest request and its rollout, checked to come from the weights the learner sent. It leaves the requests
+        in flight only once its rollout is here: a wait given up (WaitAbandoned) leaves it for the checkpoint."""
+        request = self.in_flight[0]
         rollout = request.receive(self.generator)
+        self.in_flight.popleft()
         check_weight_sync(rollout, request.weights_sent)
         return request, rollout
+
+    def put_back(self, requests: list[InFlight]) -> None:
+        """Requests received by a step that was given up (oldest first) are in flight again, their rollouts with them:
+        the checkpoint of the step before stores them, and the resumed step trains on them."""
+        self.in_flight.extendleft(reversed(requests))
 
     def state_dict(self, learner_version: int, wait_s: float | None = None, inflight_updates: bool = False) -> dict:
         """The prompt order, the evals done, the request count that seeds vLLM's sampling, and the requests in flight

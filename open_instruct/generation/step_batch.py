@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from open_instruct.data.batches import PromptBatch
-from open_instruct.generation.generation_thread import Rollout
+from open_instruct.generation.generation_thread import Rollout, WaitAbandoned
 from open_instruct.generation.rollout_requests import RolloutRequests, check_staleness
 from open_instruct.generation.vllm_engine import Completion
 from open_instruct.rl.rewards import PrecomputedScores, RewardManager, Scorer
@@ -52,14 +52,25 @@ class BatchCollector:
     filter_metric: str = "correct"  # --filter_metric: what must differ within a kept group
 
     def collect(self, learner_version: int, steps_left: int) -> StepBatch:
-        """The batch of the learner at `learner_version` with `steps_left` steps to go (this one included)."""
+        """The batch of the learner at `learner_version` with `steps_left` steps to go (this one included). A wait
+        given up (WaitAbandoned, a preemption) puts the requests this step received back in flight first, so that the
+        state is the previous step's: what its checkpoint must hold."""
+        requests = []  # received by this step, oldest first
+        try:
+            return self._collect(learner_version, steps_left, requests)
+        except WaitAbandoned:
+            self.rollouts.put_back(requests)
+            raise
+
+    def _collect(self, learner_version: int, steps_left: int, requests: list) -> StepBatch:
         self.rollouts.top_up(learner_version, steps_left)
         request, rollout = self.rollouts.receive()
+        requests.append(request)
         staleness = check_staleness(rollout, learner_version, self.max_lag)
         if not self.zero_std_filter:
-            return StepBatch(request.prompts, rollout, [request], self.reward_manager, staleness)
+            return StepBatch(request.prompts, rollout, requests, self.reward_manager, staleness)
         groups = GroupFilter(self.groups_per_step, self.max_extra_batches, self.filter_metric)
-        requests, received, reward_metrics = [request], [rollout], None
+        received, reward_metrics = [rollout], None
         while True:
             scored = score(self.reward_manager, request.prompts, rollout.completions, self.stop_token_ids)
             reward_metrics = reward_metrics or scored.metrics
@@ -68,8 +79,8 @@ class BatchCollector:
                 break
             self.rollouts.top_up(learner_version, steps_left)
             request, rollout = self.rollouts.receive()
-            check_staleness(rollout, learner_version, self.max_lag)
             requests.append(request)
+            check_staleness(rollout, learner_version, self.max_lag)
             received.append(rollout)
         chosen, filter_metrics = groups.batch()
         prompts, completions, scores = join_groups(chosen)

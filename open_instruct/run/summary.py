@@ -1,5 +1,6 @@
 """What a run leaves for people to read at its end: summary.json's entries (start vs end correct rates, the save's
-rounding report, how and where a failed or preempted run stopped) and the plots of its metrics."""
+rounding report, how every run ended: `status` and `reason`, where a failed or preempted one stopped) and the plots
+of its metrics."""
 
 import os
 
@@ -58,16 +59,41 @@ def write_plots(output_dir: str) -> str:
     return plot_path
 
 
+def ending_of(error: BaseException) -> tuple[str, str]:
+    """How a run that raised `error` ended: its status in summary.json and the reason, in one line."""
+    if isinstance(error, Preempted):
+        return "preempted", one_line(error)
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted", "interrupted by the keyboard (KeyboardInterrupt)"
+    if isinstance(error, SystemExit):  # e.g. Ray's own SIGTERM handler, before the trainer's is installed again
+        return "interrupted", f"stopped by sys.exit({error.code!r}) (SystemExit)"
+    return "failed", f"{type(error).__name__}: {one_line(error)}"
+
+
+def record_ending(output_dir: str, logger: MetricsLogger, status: str, reason: str, last_step: int, **extra) -> None:
+    """summary.json says how the run ended (`status`: completed, preempted, failed or interrupted; `reason`: one line),
+    its last step, and the newest complete checkpoint to resume from; in one write."""
+    checkpoints = complete_checkpoints(output_dir)
+    logger.update_summary({"status": status, "reason": reason, **extra, "last_step": last_step,
+                           "last_checkpoint": checkpoints[-1] if checkpoints else None})  # fmt: skip
+
+
 def record_failure(output_dir: str, logger: MetricsLogger, error: BaseException, last_step: int) -> None:
     """summary.json and the plot describe this run even when it stops early: how, where, what to resume from."""
-    preempted = isinstance(error, Preempted)
-    checkpoints = complete_checkpoints(output_dir)
-    logger.set_summary("status", "preempted" if preempted else "failed")
-    logger.set_summary("error", one_line(error))
-    logger.set_summary("last_step", error.step if preempted else last_step)
-    logger.set_summary("last_checkpoint", checkpoints[-1] if checkpoints else None)
+    status, reason = ending_of(error)
+    last_step = error.step if isinstance(error, Preempted) else last_step
+    record_ending(output_dir, logger, status, reason, last_step, error=one_line(error))
     try:
         plot_training_curves(os.path.join(output_dir, "metrics.jsonl"), os.path.join(output_dir, "training_curves.png"))
     except (FileNotFoundError, ValueError):
         pass  # nothing logged yet: no plot
     logger.finish()
+
+
+def record_exit_without_checkpoint(output_dir: str, logger: MetricsLogger, line: str, last_step: int) -> None:
+    """The last words of a preempted run that exits at once, without a new checkpoint (preemption.StopRequest: its
+    deadline passed, or a second signal came): summary.json must not go on saying `running`."""
+    try:
+        record_ending(output_dir, logger, "preempted", line, last_step)
+    except OSError as failure:  # a full disk: the exit's own line says the same
+        say(f"[ppo] warning: could not record the exit in summary.json: {one_line(failure)}", error=True)

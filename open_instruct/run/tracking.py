@@ -8,7 +8,7 @@ Files written by `MetricsLogger` in `output_dir`:
 - `samples.jsonl`: one line per sample row, `{"step": step, "table": name, **row}`.
 - `lengths.jsonl`: one line per histogram, `{"step": step, "name": name, "values": [...]}` (`log_histograms`:
   prompt and response lengths in tokens; `plot_length_histograms` draws them).
-- `summary.json`: the final values set with `set_summary()`, rewritten atomically after each call.
+- `summary.json`: the final values set with `set_summary()`/`update_summary()`, rewritten atomically after each call.
 
 Non-finite numbers (NaN, +inf, -inf) are written as JSON `null`: Python's `json.dumps` would write the bare
 tokens `NaN`/`Infinity`, which strict JSON readers (jq, JavaScript's JSON.parse) reject. `read_metrics`
@@ -230,9 +230,13 @@ class MetricsLogger:
 
     def set_summary(self, key: str, value: Any) -> None:
         """Set a final value (best eval score, total time, ...) in the wandb summary and in summary.json."""
-        safe_value = _json_safe(value, f"summary[{key!r}]")
+        self.update_summary({key: value})
+
+    def update_summary(self, values: dict[str, Any]) -> None:
+        """Set several final values at once: summary.json is rewritten once, so a reader sees all of them or none."""
+        safe_values = {key: _json_safe(value, f"summary[{key!r}]") for key, value in values.items()}
         with self._lock:
-            self._summary[key] = safe_value
+            self._summary.update(safe_values)
             text = json.dumps(self._summary, indent=2, allow_nan=False) + "\n"
 
             def write(tmp_path: str) -> None:
@@ -241,7 +245,7 @@ class MetricsLogger:
 
             _replace_atomically(self.summary_path, write)
             if self._run is not None:
-                self._run.summary[key] = value
+                self._run.summary.update(values)
 
     def finish(self) -> None:
         """Close the wandb run (uploads or syncs it), with everything logged on disk when this returns; safe to call
