@@ -26,10 +26,12 @@ EXTERNAL_FLAGS = set(
 )
 # Names the pages use on purpose although they are no flag of ours: the abbreviation the parser refuses, a placeholder.
 NOT_FLAGS_ON_PURPOSE = {"--learn", "--flag"}
-# Files of other projects the pages name (DeepSpeed's checkpoint converter and ZeRO-2 optimizer).
-EXTERNAL_FILES = {"ds_to_universal.py", "stage_1_and_2.py"}
-# Dotted names that are no module of ours: dataset row keys, and DeepSpeed's and vLLM's own names.
-EXTERNAL_DOTTED = {"reward_model", "nccl_common", "data_types"}
+# Files of other projects the pages name (DeepSpeed's checkpoint converter and ZeRO-2 optimizer), and the user's own
+# files of docs/extending.md's example (`--reward_function my_reward.py:fn`, `file.py:function`).
+EXTERNAL_FILES = {"ds_to_universal.py", "stage_1_and_2.py", "my_reward.py", "file.py"}
+# Dotted names that are no module of ours: dataset row keys, DeepSpeed's and vLLM's own names, and the arguments of
+# an example function in the docs (`ground_truth.strip()`).
+EXTERNAL_DOTTED = {"reward_model", "nccl_common", "data_types", "ground_truth"}
 
 # Named by the pages and landing with another branch of the same change (issue 32): `scripts/test.sh --fast` and
 # tests/README.md come with the test-suite work. Remove each entry once it exists here.
