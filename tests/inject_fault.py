@@ -7,7 +7,7 @@ Faults:
   it raises RuntimeError("injected generation failure").
 - `generation_stalls`: the second time the generation thread runs a batch to its end it never gets there: it keeps
   calling the thread's `between_steps` (so it still takes the learner's requests and stops when told to) without
-  ever stepping the engine, as an engine too slow to finish in time would. It says so on stderr (`STALL_MESSAGE`).
+  ever stepping the engine, as an engine too slow to finish in time would. It says so on the console (`STALL_MESSAGE`).
 - `skip_weight_sync`: `vllm_engine.load_weights` returns without loading anything, so the engine keeps
   generating with its start weights while the learner moves on.
 - `nan_loss`: the third call of `rl.policy_loss` (made by the learner) returns a NaN loss, still attached to
@@ -30,6 +30,7 @@ from open_instruct import ppo_vllm_thread_ray_gtrl
 from open_instruct import rl
 from open_instruct.generation import vllm_engine
 from open_instruct.generation.engine_batches import EngineBatches
+from open_instruct.run.console import say
 
 INJECTED_MESSAGE = "injected generation failure"
 FAIL_ON_CALL = 2
@@ -53,7 +54,7 @@ def run_until_complete_then_stall(self, batch_id, between_steps=None):
     global calls
     calls += 1
     if calls == FAIL_ON_CALL:
-        print(STALL_MESSAGE, file=sys.stderr, flush=True)
+        say(STALL_MESSAGE, error=True)  # on the console: the trainer sends fds 1 and 2 to logs/libraries.log
         while True:
             between_steps()
             time.sleep(0.05)
