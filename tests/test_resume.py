@@ -114,10 +114,13 @@ def comparable(row: dict) -> dict:
     return {key: value for key, value in row.items() if not is_timing(key) and key != "run_id"}
 
 
-# The engine-vs-learner gaps are differences of logprobs of up to ~20 nats, whose float32 resolution is ~2e-6: a
-# resumed process's learner lands within an ulp of the uninterrupted one's weights (measured: 7e-9 after a step, the
-# inputs identical; memory layout differs between processes), and the gap's max moves by a few of those ulps.
+# The engine-vs-learner gaps are differences of logprobs of up to ~20 nats, whose float32 resolution is ~2e-6. In the
+# async modes a resumed learner lands within float rounding of the uninterrupted one's weights, not on them (from
+# the first update after the resume: docs/resume.md, "What resume reproduces"), and the gaps' extremes -- a max or min
+# over thousands of tokens -- carry that furthest: measured on an AVX2-only CPU (scripts/cpu_kinds/avx2_only.sh
+# reproduces it), step 8's max gap 0.016859 resumed vs 0.016842 uninterrupted. The means stay within 1e-5.
 LOGPROB_GAP_ABS_TOL = 1e-5
+LOGPROB_GAP_EXTREME_ABS_TOL = 1e-4
 
 
 def assert_same_run(output_dir: Path, reference: Path) -> None:
@@ -130,12 +133,22 @@ def assert_same_run(output_dir: Path, reference: Path) -> None:
         assert got.keys() == want.keys(), f"step {want['step']}"
         for key, value in want.items():
             if isinstance(value, float):
-                abs_tol = LOGPROB_GAP_ABS_TOL if key.startswith("debug/vllm_vs_learner_") else 1e-6
+                abs_tol = 1e-6
+                if key.startswith("debug/vllm_vs_learner_"):
+                    extreme = key.endswith(("_max", "_min"))
+                    abs_tol = LOGPROB_GAP_EXTREME_ABS_TOL if extreme else LOGPROB_GAP_ABS_TOL
                 assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=abs_tol), f"step {want['step']} {key}"
             else:
                 assert got[key] == value, f"step {want['step']} {key}"
 
     assert_same_model(output_dir / "model", reference / "model")
+    assert sampled_tokens(output_dir) == sampled_tokens(reference), "the resumed run generated other tokens"
+
+
+def sampled_tokens(output_dir: Path) -> list[tuple]:
+    """(step, table, prompt, token ids) of every response the run logged to samples.jsonl: training samples and evals."""
+    rows = read_metrics(str(output_dir / "samples.jsonl"))
+    return [(row["step"], row.get("table"), row["prompt"], row["token_ids"]) for row in rows]
 
 
 def assert_same_model(model_dir: Path, reference_dir: Path) -> None:
