@@ -146,9 +146,10 @@ def assert_same_run(output_dir: Path, reference: Path) -> None:
 
 
 def sampled_tokens(output_dir: Path) -> list[tuple]:
-    """(step, table, prompt, token ids) of every response the run logged to samples.jsonl: training samples and evals."""
+    """(step, table, prompt, response, token ids) of every response the run logged to samples.jsonl: training samples
+    (their text) and evals (text and token ids)."""
     rows = read_metrics(str(output_dir / "samples.jsonl"))
-    return [(row["step"], row.get("table"), row["prompt"], row["token_ids"]) for row in rows]
+    return [(row["step"], row.get("table"), row["prompt"], row["response"], row.get("token_ids")) for row in rows]
 
 
 def assert_same_model(model_dir: Path, reference_dir: Path) -> None:
