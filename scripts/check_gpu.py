@@ -17,16 +17,16 @@ code 0 when nothing FAILed. The checks, and what PASS means:
                   trainer's in-process sync, must decode B exactly as a fresh CUDA-graph engine on B does (greedy
                   token ids identical), and within CUDA_GRAPH_LOGPROB_TOLERANCE of a fresh eager engine on B; A's own
                   output must differ (else the load proved nothing). vLLM's reload writes into the captured tensors.
-  nccl_transfer   2+ GPUs: 2 PPO steps with a Ray learner rank and an engine actor on GPUs of their own, so the
-                  weights go over vLLM's NCCL transfer engine (checked by our checksum every step); a fresh engine
-                  on the saved model must reproduce the run's final greedy eval exactly.
+  nccl_transfer   2+ GPUs: 2 PPO steps with a Ray learner rank and an engine actor on GPUs of their own: the run's log
+                  must name vLLM's NCCL transfer (checked by our checksum every step), and a fresh engine on the saved
+                  model must reproduce the run's final greedy eval exactly, prompt by prompt.
   ipc_transfer    1+ GPU: the same with --single_gpu_mode (learner and engine share a GPU: vLLM's CUDA IPC transfer).
-  single_gpu_run  3 steps of the single-GPU debug recipe (configs/train_configs/ppo_arithmetic_gpu.yaml): exit 0,
-                  seconds per step, and the per-step engine-vs-learner logprob gap (the guard of CUDA graphs) under
-                  --max_vllm_logprob_diff.
+  single_gpu_run  3 steps of the single-GPU debug recipe (configs/train_configs/ppo_arithmetic_gpu.yaml) in sync mode
+                  at SINGLE_GPU_LEARNING_RATE: exit 0, seconds per step, and every step's engine-vs-learner logprob gap
+                  within GAP_BOUND_STALE_WEIGHTS, which an engine left with stale weights breaks.
   memory_plan     the memory plan (open_instruct/run/memory_plan.py) of a single-process learner step (bf16, 4 x 640
-                  tokens) vs the measured HBM peak (allocator peak + what the process holds outside it), within
-                  MEMORY_PLAN_TOLERANCE.
+                  tokens, no engine) vs the measured HBM peak (allocator peak + what the process holds outside it),
+                  within MEMORY_PLAN_TOLERANCE.
 """
 
 import argparse
@@ -50,6 +50,11 @@ BF16_LOGPROB_TOLERANCE = 0.1  # nats per token
 BF16_UPDATE_COSINE = 0.7
 CUDA_GRAPH_LOGPROB_TOLERANCE = 0.05  # graphs vs eager run different kernels (bf16 sums in another order)
 MEMORY_PLAN_TOLERANCE = 0.15  # the plan vs the measured peak; on CPUs it was within 15% (docs/distributed.md)
+# single_gpu_run: the debug recipe in sync mode for SINGLE_GPU_STEPS steps at SINGLE_GPU_LEARNING_RATE, where a synced
+# engine's gap is rounding alone and a stale one's is the policy change of the updates it missed.
+SINGLE_GPU_STEPS = 3
+SINGLE_GPU_LEARNING_RATE = "1e-4"
+GAP_BOUND_STALE_WEIGHTS = 0.1  # nats per token (measurements: see the comment above the value, set below)
 RUN_TIMEOUT_S = 1800
 QUESTIONS = [(a, b) for a in range(1, 9) for b in (2, 7)]  # 16 one-digit additions for the evals
 

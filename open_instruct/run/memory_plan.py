@@ -377,16 +377,17 @@ def weight_sync_items(args: Args, policy: ModelShape, layout: Layout) -> list[It
     if not args.dist.uses_ray:
         return []  # the single process hands its in-process engine the tensors themselves (`engine_items`)
     dtype = 4 if args.gen.vllm_dtype == "float32" or (args.gen.vllm_dtype == "auto" and layout.device == "cpu") else 2
-    largest = dtype * policy.largest_param
+    largest, whole = dtype * policy.largest_param, dtype * policy.num_params
     buffer = max(args.dist.vllm_sync_bucket_mb * 2**20, largest)
     gathered = layout.weight_bytes * policy.largest_param if layout.stage == 3 else 0
     fix = "a lower --vllm_sync_bucket_mb"
     if layout.device == "gpu":
-        chunk = buffer + largest
+        chunk = min(buffer + largest, whole)  # a chunk (or bucket) never holds more than the whole policy
         size = (PACKED_SYNC_BUFFERS + 1) * chunk + gathered
-        name = f"weight sync: {PACKED_SYNC_BUFFERS + 1} packed chunks of <= {chunk / GB:.1f} GB"
+        name = f"weight sync: {PACKED_SYNC_BUFFERS + 1} packed chunks of <= {chunk / GB:.2f} GB"
     else:
-        size, name = buffer + largest + gathered, f"weight sync: a bucket of <= {buffer / GB:.2f} GB"
+        bucket = min(buffer, whole)
+        size, name = bucket + largest + gathered, f"weight sync: a bucket of <= {bucket / GB:.2f} GB"
     return [Item(name + (" + the gathered parameter" if gathered else ""), 0, size, SYNC, fix)]
 
 
