@@ -321,7 +321,8 @@ def transfer_verdict(name: str, transport: str, log: str, output: Path, fresh_by
     The eval's answers are matched by prompt: the eval's 16 questions have 13 distinct sums, so matching by ground
     truth compared answers to different questions (identical 0.81 on a working transfer). A run's answer stopped at
     EOS is a prefix of the fresh engine's, which runs on to max_tokens."""
-    announced = [line.split(" over ", 1)[1].split()[0] for line in log.splitlines() if "[vllm] weight transfer:" in line]
+    announced = [line.split(" over ", 1)[1].split()[0] for line in log.splitlines()
+                 if "[vllm] weight transfer:" in line]  # fmt: skip
     used = announced[0] if announced else "no transfer announced"
     if used != transport:
         return Row(name, "FAIL", f"{used}, not {transport}", transport,
@@ -412,8 +413,9 @@ def memory_plan_args(path: str):
     value model, one process."""
     from open_instruct.run.args import parse_args
 
-    return parse_args(["--model_name_or_path", path, "--learner_compute_dtype", "bfloat16", "--local_rollout_batch_size",
-                       "8", "--number_samples_per_prompt", "1", "--per_device_train_batch_size", "4",
+    return parse_args(["--model_name_or_path", path, "--learner_compute_dtype", "bfloat16",
+                       "--local_rollout_batch_size", "8", "--number_samples_per_prompt", "1",
+                       "--per_device_train_batch_size", "4",
                        "--num_mini_batches", "1", "--num_epochs", "1", "--total_episodes", "8", "--response_length",
                        "512", "--max_token_length", "640", "--max_prompt_token_length", "128", "--beta", "0.05"])  # fmt: skip
 

@@ -39,7 +39,8 @@ def gaps_of_run(stale: bool, learning_rate: str, folder: str) -> list[float]:
         raise SystemExit(f"run failed (exit {process.returncode}): {process.stderr[-2000:]}")
     with open(os.path.join(output, "metrics.jsonl")) as f:
         steps = [json.loads(line) for line in f]
-    return [m["debug/vllm_vs_learner_logprob_diff_mean"] for m in steps if "debug/vllm_vs_learner_logprob_diff_mean" in m]
+    key = "debug/vllm_vs_learner_logprob_diff_mean"
+    return [m[key] for m in steps if key in m]
 
 
 def main() -> None:
