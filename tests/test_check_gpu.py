@@ -222,3 +222,27 @@ def test_the_memory_plan_check_plans_the_learner_without_the_engine_it_never_mak
     with_engine = plan_memory(args, run_model_shapes(args), "gpu", None, 40)
     copies = next(item for item in with_engine.items if item.name.startswith("policy copies for the engine"))
     assert with_engine.steady - plan.steady == pytest.approx(copies.steady * 1.05)  # + the allocator's slack on them
+
+
+def test_the_fresh_engines_prompts_are_the_trainers_eval_prompts_text_for_text(tmp_path):
+    """transfer_verdict matches the fresh engine's answers to the run's by prompt text: the check's own prompt ids,
+    decoded, must be the texts the trainer writes in samples.jsonl for its eval file (built here as the trainer builds
+    them, from the same file transfer_run writes)."""
+    from open_instruct.data.batches import prompt_batch
+    from open_instruct.data.embedded import resolve_model_path
+    from open_instruct.data.prompt_dataset import build_prompt_datasets
+    from open_instruct.data.tokenizer import load_tokenizer
+    from open_instruct.run.args import parse_args
+
+    check_gpu = load_check_gpu()
+    model = resolve_model_path("embedded")
+    eval_path = tmp_path / "eval.jsonl"
+    write_jsonl(eval_path, [{"messages": [{"role": "user", "content": check_gpu.question(a, b)}],
+                             "ground_truth": str(a + b), "dataset": "arithmetic"} for a, b in check_gpu.QUESTIONS])  # fmt: skip
+    args = parse_args(["--model_name_or_path", model, "--dataset_mixer_eval_list", str(eval_path), "1.0",
+                       "--dataset_cache_dir", str(tmp_path / "cache")])  # fmt: skip
+    tokenizer = load_tokenizer(model)
+    _, evaluation = build_prompt_datasets(args.data, tokenizer)
+    trainer_texts = prompt_batch(evaluation, list(range(len(evaluation))), tokenizer).texts
+    check_texts = check_gpu.prompt_texts(model, check_gpu.eval_prompt_ids(model))
+    assert sorted(trainer_texts) == sorted(check_texts) and len(set(check_texts)) == len(check_gpu.QUESTIONS)
