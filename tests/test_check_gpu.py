@@ -246,3 +246,23 @@ def test_the_fresh_engines_prompts_are_the_trainers_eval_prompts_text_for_text(t
     trainer_texts = prompt_batch(evaluation, list(range(len(evaluation))), tokenizer).texts
     check_texts = check_gpu.prompt_texts(model, check_gpu.eval_prompt_ids(model))
     assert sorted(trainer_texts) == sorted(check_texts) and len(set(check_texts)) == len(check_gpu.QUESTIONS)
+
+
+def engine_output(check_gpu, first_token: int, logprob: float) -> dict:
+    """An engine job's output for the check's 16 questions: 3 greedy tokens each, with their logprobs."""
+    return {"token_ids": [[first_token + q, 5, 6] for q in range(len(check_gpu.QUESTIONS))],
+            "logprobs": [[logprob, -0.5, -0.25] for _ in check_gpu.QUESTIONS]}  # fmt: skip
+
+
+def test_cuda_graphs_that_follow_a_weight_load_pass_and_graphs_left_on_the_old_weights_fail():
+    check_gpu = load_check_gpu()
+    model_a, model_b = engine_output(check_gpu, 100, -1.0), engine_output(check_gpu, 200, -2.0)
+    eager_b = engine_output(check_gpu, 200, -2.01)  # eager kernels sum in another order: a small gap
+    row = check_gpu.cuda_graphs_verdict(model_b, model_a, model_b, eager_b)
+    assert (row.status, row.measured) == ("PASS", "identical 1.00, eager gap 0.0033"), row
+    # The graphs replay what they captured from A: the reload did not reach them.
+    row = check_gpu.cuda_graphs_verdict(model_a, model_a, model_b, eager_b)
+    assert row.status == "FAIL" and row.detail == "the load changed nothing: the comparison proves nothing", row
+    # B's tokens, but logprobs far from an eager engine's on B (e.g. half the layers still A's).
+    row = check_gpu.cuda_graphs_verdict(engine_output(check_gpu, 200, -1.5), model_a, model_b, eager_b)
+    assert (row.status, row.measured) == ("FAIL", "identical 1.00, eager gap 0.1700"), row
