@@ -8,7 +8,7 @@ check's bound GAP_BOUND_STALE_WEIGHTS stands on.
 Each run is 3 PPO steps of configs/train_configs/ppo_arithmetic_gpu.yaml (its epochs, minibatches, schedule and
 temperature) with a smaller rollout (8 prompts x 4), fp32 engine and learner (so a synced engine agrees to rounding),
 --async_mode false (the engine samples with the weights the learner computes with: any gap past rounding is the
-sync's), the guard off (--max_vllm_logprob_diff 0). "stale" runs tests/inject_fault.py skip_weight_sync: the engine
+sync's), the gap's guard off (--max_vllm_logprob_diff 0). "stale" runs tests/inject_fault.py skip_weight_sync: the engine
 keeps its start weights while the learner trains. Prints `debug/vllm_vs_learner_logprob_diff_mean` per step.
 """
 
@@ -28,19 +28,23 @@ SETTINGS = [
 ]  # fmt: skip
 
 
-def gaps_of_run(stale: bool, learning_rate: str, folder: str) -> list[float]:
+def gaps_of_run(stale: bool, learning_rate: str, folder: str) -> tuple[list[float], str]:
+    """The run's gap per step, and how it ended ("exit 0", or the last line of a run its own guards stopped: a stale
+    engine at a high learning rate trips the divergence guard once its gap is logged)."""
     output = os.path.join(folder, f"{'stale' if stale else 'synced'}_{learning_rate}")
     entry = [os.path.join(REPO, "tests", "inject_fault.py"), "skip_weight_sync"] if stale else \
         ["-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]  # fmt: skip
     command = [sys.executable, *entry, *SETTINGS, "--learning_rate", learning_rate, "--output_dir", output]
     env = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
     process = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if process.returncode != 0:
+    metrics = os.path.join(output, "metrics.jsonl")
+    if process.returncode != 0 and not os.path.exists(metrics):
         raise SystemExit(f"run failed (exit {process.returncode}): {process.stderr[-2000:]}")
-    with open(os.path.join(output, "metrics.jsonl")) as f:
+    with open(metrics) as f:
         steps = [json.loads(line) for line in f]
     key = "debug/vllm_vs_learner_logprob_diff_mean"
-    return [m[key] for m in steps if key in m]
+    ended = "exit 0" if process.returncode == 0 else process.stderr.strip().splitlines()[-1]
+    return [m[key] for m in steps if key in m], ended
 
 
 def main() -> None:
@@ -53,10 +57,11 @@ def main() -> None:
     runs = [(False, options.learning_rates[-1])] + [(True, learning_rate) for learning_rate in options.learning_rates]
     with tempfile.TemporaryDirectory() as folder:
         for stale, learning_rate in runs:
-            gaps = gaps_of_run(stale, learning_rate, folder)
-            results.append({"learning_rate": learning_rate, "sync": "skipped" if stale else "working", "gaps": gaps})
+            gaps, ended = gaps_of_run(stale, learning_rate, folder)
+            results.append({"learning_rate": learning_rate, "sync": "skipped" if stale else "working", "gaps": gaps,
+                             "ended": ended})  # fmt: skip
             print(f"lr {learning_rate}, sync {results[-1]['sync']}: gap per step "
-                  f"{', '.join(f'{gap:.2e}' for gap in gaps)}", flush=True)  # fmt: skip
+                  f"{', '.join(f'{gap:.2e}' for gap in gaps)} ({ended})", flush=True)  # fmt: skip
     if options.json:
         with open(options.json, "w") as f:
             json.dump(results, f, indent=2)
