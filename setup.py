@@ -29,7 +29,7 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text() if Path("README.md").exists() else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["open_instruct", "open_instruct.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # vLLM 0.32 needs 3.11
     install_requires=[],
     extras_require={
         "gpu": read_requirements("requirements.txt"),

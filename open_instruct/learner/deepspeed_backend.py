@@ -65,6 +65,18 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
     )
 
 
+def real_partition(param: nn.Parameter) -> torch.Tensor:
+    """The elements of `param` this rank holds: at ZeRO-3 its partition (`ds_tensor`) without the padding. DeepSpeed
+    cuts a parameter into equal partitions of ceil(numel / ranks) elements and allocates them with `torch.empty`, so
+    the tail of the last ones is padding that is never written (partition_parameters.py `_partition_param`): it may
+    hold NaN from whatever the memory held, and says nothing about the weights."""
+    local = getattr(param, "ds_tensor", None)
+    if local is None:
+        return param
+    start = local.ds_numel * dist.get_rank(group=param.ds_process_group)
+    return local.narrow(0, 0, max(0, min(local.ds_numel, param.ds_numel - start)))
+
+
 def load_ds_config(name: str) -> dict:
     path = DS_CONFIG_DIR / name
     if not path.is_file():
@@ -191,10 +203,7 @@ class DeepSpeedBackend:
         """`trainer`'s DeepSpeed checkpoint in folder/engine/ (a collective: every rank calls it): the module weights,
         this rank's partition of the fp32 masters and AdamW moments, the LR scheduler. Returns the bytes this rank
         wrote, fsynced (DeepSpeed does not fsync). Refuses to write non-finite weights."""
-        for name, param in unwrap(trainer.engine).named_parameters():
-            local = getattr(param, "ds_tensor", param)  # ZeRO-3: this rank's partition
-            if local.is_floating_point() and not torch.isfinite(local).all():
-                raise NonFiniteError(f"the {role}'s weight {name} holds NaN or inf on rank {self.rank}; refusing to save it")
+        self.check_finite(trainer.engine, role)
         os.makedirs(folder, exist_ok=True)
         trainer.engine.save_checkpoint(folder, tag=ENGINE_TAG, save_latest=False)
         written = os.path.join(folder, ENGINE_TAG)
@@ -203,6 +212,14 @@ class DeepSpeedBackend:
         own = [name for name in os.listdir(written)
                if f"zero_pp_rank_{self.rank}_" in name or (self.rank == 0 and "zero_pp_rank_" not in name)]  # fmt: skip
         return fsync_files(written, own)
+
+    def check_finite(self, model: nn.Module, role: str) -> None:
+        """NonFiniteError naming the first weight of `model` with NaN or inf among the elements this rank holds (at
+        ZeRO-3 its partitions without their padding: `real_partition`). No collective: each rank checks its own."""
+        for name, param in unwrap(model).named_parameters():
+            local = real_partition(param)
+            if local.is_floating_point() and not torch.isfinite(local).all():
+                raise NonFiniteError(f"the {role}'s weight {name} holds NaN or inf on rank {self.rank}; refusing to save it")
 
     def load_engine_checkpoint(self, trainer: DeepSpeedTrainer, folder: str) -> None:
         """Restore what `save_engine_checkpoint` wrote into this run's engine (same rank count and stage)."""

@@ -41,6 +41,28 @@ def local_gpu_index(ray_gpu_ids: list, cuda_visible_devices: str | None) -> int 
     return visible.index(gpu)
 
 
+def narrow_visible_gpus(ray_gpu_ids: list) -> str | None:
+    """Make the GPUs Ray gave this process its CUDA devices 0.. by setting CUDA_VISIBLE_DEVICES to them, before CUDA
+    starts here; returns the value set (None: nothing to change, or no GPU).
+
+    For a process that cannot choose its device itself: a vLLM engine's worker takes `cuda:<local rank>`, device 0
+    for a single-GPU engine. Ray normally narrows the variable to the actor's GPUs already; with
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES it leaves it alone, and every such engine of a node would land on
+    GPU 0. (Learner ranks choose their device instead: `local_gpu_index`.)"""
+    if not ray_gpu_ids:
+        return None
+    current = os.environ.get("CUDA_VISIBLE_DEVICES")
+    for gpu in ray_gpu_ids:
+        local_gpu_index([gpu], current)  # raises for a GPU the variable hides
+    wanted = ",".join(str(gpu) for gpu in ray_gpu_ids)
+    if current == wanted:
+        return None
+    if torch.cuda.is_initialized():
+        raise RuntimeError(f"CUDA started in this process before it could be narrowed to GPU(s) {wanted}; narrow first")
+    os.environ["CUDA_VISIBLE_DEVICES"] = wanted
+    return wanted
+
+
 def free_memory_bytes(device: torch.device) -> int | None:
     """Free memory of `device`: GPU memory on CUDA (this creates a CUDA context: call it only in a process that
     computes on that GPU), else MemAvailable of the machine."""

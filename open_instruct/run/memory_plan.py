@@ -41,10 +41,12 @@ What is counted, and where the numbers come from (P parameters of a model, N lea
   (one process on a GPU, --single_gpu_mode) gives it --vllm_gpu_memory_utilization of its memory; a CPU process
   that holds the in-process engine gives it its weights, its KV cache (VLLM_CPU_KVCACHE_SPACE) and the copies of
   the policy handed to it.
+- **The weight sync** (Ray learners): learner rank 0 sends the policy to the engines between steps, one tensor at a
+  time, packed into chunks on GPUs (`weight_sync_items`: at 8B in bf16, 7.4 GB at ZeRO-3). The plan is rank 0's.
 
 Peaks: at load, what the loaded models hold plus the largest transient of loading; in steady state, what is always
-held plus the largest of three phases that never overlap: the forward passes of the rollout (no gradients), one
-model's forward + backward of a micro-batch, one model's optimizer step.
+held plus the largest of four phases that never overlap: the forward passes of the rollout (no gradients), one
+model's forward + backward of a micro-batch, one model's optimizer step, the weight sync.
 """
 
 import json
@@ -72,8 +74,11 @@ CPU_ENGINE_SNAPSHOTS = 3  # single_process.SingleProcess.SNAPSHOT_SLOTS: the pol
 LOGIT_BYTES_TRAIN, LOGIT_BYTES_NO_GRAD, LOGIT_BYTES_WHOLE = 20.0, 17.0, 16.0  # per [positions x vocab] element
 ADAM_TEMPORARY_BYTES = {"cpu": 8, "gpu": 4}  # per stepped parameter (step_temporaries says why)
 
-HELD, LOADING, FORWARD, TRAINING, STEP = "held", "loading", "forward", "fwd/bwd", "opt step"
-PHASES = (FORWARD, TRAINING, STEP)  # steady state: held + the largest of these
+# The packed transfer's rotating buffers (generation/weight_transfer.PACKED_NUM_BUFFERS; run/ cannot import it).
+PACKED_SYNC_BUFFERS = 2
+
+HELD, LOADING, FORWARD, TRAINING, STEP, SYNC = "held", "loading", "forward", "fwd/bwd", "opt step", "wt sync"
+PHASES = (FORWARD, TRAINING, STEP, SYNC)  # steady state: held + the largest of these
 
 
 @dataclass
@@ -357,6 +362,35 @@ def loading_item(shapes: list[ModelShape], layout: Layout) -> Item | None:
     return None
 
 
+def weight_sync_items(args: Args, policy: ModelShape, layout: Layout) -> list[Item]:
+    """Learner rank 0's transient while it sends the policy to the engines of Ray learners (learner/weight_sender.py),
+    between training steps: its own phase. The tensors go out one at a time as copies in the engines' dtype (L bytes
+    for the largest), under ZeRO-3 each gathered first (its weight dtype).
+
+    - GPUs (nccl, and ipc with --single_gpu_mode, where every rank sends its own copy): vLLM's packed producer
+      (`packed_nccl_broadcast_producer`) joins copies into a chunk until it passes its buffer size B (the bucket size,
+      or L if larger: `WeightTransfer.packed_buffer_bytes`), so a chunk is up to B + L; PACKED_SYNC_BUFFERS - 1 chunks
+      are still on the wire while the next is packed, and that one exists twice until `torch.cat` returns (its
+      tensors and their concatenation). At 8B in bf16 (L = B = 1.05 GB): 3 x 2.1 GB + the gathered 1.05 GB = 7.4 GB.
+    - CPUs (gloo): one flat bucket of at most max(B, L) and the copy being put into it.
+    """
+    if not args.dist.uses_ray:
+        return []  # the single process hands its in-process engine the tensors themselves (`engine_items`)
+    dtype = 4 if args.gen.vllm_dtype == "float32" or (args.gen.vllm_dtype == "auto" and layout.device == "cpu") else 2
+    largest, whole = dtype * policy.largest_param, dtype * policy.num_params
+    buffer = max(args.dist.vllm_sync_bucket_mb * 2**20, largest)
+    gathered = layout.weight_bytes * policy.largest_param if layout.stage == 3 else 0
+    fix = "a lower --vllm_sync_bucket_mb"
+    if layout.device == "gpu":
+        chunk = min(buffer + largest, whole)  # a chunk (or bucket) never holds more than the whole policy
+        size = (PACKED_SYNC_BUFFERS + 1) * chunk + gathered
+        name = f"weight sync: {PACKED_SYNC_BUFFERS + 1} packed chunks of <= {chunk / GB:.2f} GB"
+    else:
+        bucket = min(buffer, whole)
+        size, name = bucket + largest + gathered, f"weight sync: a bucket of <= {bucket / GB:.2f} GB"
+    return [Item(name + (" + the gathered parameter" if gathered else ""), 0, size, SYNC, fix)]
+
+
 def engine_items(args: Args, shapes: list[ModelShape], layout: Layout, capacity: float | None) -> list[Item]:
     """The vLLM engine's part of this device, and the policy copies handed to it."""
     policy = shapes[0]
@@ -454,10 +488,17 @@ class MemoryPlan:
 
 
 def plan_memory(
-    args: Args, shapes: list[ModelShape], device: str, capacity: float | None = None, longest_prompt: int | None = None
+    args: Args,
+    shapes: list[ModelShape],
+    device: str,
+    capacity: float | None = None,
+    longest_prompt: int | None = None,
+    with_engine: bool = True,
 ) -> MemoryPlan:
-    """The plan of one learner rank of this run on `device` ("gpu"/"cpu"), `capacity` bytes when known. Sequences are
-    `longest_prompt` + --response_length tokens (the data's longest prompt; default --max_prompt_token_length)."""
+    """The plan of one learner rank of this run on `device` ("gpu"/"cpu"), `capacity` bytes when known (learner rank 0:
+    it alone sends the weights). Sequences are `longest_prompt` + --response_length tokens (the data's longest prompt;
+    default --max_prompt_token_length). `with_engine=False`: the learner alone, without the engine's share of its
+    device and the weights handed to it (a measurement of a learner that feeds no engine)."""
     layout = layout_of(args, device, longest_prompt)
     items = []
     if device == "gpu":
@@ -471,7 +512,8 @@ def plan_memory(
     loading = loading_item(shapes, layout)
     items += [loading] if loading else []
     items += phase_items(shapes, layout)
-    items += engine_items(args, shapes, layout, capacity)
+    if with_engine:
+        items += weight_sync_items(args, shapes[0], layout) + engine_items(args, shapes, layout, capacity)
     if device == "gpu":  # the caching allocator's slack on everything the tensors hold
         tensors = MemoryPlan("", device, items)
         slack_load = GPU_ALLOCATOR_SLACK * (tensors.at_load - GPU_PROCESS_BYTES)
