@@ -1,8 +1,13 @@
-"""Shared fixtures: the embedded model folders and data, built once per machine and cached."""
+"""Shared fixtures (the embedded model folders and data, built once per machine and cached; the eval prompts; the
+Ray cluster) and the tiers: tests/README.md says which marker means what and which command runs which tier."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
+
+from tests.support.trainer_runs import EVAL_QUESTIONS
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -48,3 +53,55 @@ def varied_length_model_dir(tiny_model_dir, tmp_path_factory) -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def eval_file(tmp_path_factory) -> Path:
+    """A handful of arithmetic eval prompts (tests/support/trainer_runs.py's EVAL_QUESTIONS) as a dataset file."""
+    path = tmp_path_factory.mktemp("data") / "eval.jsonl"
+    with open(path, "w") as f:
+        for a, b in EVAL_QUESTIONS:
+            question = f"What is {a} + {b}? Give the final answer as a number at the end."
+            messages = [{"role": "user", "content": question}]
+            f.write(json.dumps({"messages": messages, "ground_truth": str(a + b), "dataset": "arithmetic"}) + "\n")
+    return path
+
+
+# ---- Ray ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ray_nodes():
+    """Two Ray nodes on this machine with 3 logical CPUs each (enough for 2 engines beside 2 learners or a trainer's
+    actors), started once for the session: a start takes 13-36 s on 2 cores. Learners are spread one per node by
+    their STRICT_SPREAD placement, not by a shortage of CPUs. Use `ray_cluster`, which also connects the test."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+    cluster.add_node(num_cpus=3)
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_nodes):
+    """The session's two Ray nodes with this module's test process connected as a driver. Disconnecting at the end of
+    the module ends its job, so Ray removes the actors and placement groups the module left behind, and a later
+    module may start a Ray instance of its own (test_placement.py's logical GPUs)."""
+    import ray
+
+    ray.init(address=ray_nodes.address)
+    yield ray_nodes
+    ray.shutdown()
+
+
+def uses_the_ray_cluster(item: pytest.Item) -> bool:
+    return "ray_cluster" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the modules that use the shared Ray nodes last and together, so that the nodes are up (two raylets polling
+    on 2 cores) only while they are needed. Within a module, the order stays as written."""
+    modules_on_the_cluster = {item.module.__name__ for item in items if uses_the_ray_cluster(item)}
+    items.sort(key=lambda item: item.module.__name__ in modules_on_the_cluster)

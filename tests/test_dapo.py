@@ -15,7 +15,7 @@ from open_instruct.generation.step_batch import GroupFilter, join_groups, join_r
 from open_instruct.generation.vllm_engine import Completion
 from open_instruct.rl.rewards import PrecomputedScores, RewardConfig, RewardManager, overlong_penalty
 from open_instruct.run.tracking import read_metrics
-from tests.test_ppo_trainer import run_to_completion
+from tests.support.trainer_runs import run_to_completion
 
 
 def test_overlong_penalty_by_hand():

@@ -38,10 +38,10 @@ from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.data.tokenizer import stop_token_ids_for
 from open_instruct.generation.generation_thread import GenerationSettings
 from open_instruct.generation.vllm_engine import EngineConfig
-from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout, needs_loopback_namespace, one_ppo_step, wait_for
-from tests.test_ppo_trainer import last_lines
+from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step
+from tests.support.ray_runs import needs_loopback_namespace, wait_for
+from tests.support.trainer_runs import TRAINER, last_lines
 
-TRAINER = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]
 
 # ---- pure: the bucket plan and the checksums -------------------------------------------------------------------------
 
@@ -84,21 +84,6 @@ def test_prompts_are_split_into_contiguous_slices_over_the_engines():
 
 
 # ---- real engine actors ----------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """Two Ray nodes on this machine with 3 logical CPUs each (the test's engines, then learners or a trainer's)."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
-    cluster.add_node(num_cpus=3)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -344,8 +329,8 @@ def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_with
     its second generate call (tests/inject_fault.py engine_1_dies). Both finish; every step's metrics (timings aside)
     are equal, and `engine/restarts` is 1 from the step that trained on the batch engine 1 died in."""
     from open_instruct.run.tracking import read_metrics
-    from tests.test_ppo_trainer import TESTS_DIR, run_command
-    from tests.test_resume import comparable
+    from tests.support.trainer_runs import TESTS_DIR, run_command
+    from tests.support.resume_runs import comparable
 
     flags = [
         "--model_name_or_path", tiny_model_dir, "--ray_address", ray_cluster.address, "--vllm_num_engines", "2",
@@ -382,7 +367,7 @@ def test_engine_actors_take_in_flight_updates_with_every_token_tagged_and_checke
     it sent, every sync), responses carry tokens of two versions, and the learner's logprobs agree with the engines'
     behaviour logprobs token by token (the per-step check), within the bound of 2 versions."""
     from open_instruct.run.tracking import read_metrics
-    from tests.test_ppo_trainer import run_command
+    from tests.support.trainer_runs import run_command
 
     output_dir = tmp_path / "output"
     flags = [

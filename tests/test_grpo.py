@@ -35,15 +35,14 @@ from open_instruct.learner.ppo import PPOLearner
 from open_instruct.learner.algorithms import learner_class
 from open_instruct.data.tokenizer import stop_token_ids_for
 from open_instruct.run.tracking import read_metrics
-from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout
-from tests.test_ppo_trainer import (
+from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout
+from tests.support.trainer_runs import (
     STEP_METRICS,
     assert_saved_weights_are_the_learners,
-    eval_file,  # noqa: F401  (a module fixture: the eval prompts file)
     is_finite_number,
     run_to_completion,
 )
-from tests.test_resume import assert_same_run
+from tests.support.resume_runs import assert_same_run
 
 # The Ray equivalence tests' flags (4 prompts x 2 samples, lr 1e-3) without the value model's learning rate, which
 # GRPO refuses.

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tests.test_ppo_trainer import (
+from tests.support.trainer_runs import (
     EVAL_QUESTIONS,
     RESPONSE_LENGTH,
     STEP_METRICS,
     Run,
     assert_saved_weights_are_the_learners,
-    eval_file,  # noqa: F401  (a module fixture: the eval prompts file)
     fresh_engine_greedy,
     is_finite_number,
     run_to_completion,

@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 from open_instruct.learner.saving import weights_sha256
 from open_instruct.run.tracking import read_metrics
 from tests.small_disk import on_small_disk, small_disk_unavailable
-from tests.test_ppo_trainer import FP32_LEARNER, SMALL_RUN, TRAINER, last_lines, run_command
-from tests.test_resume import comparable, finish, offline_env, wait_for_step
+from tests.support.trainer_runs import FP32_LEARNER, SMALL_RUN, TRAINER, last_lines, run_command
+from tests.support.resume_runs import comparable, finish, offline_env, wait_for_step
 
 TINY_RUN = ["--model_name_or_path", "tiny", "--num_evals", "0", *SMALL_RUN]
 

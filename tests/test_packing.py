@@ -20,7 +20,8 @@ from open_instruct.learner.ppo import PPOLearner
 from open_instruct.rl.packing import first_fit_decreasing, pack_rows, plan_micro_batches
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
-from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout, needs_loopback_namespace
+from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout
+from tests.support.ray_runs import needs_loopback_namespace
 
 
 def test_first_fit_decreasing_keeps_every_group_within_the_budget():
@@ -162,7 +163,7 @@ def test_packed_micro_batches_take_the_padded_step(tiny_model_dir, algorithm, ag
 def packed_step_on_rank(rank: int, port: int, results, model_dir: str, stage: int) -> None:
     import deepspeed
 
-    from tests.test_deepspeed_ranks import learner_on_rank
+    from tests.support.deepspeed_ranks import learner_on_rank
 
     learner, tokenizer = learner_on_rank(rank, port, model_dir, stage, "--response_length", "48",
                                          "--max_tokens_per_micro_batch", "100")  # fmt: skip
@@ -184,7 +185,7 @@ def packed_step_on_rank(rank: int, port: int, results, model_dir: str, stage: in
 def test_two_ranks_packed_by_tokens_take_the_single_process_padded_step(stage, tiny_model_dir):
     """Two ZeRO ranks, each with its share of every minibatch by tokens (as many micro-batches each), packed at 100
     tokens, take the step of one process that holds each minibatch in one padded micro-batch."""
-    from tests.test_deepspeed_ranks import run_two_ranks
+    from tests.support.deepspeed_ranks import run_two_ranks
 
     padded, _, padded_weights, _ = learner_step(tiny_model_dir, "ppo", "--per_device_train_batch_size", "4")
     results = run_two_ranks(packed_step_on_rank, tiny_model_dir, stage)

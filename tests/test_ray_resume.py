@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from open_instruct.run.tracking import read_metrics
-from tests.test_ppo_trainer import FP32_LEARNER, RUN_TIMEOUT_S, TESTS_DIR, TRAINER, last_lines, run_command
-from tests.test_ray_learners import eval_file, needs_loopback_namespace, ray_cluster, ray_trainer_command  # noqa: F401
-from tests.test_resume import assert_same_model, assert_same_run, finish, logged_steps, offline_env
+from tests.support.ray_runs import needs_loopback_namespace, ray_trainer_command
+from tests.support.resume_runs import assert_same_model, assert_same_run, finish, logged_steps, offline_env
+from tests.support.trainer_runs import FP32_LEARNER, RUN_TIMEOUT_S, TESTS_DIR, last_lines, run_command
 
 pytestmark = needs_loopback_namespace
 
