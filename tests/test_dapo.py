@@ -93,6 +93,7 @@ def test_joined_rollouts_keep_the_oldest_version_and_sum_their_timings():
 # ---- end to end -------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_grpo_with_dynamic_sampling_and_the_overlong_penalty_in_flight(varied_length_model_dir, tmp_path):
     """The tiny model never answers right, so its scores differ only by the overlong penalty (a buffer of 12 of 16
     tokens on a model whose answers stop at 2..16 tokens): some groups differ, others do not and are dropped."""

@@ -19,7 +19,7 @@ from tests.support.deepspeed_ranks import learner_on_rank, run_two_ranks
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step
 from tests.support.ray_runs import needs_loopback_namespace
 
-pytestmark = needs_loopback_namespace
+pytestmark = [pytest.mark.e2e, needs_loopback_namespace]
 
 
 # ---- ZeRO-3 loading -------------------------------------------------------------------------------------------------

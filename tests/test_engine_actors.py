@@ -105,6 +105,8 @@ def prompt_ids(tiny_model_dir, count: int) -> list[list[int]]:
 GREEDY = dict(n=1, temperature=0.0, max_tokens=12, stop_token_ids=[])
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_zero3_pair_broadcasts_to_two_engines_in_buckets_and_they_hold_the_learners_weights(
     ray_cluster, engines, tiny_model_dir, tmp_path
@@ -153,6 +155,8 @@ def test_zero3_pair_broadcasts_to_two_engines_in_buckets_and_they_hold_the_learn
     assert [c.token_ids for c in in_process] == broadcast_greedy
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_two_engines_return_what_one_engine_returns_for_the_same_seeds_in_prompt_order(engines, tiny_model_dir):
     import ray
@@ -180,6 +184,8 @@ def engine_pid(stdout: str, index: int) -> int | None:
     return None
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_killing_an_engine_actor_ends_the_run_naming_it(ray_cluster, engines, tiny_model_dir, tmp_path):
     output_dir = tmp_path / "output"
@@ -248,6 +254,8 @@ def samples(rollout) -> list[tuple]:
     return [(c.prompt_index, tuple(c.token_ids), tuple(c.logprobs)) for c in rollout.completions]
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_a_dead_engines_prompts_come_again_from_its_seed_and_its_replacement_joins_with_the_current_weights(
     ray_cluster, tiny_model_dir, tmp_path, caplog
@@ -322,6 +330,8 @@ def test_a_dead_engines_prompts_come_again_from_its_seed_and_its_replacement_joi
     assert replacement_part == [(c.prompt_index, tuple(c.token_ids), tuple(c.logprobs)) for c in engine_0_alone]
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_without_the_death(ray_cluster, tmp_path,
                                                                                               tiny_model_dir):  # fmt: skip
@@ -359,6 +369,8 @@ def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_with
     print(f"engine restart seconds (death seen -> replacement holds the weights): {restart_seconds}")
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_engine_actors_take_in_flight_updates_with_every_token_tagged_and_checked(ray_cluster, tmp_path,
                                                                                   varied_length_model_dir):  # fmt: skip
@@ -392,6 +404,8 @@ def test_engine_actors_take_in_flight_updates_with_every_token_tagged_and_checke
 # ---- deadlines: the wait for the engines and the transfer are two waits ---------------------------------------------
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_an_engine_slower_to_get_ready_than_the_transfer_deadline_delays_the_transfer_and_the_run_goes_on(
     ray_cluster, tiny_model_dir, tmp_path

@@ -271,6 +271,7 @@ def grpo_run(tiny_model_dir, eval_file, tmp_path_factory) -> Path:  # noqa: F811
     return workdir / "output"
 
 
+@pytest.mark.e2e
 def test_grpo_trainer_logs_every_step_saves_a_loadable_model_and_a_checkpoint_without_a_value_model(
     grpo_run, tiny_model_dir
 ):
@@ -302,6 +303,7 @@ def test_grpo_trainer_logs_every_step_saves_a_loadable_model_and_a_checkpoint_wi
     assert json.loads((checkpoint / "args.json").read_text())["algorithm"] == "grpo"
 
 
+@pytest.mark.e2e
 def test_grpo_resumed_from_step_1_repeats_step_2_and_the_final_model(
     grpo_run, tiny_model_dir, eval_file, tmp_path  # noqa: F811
 ):
@@ -315,6 +317,7 @@ def test_grpo_resumed_from_step_1_repeats_step_2_and_the_final_model(
     assert_same_run(output_dir, grpo_run)  # every logged row (timings aside) and the final model
 
 
+@pytest.mark.e2e
 def test_the_ppo_trainer_refuses_to_resume_a_grpo_checkpoint(
     grpo_run, tiny_model_dir, eval_file, tmp_path, capsys  # noqa: F811
 ):

@@ -26,10 +26,15 @@ from tests.support.trainer_runs import (
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "train" / "debug" / "ppo_multinode_local.sh"
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("OPEN_INSTRUCT_LOOPBACK_ONLY") != "1",
-    reason="Ray listens on every interface: run through scripts/test.sh, which uses a loopback-only namespace",
-)
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.ray,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("OPEN_INSTRUCT_LOOPBACK_ONLY") != "1",
+        reason="Ray listens on every interface: run through scripts/test.sh, which uses a loopback-only namespace",
+    ),
+]
 
 
 @pytest.fixture(scope="module", params=["async", "sync"])

@@ -32,6 +32,8 @@ from tests.small_disk import on_small_disk, small_disk_unavailable
 from tests.support.trainer_runs import FP32_LEARNER, SMALL_RUN, TRAINER, last_lines, run_command
 from tests.support.resume_runs import comparable, finish, offline_env, wait_for_step
 
+pytestmark = [pytest.mark.e2e]
+
 TINY_RUN = ["--model_name_or_path", "tiny", "--num_evals", "0", *SMALL_RUN]
 
 

@@ -180,6 +180,7 @@ def packed_step_on_rank(rank: int, port: int, results, model_dir: str, stage: in
     results[rank] = (metrics, weights if rank == 0 else None, [len(plan) for plan in plans], tokens)
 
 
+@pytest.mark.e2e
 @needs_loopback_namespace
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_packed_by_tokens_take_the_single_process_padded_step(stage, tiny_model_dir):

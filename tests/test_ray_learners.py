@@ -61,6 +61,7 @@ def choose_dtype_on_rank(rank: int, port: int, choices: list[str], results) -> N
     results[rank] = (str(dtype), why)
 
 
+@pytest.mark.e2e
 @needs_loopback_namespace
 @pytest.mark.parametrize(
     "choices, expected",
@@ -99,12 +100,16 @@ def single_process_step(tiny_model_dir):
     return single_process_ppo_step(tiny_model_dir)
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_take_the_single_process_ppo_step(stage, ray_cluster, single_process_step, tiny_model_dir, tmp_path):
     assert_two_ranks_take_the_step(single_process_step, stage, ray_cluster, tiny_model_dir, tmp_path)
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_two_ranks_with_engine_old_logprobs_and_no_reference_take_the_single_process_step(
     ray_cluster, tiny_model_dir, tmp_path
@@ -195,6 +200,8 @@ def ray_run(request, ray_cluster, tiny_model_dir, eval_file, tmp_path_factory) -
     return Run(workdir / "output", num_steps=2, async_mode=mode == "async")
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_ray_run_logs_every_metric_and_the_expected_policy_versions(ray_run):
     lines = ray_run.step_lines()
@@ -215,6 +222,8 @@ def test_ray_run_logs_every_metric_and_the_expected_policy_versions(ray_run):
     assert [e["eval/policy_version"] for e in evals] == [0, 2]
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_ray_run_final_model_loads_and_a_fresh_vllm_engine_reproduces_the_final_eval(ray_run, eval_file, tmp_path):
     """The final eval ran in the trainer's vLLM right after it loaded the gathered final weights; the saved folder
@@ -242,6 +251,8 @@ def test_ray_run_final_model_loads_and_a_fresh_vllm_engine_reproduces_the_final_
 # ---- a dead learner ends the run -------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_killing_a_learner_actor_ends_the_run_naming_it(ray_cluster, tiny_model_dir, eval_file, tmp_path):
     output_dir = tmp_path / "output"
@@ -273,6 +284,7 @@ def test_killing_a_learner_actor_ends_the_run_naming_it(ray_cluster, tiny_model_
     assert seconds < 60, f"the run took {seconds:.0f}s to end after its learner died"
 
 
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_a_peer_failing_because_another_died_reports_the_death_first(ray_cluster):
     """A killed engine breaks the broadcast on its peers at once, and Ray reports the death a moment later: the

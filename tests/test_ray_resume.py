@@ -28,7 +28,7 @@ from tests.support.ray_runs import needs_loopback_namespace, ray_trainer_command
 from tests.support.resume_runs import assert_same_model, assert_same_run, finish, logged_steps, offline_env
 from tests.support.trainer_runs import FP32_LEARNER, RUN_TIMEOUT_S, TESTS_DIR, last_lines, run_command
 
-pytestmark = needs_loopback_namespace
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow, needs_loopback_namespace]
 
 NUM_STEPS = 6
 ROLLOUT_BATCH_SIZE = 8  # responses per step with ray_trainer_command's flags (test_ray_learners: 16 episodes, 2 steps)

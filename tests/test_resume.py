@@ -142,6 +142,8 @@ def half_generated_responses(checkpoint: Path) -> int:
     return count
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_exits_with_how_to_resume(interrupted):
     last_line = interrupted.sigterm_stderr.strip().splitlines()[-1]
     print(f"\nSIGTERM to exit: {interrupted.sigterm_to_exit_s:.1f}s; {last_line}")
@@ -154,12 +156,16 @@ def test_sigterm_writes_a_checkpoint_and_exits_with_how_to_resume(interrupted):
     assert interrupted.sigterm_to_exit_s < SIGTERM_EXIT_BOUND_S
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_second_run_on_a_locked_output_dir_is_refused(interrupted):
     last_line = interrupted.refused_stderr.strip().splitlines()[-1]
     assert interrupted.refused_exit_code == 2, last_lines(interrupted.refused_stderr)
     assert "is in use by run ppo__1__" in last_line and "pid" in last_line, last_line
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(reference, interrupted):
     assert interrupted.step_at_kill >= 5
     assert interrupted.checkpoints_at_kill[-1] == "step_4"  # the kill came after the checkpoint of step 4
@@ -180,6 +186,8 @@ def test_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(refer
     assert checkpoints == ["step_6", "step_8"], "--keep_last_n 2 keeps the two newest complete checkpoints"
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_checkpoints_hold_what_the_engine_held_and_the_resumed_engine_continues_it(mode_flags, reference, interrupted):
     """Default mode: batches are generated one at a time by one policy, one version behind; a checkpoint holds whole
     rollouts. With --async_steps 2 --inflight_updates the resume above is exact although the checkpoints held batches
@@ -207,6 +215,7 @@ def all_finite(state: dict) -> bool:
     return all(torch.isfinite(t).all() for t in state.values() if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
+@pytest.mark.e2e
 def test_a_nan_loss_stops_the_run_and_no_nan_weight_reaches_disk(tmp_path):
     process, _ = run_command(NAN_RUN + ["--output_dir", str(tmp_path / "output")], cwd=tmp_path)
     last_line = process.stderr.strip().splitlines()[-1]

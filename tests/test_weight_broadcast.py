@@ -17,6 +17,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+pytestmark = [pytest.mark.e2e]
+
 TESTS_DIR = Path(__file__).resolve().parent
 DTYPES = ("float32", "bfloat16")
 # CPU weight layouts (vllm_utils.set_cpu_weight_layout): plain weights are loaded in place by the model's loader,
