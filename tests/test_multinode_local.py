@@ -65,6 +65,8 @@ def multinode_run(request, tiny_model_dir, eval_file, tmp_path_factory):  # noqa
 
 
 def test_two_nodes_run_learners_and_engines_and_log_every_metric_with_the_right_versions(multinode_run):
+    """Slow (~2.5 min per mode): `ppo_multinode_local.sh` starts its own two-node cluster, learners and engine
+    actors, as a user runs it; the script itself is what is tested."""
     run, stdout = multinode_run
     assert "two-node Ray cluster up" in stdout
     learner_nodes = {line.split(" on node ")[1] for line in stdout.splitlines() if line.startswith("[ppo] learner rank")}

@@ -97,6 +97,8 @@ def zero2_reference(tiny_model_dir, ray_cluster, eval_file, tmp_path_factory) ->
 def test_zero3_sigterm_then_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(
     tiny_model_dir, ray_cluster, eval_file, zero3_reference, tmp_path  # noqa: F811
 ):
+    """Slow (~6 min): a 6-step reference run and the same run started three times on two Ray nodes; each start
+    brings up two DeepSpeed ranks and an engine. One scenario per test, because each start is the cost."""
     output_dir = tmp_path / "output"
     cmd = command(tiny_model_dir, ray_cluster, eval_file, output_dir, 3, True)
 
@@ -142,6 +144,8 @@ def test_zero3_sigterm_then_kill_9_then_resume_gives_the_uninterrupted_runs_metr
 def test_zero2_a_rank_dying_while_writing_a_checkpoint_leaves_the_previous_one_to_resume_exactly(
     tiny_model_dir, ray_cluster, eval_file, zero2_reference, tmp_path  # noqa: F811
 ):
+    """Slow (~5 min): a 6-step reference run, the run whose rank dies, and its resume, each a start of two
+    DeepSpeed ranks and an engine on two Ray nodes."""
     output_dir = tmp_path / "output"
     cmd = command(tiny_model_dir, ray_cluster, eval_file, output_dir, 2, False)
     faulty = [cmd[0], str(TESTS_DIR / "inject_fault.py"), "learner_rank_dies_in_checkpoint", *cmd[3:]]
