@@ -70,38 +70,19 @@ def eval_file(tmp_path_factory) -> Path:
 # ---- Ray ------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def ray_nodes():
-    """Two Ray nodes on this machine with 3 logical CPUs each (enough for 2 engines beside 2 learners or a trainer's
-    actors), started once for the session: a start takes 13-36 s on 2 cores. Learners are spread one per node by
-    their STRICT_SPREAD placement, not by a shortage of CPUs. Use `ray_cluster`, which also connects the test."""
+@pytest.fixture(scope="module")
+def ray_cluster(request):
+    """Two Ray nodes on this machine with the test process connected as a driver, for one module: a module that
+    kills actors or leaves placement groups leaves nothing to the next. Logical CPUs per node: the module's
+    RAY_CPUS_PER_NODE (default 3: 2 engines beside 2 learners or a trainer's actors; the learner modules take 1)."""
+    import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
-    cluster.add_node(num_cpus=3)
+    cpus = getattr(request.module, "RAY_CPUS_PER_NODE", 3)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "include_dashboard": False})
+    cluster.add_node(num_cpus=cpus)
     cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
     yield cluster
-    cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(ray_nodes):
-    """The session's two Ray nodes with this module's test process connected as a driver. Disconnecting at the end of
-    the module ends its job, so Ray removes the actors and placement groups the module left behind, and a later
-    module may start a Ray instance of its own (test_placement.py's logical GPUs)."""
-    import ray
-
-    ray.init(address=ray_nodes.address)
-    yield ray_nodes
     ray.shutdown()
-
-
-def uses_the_ray_cluster(item: pytest.Item) -> bool:
-    return "ray_cluster" in getattr(item, "fixturenames", ())
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the modules that use the shared Ray nodes last and together, so that the nodes are up (two raylets polling
-    on 2 cores) only while they are needed. Within a module, the order stays as written."""
-    modules_on_the_cluster = {item.module.__name__ for item in items if uses_the_ray_cluster(item)}
-    items.sort(key=lambda item: item.module.__name__ in modules_on_the_cluster)
+    cluster.shutdown()

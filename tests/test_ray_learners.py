@@ -46,6 +46,9 @@ from tests.support.trainer_runs import (
     run_to_completion,
 )
 
+# One logical CPU per Ray node (tests/conftest.py's ray_cluster): a learner rank on each of the two nodes.
+RAY_CPUS_PER_NODE = 1
+
 
 # ---- the compute dtype: one for all ranks ---------------------------------------------------------------------------
 

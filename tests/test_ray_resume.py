@@ -29,6 +29,8 @@ from tests.support.resume_runs import assert_same_model, assert_same_run, finish
 from tests.support.trainer_runs import FP32_LEARNER, RUN_TIMEOUT_S, TESTS_DIR, last_lines, run_command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow, needs_loopback_namespace]
+# One logical CPU per Ray node (tests/conftest.py's ray_cluster), as in test_ray_learners.py.
+RAY_CPUS_PER_NODE = 1
 
 NUM_STEPS = 6
 ROLLOUT_BATCH_SIZE = 8  # responses per step with ray_trainer_command's flags (test_ray_learners: 16 episodes, 2 steps)
