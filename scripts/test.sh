@@ -2,7 +2,7 @@
 # Install what is needed (once) and run the test suite.
 #
 #   bash scripts/test.sh                 # everything (CI runs this)
-#   bash scripts/test.sh --fast          # the inner loop: no engine, Ray, DeepSpeed ranks or trainer run (~3 min)
+#   bash scripts/test.sh --fast          # the inner loop: no engine, Ray, DeepSpeed ranks or trainer run
 #   bash scripts/test.sh -k rl_utils     # extra arguments go to pytest
 #
 # The tiers are markers (pytest.ini, tests/README.md): e2e, ray and slow tests are left out of --fast, whose
