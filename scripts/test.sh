@@ -2,7 +2,11 @@
 # Install what is needed (once) and run the test suite.
 #
 #   bash scripts/test.sh                 # everything (CI runs this)
-#   bash scripts/test.sh -k rl_math      # extra arguments go to pytest
+#   bash scripts/test.sh --fast          # the inner loop: no engine, Ray, DeepSpeed ranks or trainer run
+#   bash scripts/test.sh -k rl_math     # extra arguments go to pytest
+#
+# The tiers are markers (pytest.ini, tests/README.md): e2e, ray and slow tests are left out of --fast, whose
+# tests each get 300 s at most instead of 900 s.
 #
 # Tests run inside a loopback-only network namespace when the machine allows it (root), because
 # Ray listens on every interface otherwise; Ray tests skip with a reason when it does not.
@@ -17,7 +21,12 @@ export WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENA
 # Build the embedded model once, with the network still there for nothing: it is all local.
 "$python" -c "from open_instruct.data.embedded import smollm2_path, tiny_model_path; smollm2_path(); tiny_model_path()"
 
-pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 "$@")
+tier=()
+if [[ "${1:-}" == "--fast" ]]; then
+  shift
+  tier=(-m "not e2e and not ray and not slow" --timeout 300)
+fi
+pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 "${tier[@]}" "$@")
 status=0
 if unshare -n true 2>/dev/null; then
   echo "[test] running pytest in a loopback-only network namespace"

@@ -1,8 +1,13 @@
-"""Shared fixtures: the embedded model folders and data, built once per machine and cached."""
+"""Shared fixtures (the embedded model folders and data, built once per machine and cached; the eval prompts; the
+Ray cluster) and the tiers: tests/README.md says which marker means what and which command runs which tier."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
+
+from tests.support.trainer_runs import EVAL_QUESTIONS
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -48,3 +53,36 @@ def varied_length_model_dir(tiny_model_dir, tmp_path_factory) -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def eval_file(tmp_path_factory) -> Path:
+    """A handful of arithmetic eval prompts (tests/support/trainer_runs.py's EVAL_QUESTIONS) as a dataset file."""
+    path = tmp_path_factory.mktemp("data") / "eval.jsonl"
+    with open(path, "w") as f:
+        for a, b in EVAL_QUESTIONS:
+            question = f"What is {a} + {b}? Give the final answer as a number at the end."
+            messages = [{"role": "user", "content": question}]
+            f.write(json.dumps({"messages": messages, "ground_truth": str(a + b), "dataset": "arithmetic"}) + "\n")
+    return path
+
+
+# ---- Ray ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request):
+    """Two Ray nodes on this machine with the test process connected as a driver, for one module: a module that
+    kills actors or leaves placement groups leaves nothing to the next. Logical CPUs per node: the module's
+    RAY_CPUS_PER_NODE (default 3: 2 engines beside 2 learners or a trainer's actors; the learner modules take 1)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cpus = getattr(request.module, "RAY_CPUS_PER_NODE", 3)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "include_dashboard": False})
+    cluster.add_node(num_cpus=cpus)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

@@ -15,7 +15,7 @@ from open_instruct.generation.step_batch import GroupFilter, Scored, join_groups
 from open_instruct.generation.vllm_engine import Completion
 from open_instruct.rl.rewards import PrecomputedScores, RewardConfig, RewardManager, overlong_penalty
 from open_instruct.run.tracking import read_metrics
-from tests.test_ppo_trainer import run_to_completion
+from tests.support.trainer_runs import run_to_completion
 
 
 def test_overlong_penalty_by_hand():
@@ -133,6 +133,7 @@ def test_the_prompts_received_count_every_draw_and_not_those_in_flight():
     assert requests.prompts_received == 12 and order.handed_out == 20
 
 
+@pytest.mark.e2e
 def test_grpo_with_dynamic_sampling_and_the_overlong_penalty_in_flight(varied_length_model_dir, tmp_path):
     """The tiny model never answers right, so its scores differ only by the overlong penalty (a buffer of 12 of 16
     tokens on a model whose answers stop at 2..16 tokens): under --filter_metric score some groups differ, others do

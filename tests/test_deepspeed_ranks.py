@@ -12,49 +12,14 @@ Several processes talk over TCP, so these tests run only inside the loopback-onl
 scripts/test.sh makes (OPEN_INSTRUCT_LOOPBACK_ONLY=1); elsewhere they skip with that reason.
 """
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout, needs_loopback_namespace, one_ppo_step
+from tests.support.deepspeed_ranks import learner_on_rank, run_two_ranks
+from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step
+from tests.support.ray_runs import needs_loopback_namespace
 
-pytestmark = needs_loopback_namespace
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run_two_ranks(fn, *args) -> dict:
-    """fn(rank, port, results, *args) on 2 spawned ranks; returns what each rank put in `results`."""
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(fn, args=(free_port(), results, *args), nprocs=2, join=True)
-        return dict(results)
-
-
-def learner_on_rank(rank: int, port: int, model_dir: str, stage: int, *flags: str):
-    """A PPOLearner on this spawned rank's DeepSpeed backend, as LearnerRank.setup builds it (without Ray)."""
-    from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
-    from open_instruct.learner import deepspeed_backend
-    from open_instruct.learner.ppo import PPOLearner
-    from open_instruct.run.args import compute_batch_sizes, parse_args
-
-    deepspeed_backend.init_process_group(rank, 2, "127.0.0.1", port, 120)
-    args = parse_args(["--model_name_or_path", model_dir, *EQUIVALENCE_FLAGS, "--num_learners_per_node", "1", "1",
-                       "--deepspeed_stage", str(stage), *flags])  # fmt: skip
-    backend = deepspeed_backend.DeepSpeedBackend(
-        stage, args.ppo.per_device_train_batch_size, False,
-        deepspeed_backend.weights_dtype(args.dist.deepspeed_weights_dtype, args.model.learner_compute_dtype),
-    )  # fmt: skip
-    torch.manual_seed(args.run.seed)
-    tokenizer = load_tokenizer(model_dir)
-    return PPOLearner(args, compute_batch_sizes(args), tokenizer, model_dir, stop_token_ids_for(tokenizer, "eos"),
-                      backend=backend), tokenizer  # fmt: skip
+pytestmark = [pytest.mark.e2e, needs_loopback_namespace]
 
 
 # ---- ZeRO-3 loading -------------------------------------------------------------------------------------------------

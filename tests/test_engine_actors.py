@@ -38,10 +38,10 @@ from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.data.tokenizer import stop_token_ids_for
 from open_instruct.generation.generation_thread import GenerationSettings
 from open_instruct.generation.vllm_engine import EngineConfig
-from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout, needs_loopback_namespace, one_ppo_step, wait_for
-from tests.test_ppo_trainer import last_lines
+from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step
+from tests.support.ray_runs import needs_loopback_namespace, wait_for
+from tests.support.trainer_runs import TRAINER, last_lines
 
-TRAINER = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]
 
 # ---- pure: the bucket plan and the checksums -------------------------------------------------------------------------
 
@@ -87,21 +87,6 @@ def test_prompts_are_split_into_contiguous_slices_over_the_engines():
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """Two Ray nodes on this machine with 3 logical CPUs each (the test's engines, then learners or a trainer's)."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
-    cluster.add_node(num_cpus=3)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
 def engines(ray_cluster, tiny_model_dir):
     from open_instruct.generation.engine_actors import EngineGroup
 
@@ -120,6 +105,8 @@ def prompt_ids(tiny_model_dir, count: int) -> list[list[int]]:
 GREEDY = dict(n=1, temperature=0.0, max_tokens=12, stop_token_ids=[])
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_zero3_pair_broadcasts_to_two_engines_in_buckets_and_they_hold_the_learners_weights(
     ray_cluster, engines, tiny_model_dir, tmp_path
@@ -168,6 +155,8 @@ def test_zero3_pair_broadcasts_to_two_engines_in_buckets_and_they_hold_the_learn
     assert [c.token_ids for c in in_process] == broadcast_greedy
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_two_engines_return_what_one_engine_returns_for_the_same_seeds_in_prompt_order(engines, tiny_model_dir):
     import ray
@@ -195,6 +184,8 @@ def engine_pid(stdout: str, index: int) -> int | None:
     return None
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_killing_an_engine_actor_ends_the_run_naming_it(ray_cluster, engines, tiny_model_dir, tmp_path):
     output_dir = tmp_path / "output"
@@ -263,6 +254,8 @@ def samples(rollout) -> list[tuple]:
     return [(c.prompt_index, tuple(c.token_ids), tuple(c.logprobs)) for c in rollout.completions]
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_a_dead_engines_prompts_come_again_from_its_seed_and_its_replacement_joins_with_the_current_weights(
     ray_cluster, tiny_model_dir, tmp_path, caplog
@@ -337,6 +330,8 @@ def test_a_dead_engines_prompts_come_again_from_its_seed_and_its_replacement_joi
     assert replacement_part == [(c.prompt_index, tuple(c.token_ids), tuple(c.logprobs)) for c in engine_0_alone]
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_without_the_death(ray_cluster, tmp_path,
                                                                                               tiny_model_dir):  # fmt: skip
@@ -344,8 +339,8 @@ def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_with
     its second generate call (tests/inject_fault.py engine_1_dies). Both finish; every step's metrics (timings aside)
     are equal, and `engine/restarts` is 1 from the step that trained on the batch engine 1 died in."""
     from open_instruct.run.tracking import read_metrics
-    from tests.test_ppo_trainer import TESTS_DIR, run_command
-    from tests.test_resume import comparable
+    from tests.support.trainer_runs import TESTS_DIR, run_command
+    from tests.support.resume_runs import comparable
 
     flags = [
         "--model_name_or_path", tiny_model_dir, "--ray_address", ray_cluster.address, "--vllm_num_engines", "2",
@@ -374,6 +369,8 @@ def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_with
     print(f"engine restart seconds (death seen -> replacement holds the weights): {restart_seconds}")
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_engine_actors_take_in_flight_updates_with_every_token_tagged_and_checked(ray_cluster, tmp_path,
                                                                                   varied_length_model_dir):  # fmt: skip
@@ -382,7 +379,7 @@ def test_engine_actors_take_in_flight_updates_with_every_token_tagged_and_checke
     it sent, every sync), responses carry tokens of two versions, and the learner's logprobs agree with the engines'
     behaviour logprobs token by token (the per-step check), within the bound of 2 versions."""
     from open_instruct.run.tracking import read_metrics
-    from tests.test_ppo_trainer import run_command
+    from tests.support.trainer_runs import run_command
 
     output_dir = tmp_path / "output"
     flags = [
@@ -407,6 +404,8 @@ def test_engine_actors_take_in_flight_updates_with_every_token_tagged_and_checke
 # ---- deadlines: the wait for the engines and the transfer are two waits ---------------------------------------------
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_an_engine_slower_to_get_ready_than_the_transfer_deadline_delays_the_transfer_and_the_run_goes_on(
     ray_cluster, tiny_model_dir, tmp_path

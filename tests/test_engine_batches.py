@@ -20,6 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_prompt_logprobs import prompt_logprobs  # noqa: E402
 
+pytestmark = [pytest.mark.e2e]
+
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [20, 21, 22, 23], [30, 31]]
 EOS = 2  # SmolLM2's <|im_end|>, the tiny model's stop token
 

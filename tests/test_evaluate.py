@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = [pytest.mark.e2e]
+
 
 def test_evaluate_reports_greedy_and_sampled_rates_per_split_for_each_model(tiny_model_dir, tmp_path):
     output = tmp_path / "eval.json"

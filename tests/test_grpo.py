@@ -35,15 +35,14 @@ from open_instruct.learner.ppo import PPOLearner
 from open_instruct.learner.algorithms import learner_class
 from open_instruct.data.tokenizer import stop_token_ids_for
 from open_instruct.run.tracking import read_metrics
-from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout
-from tests.test_ppo_trainer import (
+from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout
+from tests.support.trainer_runs import (
     STEP_METRICS,
     assert_saved_weights_are_the_learners,
-    eval_file,  # noqa: F401  (a module fixture: the eval prompts file)
     is_finite_number,
     run_to_completion,
 )
-from tests.test_resume import assert_same_run
+from tests.support.resume_runs import assert_same_run
 
 # The Ray equivalence tests' flags (4 prompts x 2 samples, lr 1e-3) without the value model's learning rate, which
 # GRPO refuses.
@@ -272,6 +271,7 @@ def grpo_run(tiny_model_dir, eval_file, tmp_path_factory) -> Path:  # noqa: F811
     return workdir / "output"
 
 
+@pytest.mark.e2e
 def test_grpo_trainer_logs_every_step_saves_a_loadable_model_and_a_checkpoint_without_a_value_model(
     grpo_run, tiny_model_dir
 ):
@@ -303,6 +303,7 @@ def test_grpo_trainer_logs_every_step_saves_a_loadable_model_and_a_checkpoint_wi
     assert json.loads((checkpoint / "args.json").read_text())["algorithm"] == "grpo"
 
 
+@pytest.mark.e2e
 def test_grpo_resumed_from_step_1_repeats_step_2_and_the_final_model(
     grpo_run, tiny_model_dir, eval_file, tmp_path  # noqa: F811
 ):
@@ -316,6 +317,7 @@ def test_grpo_resumed_from_step_1_repeats_step_2_and_the_final_model(
     assert_same_run(output_dir, grpo_run)  # every logged row (timings aside) and the final model
 
 
+@pytest.mark.e2e
 def test_the_ppo_trainer_refuses_to_resume_a_grpo_checkpoint(
     grpo_run, tiny_model_dir, eval_file, tmp_path, capsys  # noqa: F811
 ):

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tests.test_ppo_trainer import (
+from tests.support.trainer_runs import (
     EVAL_QUESTIONS,
     RESPONSE_LENGTH,
     STEP_METRICS,
     Run,
     assert_saved_weights_are_the_learners,
-    eval_file,  # noqa: F401  (a module fixture: the eval prompts file)
     fresh_engine_greedy,
     is_finite_number,
     run_to_completion,
@@ -27,10 +26,15 @@ from tests.test_ppo_trainer import (
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "train" / "debug" / "ppo_multinode_local.sh"
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("OPEN_INSTRUCT_LOOPBACK_ONLY") != "1",
-    reason="Ray listens on every interface: run through scripts/test.sh, which uses a loopback-only namespace",
-)
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.ray,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("OPEN_INSTRUCT_LOOPBACK_ONLY") != "1",
+        reason="Ray listens on every interface: run through scripts/test.sh, which uses a loopback-only namespace",
+    ),
+]
 
 
 @pytest.fixture(scope="module", params=["async", "sync"])
@@ -61,6 +65,8 @@ def multinode_run(request, tiny_model_dir, eval_file, tmp_path_factory):  # noqa
 
 
 def test_two_nodes_run_learners_and_engines_and_log_every_metric_with_the_right_versions(multinode_run):
+    """Slow (~2.5 min per mode): `ppo_multinode_local.sh` starts its own two-node cluster, learners and engine
+    actors, as a user runs it; the script itself is what is tested."""
     run, stdout = multinode_run
     assert "two-node Ray cluster up" in stdout
     learner_nodes = {line.split(" on node ")[1] for line in stdout.splitlines() if line.startswith("[ppo] learner rank")}

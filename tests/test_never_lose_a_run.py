@@ -34,8 +34,10 @@ from open_instruct.learner.saving import weights_sha256
 from open_instruct.run.tracking import read_metrics
 from tests.inject_fault import STALL_MESSAGE
 from tests.small_disk import on_small_disk, small_disk_unavailable
-from tests.test_ppo_trainer import FP32_LEARNER, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
-from tests.test_resume import assert_same_run, comparable, finish, offline_env, wait_for_step
+from tests.support.resume_runs import assert_same_run, comparable, finish, offline_env, wait_for_step
+from tests.support.trainer_runs import FP32_LEARNER, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
+
+pytestmark = [pytest.mark.e2e]
 
 TINY_RUN = ["--model_name_or_path", "tiny", "--num_evals", "0", *SMALL_RUN]
 

@@ -22,7 +22,8 @@ from open_instruct.learner.ppo import PPOLearner
 from open_instruct.rl.packing import first_fit_decreasing, pack_rows, plan_micro_batches
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
-from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout, needs_loopback_namespace
+from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout
+from tests.support.ray_runs import needs_loopback_namespace
 
 
 def test_first_fit_decreasing_keeps_every_group_within_the_budget():
@@ -171,7 +172,7 @@ def test_packed_micro_batches_take_the_padded_step(tiny_model_dir, algorithm, ag
 def step_on_rank(rank: int, port: int, results, model_dir: str, stage: int, *flags: str) -> None:
     import deepspeed
 
-    from tests.test_deepspeed_ranks import learner_on_rank
+    from tests.support.deepspeed_ranks import learner_on_rank
 
     learner, tokenizer = learner_on_rank(rank, port, model_dir, stage, "--response_length", "48", *flags)
     prompts, completions = mixed_length_rollout(tokenizer)
@@ -192,7 +193,7 @@ def step_on_rank(rank: int, port: int, results, model_dir: str, stage: int, *fla
 def two_ranks_against_one_whole_minibatch(model_dir: str, stage: int, *flags: str):
     """One PPO step on two ZeRO ranks with `flags`, checked against one process that holds each minibatch in one
     padded micro-batch: the same weights (1e-5) and metrics (1e-6). Returns the ranks' results and the reference."""
-    from tests.test_deepspeed_ranks import run_two_ranks
+    from tests.support.deepspeed_ranks import run_two_ranks
 
     padded, _, padded_weights, _ = learner_step(model_dir, "ppo", "--per_device_train_batch_size", "4")
     results = run_two_ranks(step_on_rank, model_dir, stage, *flags)
@@ -211,6 +212,7 @@ def two_ranks_against_one_whole_minibatch(model_dir: str, stage: int, *flags: st
     return results, padded
 
 
+@pytest.mark.e2e
 @needs_loopback_namespace
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_packed_by_tokens_take_the_single_process_padded_step(stage, tiny_model_dir):
@@ -223,6 +225,7 @@ def test_two_ranks_packed_by_tokens_take_the_single_process_padded_step(stage, t
     assert results[0][0]["perf/token_slots"] == padded["perf/real_tokens"]
 
 
+@pytest.mark.e2e
 @needs_loopback_namespace
 @pytest.mark.parametrize("stage,rows_per_micro_batch", [(2, 2), (2, 1), (3, 1)])
 def test_two_ranks_of_padded_micro_batches_take_the_single_process_whole_minibatch_step(

@@ -104,6 +104,7 @@ def gpu_probe():
     return GpuProbe
 
 
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_single_gpu_mode_puts_learner_i_and_engine_i_on_one_gpu_and_no_two_learners_on_one(ray_with_two_gpus):
     import ray
@@ -130,6 +131,7 @@ def test_single_gpu_mode_puts_learner_i_and_engine_i_on_one_gpu_and_no_two_learn
     assert [where["local_gpu"] for where in learner_where] == [0, 0]  # Ray narrowed CUDA_VISIBLE_DEVICES to it
 
 
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_half_gpu_actors_without_bundles_may_share_a_gpu_which_the_bundles_prevent(ray_with_two_gpus):
     """The failure the bundles exist for: two learners asking for half a GPU each, placed freely, get the same GPU."""
@@ -144,6 +146,7 @@ def test_half_gpu_actors_without_bundles_may_share_a_gpu_which_the_bundles_preve
     assert gpus[0] == gpus[1], gpus
 
 
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_a_learners_device_index_is_its_ray_gpu_id_when_ray_leaves_cuda_visible_devices_alone(ray_with_two_gpus):
     import ray

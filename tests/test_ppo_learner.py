@@ -25,7 +25,7 @@ from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.learner.ppo import PPOLearner
 from open_instruct.data.tokenizer import stop_token_ids_for
 from open_instruct.generation.vllm_engine import Completion
-from tests.test_ray_learners import EQUIVALENCE_FLAGS, fixed_rollout
+from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout
 
 
 def build_learner(model_dir: str, *flags: str) -> tuple[PPOLearner, RewardManager]:

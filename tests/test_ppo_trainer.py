@@ -1,8 +1,7 @@
 """End-to-end runs of the PPO trainer on the tiny model: real vLLM engine, learner, queues, files, Hub push.
 
-Every run is a subprocess (`python -m open_instruct.ppo_vllm_thread_ray_gtrl ...`), because one process cannot
-reliably create a second in-process vLLM engine, and has a timeout, so that a hang fails a test instead of the
-CI job. Runs are few (30-60 s each on 2 CPU cores) and shared through module-scoped fixtures:
+Every run is a subprocess with a timeout (tests/support/trainer_runs.py). Runs are few (30-60 s each on 2 CPU
+cores) and shared through module-scoped fixtures:
 
 - `async_run`: the default asynchronous mode, 4 steps.
 - `sync_run`: `--async_mode false`, 3 steps at a high learning rate, pushing to a local fake Hub, with wandb
@@ -14,11 +13,8 @@ The argument parsing and batch-size checks at the end run in-process: they load 
 """
 
 import json
-import math
-import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,119 +23,35 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from safetensors.torch import load_file as load_safetensors
-
-from open_instruct.learner.saving import weights_sha256
 from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.ppo_vllm_thread_ray_gtrl import main
 from open_instruct.run.plots import read_histograms
 from open_instruct.run.tracking import read_metrics
 from open_instruct.generation.vllm_engine import engine_dtype
 from tests.fake_hub import FakeHub
+from tests.support.trainer_runs import (
+    EVAL_QUESTIONS,
+    FP32_LEARNER,
+    ROLLOUT_BATCH_SIZE,
+    RUN_TIMEOUT_S,
+    SMALL_RUN,
+    STEP_METRICS,
+    SYNC_MAX_LOGPROB_DIFF,
+    TESTS_DIR,
+    TRAINER,
+    Run,
+    assert_saved_weights_are_the_learners,
+    eval_messages,
+    explain_mismatch,
+    fresh_engine_greedy,
+    hf_greedy,
+    is_finite_number,
+    last_lines,
+    run_command,
+    run_to_completion,
+)
 
-TESTS_DIR = Path(__file__).resolve().parent
-TRAINER = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]
-RUN_TIMEOUT_S = 300
-RESPONSE_LENGTH = 16
-ROLLOUT_BATCH_SIZE = 8  # 4 prompts x 2 samples per step
-SMALL_RUN = [
-    "--local_rollout_batch_size", "4",
-    "--number_samples_per_prompt", "2",
-    "--per_device_train_batch_size", "4",
-    "--num_epochs", "1",
-    "--response_length", str(RESPONSE_LENGTH),
-]  # fmt: skip
-# A handful of eval prompts with distinct sums, so a logged eval row maps back to its prompt by its ground truth.
-EVAL_QUESTIONS = [(1, 1), (2, 3), (4, 0), (3, 4), (5, 3), (6, 3)]
 HUB_USER, HUB_REPO, HUB_TOKEN = "test-user", "tiny-ppo", "hf_fake_token_for_tests"
-STEP_METRICS = [
-    "episode", "lr", "epoch",
-    "objective/kl", "objective/scores", "objective/rlhf_reward", "objective/non_score_reward", "objective/entropy",
-    "objective/loss", "objective/verifiable_correct_rate",
-    "loss/policy_avg", "loss/value_avg",
-    "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg",
-    "time/from_scratch", "time/training", "time/generation", "time/weight_sync",
-    "val/sequence_lengths", "val/num_stop_token_ids",
-    "debug/vllm_vs_learner_logprob_diff_mean", "debug/vllm_vs_learner_logprob_diff_max",
-    "debug/vllm_vs_learner_ratio_mean", "debug/vllm_vs_learner_ratio_min", "debug/vllm_vs_learner_ratio_max",
-    "perf/tokens_per_second", "perf/padding_fraction", "perf/learner_flops_utilization",
-]  # fmt: skip
-# In sync mode with an fp32 engine the learner computes the logprobs of the very weights that sampled: measured
-# ~4e-7 nats per token. A weight sync that misses a layer (the tied LM head did) gives 1e-2 to 1e-1.
-SYNC_MAX_LOGPROB_DIFF = 1e-3
-# ...when the learner computes in fp32 too. On a CPU with fast bf16, `--learner_compute_dtype auto` computes in bf16
-# (measured ~6e-4 nats per token off the fp32 engine on the tiny model), so the tests of that bound pin fp32.
-FP32_LEARNER = ["--learner_compute_dtype", "float32"]
-
-
-# ---- running the trainer --------------------------------------------------------------------------------------------
-
-
-def last_lines(text: str | bytes | None, count: int = 40) -> str:
-    if isinstance(text, bytes):
-        text = text.decode(errors="replace")
-    return "\n".join((text or "").splitlines()[-count:])
-
-
-def run_command(
-    command: list[str], cwd: Path, env: dict[str, str] | None = None
-) -> tuple[subprocess.CompletedProcess, float]:
-    """Run `command` offline (no hub, wandb offline) unless `env` says otherwise; fail the test on a timeout."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **(env or {})}
-    start = time.time()
-    try:
-        process = subprocess.run(
-            command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"`{' '.join(command)}` did not end within {RUN_TIMEOUT_S}s:\n{last_lines(expired.stderr)}")
-    return process, time.time() - start
-
-
-def run_to_completion(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    process, _ = run_command(command, cwd, env)
-    assert process.returncode == 0, f"the run failed (exit code {process.returncode}):\n{last_lines(process.stderr)}"
-    return process
-
-
-@dataclass
-class Run:
-    output_dir: Path
-    num_steps: int
-    async_mode: bool
-
-    @property
-    def model_dir(self) -> Path:
-        return self.output_dir / "model"
-
-    def metrics(self) -> list[dict]:
-        return read_metrics(str(self.output_dir / "metrics.jsonl"))
-
-    def step_lines(self) -> list[dict]:
-        """The one line per training step (eval-only lines, like the final eval's, have no learner version)."""
-        return [line for line in self.metrics() if "policy_version/learner" in line]
-
-    def eval_rows(self, policy_version: int) -> list[dict]:
-        with open(self.output_dir / "samples.jsonl") as f:
-            rows = [json.loads(line) for line in f]
-        return [r for r in rows if r["table"] == "eval_completions" and r["policy_version"] == policy_version]
-
-
-@pytest.fixture(scope="module")
-def eval_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "eval.jsonl"
-    with open(path, "w") as f:
-        for a, b in EVAL_QUESTIONS:
-            question = f"What is {a} + {b}? Give the final answer as a number at the end."
-            messages = [{"role": "user", "content": question}]
-            f.write(json.dumps({"messages": messages, "ground_truth": str(a + b), "dataset": "arithmetic"}) + "\n")
-    return path
-
-
-def eval_messages(eval_file: Path) -> dict[str, list[dict]]:
-    with open(eval_file) as f:
-        rows = [json.loads(line) for line in f]
-    return {row["ground_truth"]: row["messages"] for row in rows}
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +110,7 @@ def sync_run(tiny_model_dir, eval_file, tmp_path_factory) -> SyncRun:
 # ---- 1. every step is logged, finite, with the right policy versions -----------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("run_fixture", ["async_run", "sync_run"])
 def test_every_step_logs_finite_metrics_and_the_expected_policy_versions(run_fixture, request):
     fixture = request.getfixturevalue(run_fixture)
@@ -247,43 +160,14 @@ def test_every_step_logs_finite_metrics_and_the_expected_policy_versions(run_fix
     assert len(run.eval_rows(policy_version=run.num_steps)) == len(EVAL_QUESTIONS)
 
 
-def is_finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
 # ---- 2. after a weight sync, vLLM generates exactly what the learner's weights do ------------------------------------
-
-
-def hf_greedy(model, tokenizer, prompt: list[int]) -> list[int]:
-    input_ids = torch.tensor([prompt])
-    with torch.no_grad():
-        output = model.generate(
-            input_ids,
-            max_new_tokens=RESPONSE_LENGTH,
-            do_sample=False,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    return output[0, input_ids.shape[1] :].tolist()
-
-
-def explain_mismatch(model, tokenizer, prompt: list[int], vllm_ids: list[int], hf_ids: list[int]) -> str:
-    """Where the two greedy outputs part, and the learner's top-2 logit margin there (a bf16 tie or a real bug?)."""
-    first = next((i for i, (a, b) in enumerate(zip(vllm_ids, hf_ids)) if a != b), min(len(vllm_ids), len(hf_ids)))
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + hf_ids[:first]])).logits[0, -1].float()
-    top2 = logits.topk(2).values
-    return (
-        f"vLLM {tokenizer.decode(vllm_ids)!r} != transformers {tokenizer.decode(hf_ids)!r}; they part at token "
-        f"{first}, where the learner's top-2 logit margin is {(top2[0] - top2[1]).item():.4f} "
-        f"(max logit {top2[0].item():.3f})"
-    )
 
 
 def rows_by_ground_truth(rows: list[dict]) -> dict[str, dict]:
     return {row["ground_truth"]: row for row in rows}
 
 
+@pytest.mark.e2e
 def test_after_a_weight_sync_vllm_generates_what_the_learner_weights_generate(sync_run, eval_file, tiny_model_dir):
     """The final eval is generated by vLLM right after it loaded the final learner weights (in the engine's dtype:
     fp32 on CPUs); the saved model run greedily by transformers in that dtype must produce the same tokens on every
@@ -321,6 +205,7 @@ def test_after_a_weight_sync_vllm_generates_what_the_learner_weights_generate(sy
 # ---- 3. what the user keeps: the saved folder is the trained model -------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_sync_run_engine_sampled_from_exactly_the_learner_weights_at_every_step(sync_run):
     """The run enforced it (`--max_vllm_logprob_diff`); check the logged agreement as a user would read it."""
     lines = sync_run.run.step_lines()
@@ -328,6 +213,7 @@ def test_sync_run_engine_sampled_from_exactly_the_learner_weights_at_every_step(
     assert all(abs(line["debug/vllm_vs_learner_ratio_mean"] - 1) < 1e-3 for line in lines)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("run_fixture", ["async_run", "sync_run"])
 def test_saved_folder_holds_the_trained_weights_and_a_fresh_engine_reproduces_the_final_eval(
     run_fixture, request, eval_file, tmp_path
@@ -345,34 +231,7 @@ def test_saved_folder_holds_the_trained_weights_and_a_fresh_engine_reproduces_th
     assert reloaded_ids == [row["token_ids"] for row in final_rows]
 
 
-def assert_saved_weights_are_the_learners(output_dir: Path) -> None:
-    """The digest the run computed from the learner's in-memory weights at save time equals the saved file's."""
-    summary = json.loads((output_dir / "summary.json").read_text())
-    assert summary["save_dtype"] == "float32" and AutoConfig.from_pretrained(output_dir / "model").dtype == torch.float32
-    saved_weights = load_safetensors(str(output_dir / "model" / "model.safetensors"))
-    assert {t.dtype for t in saved_weights.values()} == {torch.float32}
-    assert weights_sha256(saved_weights) == summary["weights_sha256"], "the saved file is not the learner's weights"
-
-
-def fresh_engine_greedy(model_dir: Path, eval_file: Path, rows: list[dict], workdir: Path) -> tuple[list, list]:
-    """(prompts, greedy completion ids) of `rows`' eval questions from a fresh vLLM engine on `model_dir`, in the
-    learner's dtype, run in a subprocess (tests/vllm_greedy.py)."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    messages = eval_messages(eval_file)
-    prompts = [
-        tokenizer.apply_chat_template(messages[row["ground_truth"]], add_generation_prompt=True, return_dict=False)
-        for row in rows
-    ]
-    prompts_path = workdir / "prompts.json"
-    prompts_path.write_text(json.dumps(prompts))
-    process = run_to_completion(
-        [sys.executable, str(TESTS_DIR / "vllm_greedy.py"), str(model_dir), str(prompts_path), str(RESPONSE_LENGTH),
-         engine_dtype()],
-        cwd=workdir,
-    )  # fmt: skip
-    return prompts, json.loads(process.stdout.strip().splitlines()[-1])
-
-
+@pytest.mark.e2e
 def test_saved_model_folder_loads_with_its_tokenizer_config_and_args(sync_run, tiny_model_dir):
     model_dir = sync_run.run.model_dir
     _, loading_info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
@@ -403,6 +262,7 @@ def run_with_fault(fault: str, tiny_model_dir: str, tmp_path: Path, *flags: str)
     return run_command(command, cwd=tmp_path)
 
 
+@pytest.mark.e2e
 def test_generation_thread_crash_ends_the_run_with_its_cause(tiny_model_dir, tmp_path):
     """The generation thread fails at its second vLLM call; the run must exit non-zero, name the cause, not hang
     (the learner's queue timeout stays at its 30-minute default), leave no final model, and say in summary.json
@@ -419,6 +279,7 @@ def test_generation_thread_crash_ends_the_run_with_its_cause(tiny_model_dir, tmp
     assert summary["status"] == "failed" and "injected generation failure" in summary["error"]
 
 
+@pytest.mark.e2e
 def test_a_skipped_weight_sync_stops_the_run_before_it_trains_on_off_policy_data(tiny_model_dir, tmp_path):
     """Sync mode at a high learning rate: step 1 samples from the start weights (version 0, no sync needed) and
     passes; step 2's sync loads nothing, so the engine samples from version 0 while the learner holds version 1."""
@@ -437,6 +298,7 @@ def test_a_skipped_weight_sync_stops_the_run_before_it_trains_on_off_policy_data
     assert not (tmp_path / "output" / "model").exists()
 
 
+@pytest.mark.e2e
 def test_with_the_engines_old_logprobs_and_no_reference_a_skipped_weight_sync_still_stops_the_run(
     tiny_model_dir, tmp_path
 ):
@@ -463,6 +325,7 @@ def test_with_the_engines_old_logprobs_and_no_reference_a_skipped_weight_sync_st
 # ---- 5. push to the Hub, wandb tracking ------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_push_to_hub_uploads_the_model_folder_to_the_run_branch(sync_run):
     hub, model_dir = sync_run.hub, sync_run.run.model_dir
     with open(model_dir / "open_instruct_args.json") as f:
@@ -486,6 +349,7 @@ def test_push_to_hub_uploads_the_model_folder_to_the_run_branch(sync_run):
     assert summary["model_dir"] == str(model_dir)
 
 
+@pytest.mark.e2e
 def test_with_tracking_writes_an_offline_wandb_run(sync_run):
     offline_runs = list((sync_run.workdir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1, f"expected one offline wandb run under {sync_run.workdir / 'wandb'}"

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,18 +29,16 @@ from open_instruct.data.tokenizer import load_tokenizer
 from open_instruct.learner.saving import weights_sha256
 from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.learner.ppo import PPOLearner
-from open_instruct.data.batches import PromptBatch
 from open_instruct.data.tokenizer import stop_token_ids_for
 from open_instruct.generation.vllm_engine import Completion, engine_dtype
 from tests.fake_hub import FakeHub, download_env, folder_files
-from tests.test_ppo_trainer import (
+from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step, single_process_ppo_step
+from tests.support.ray_runs import needs_loopback_namespace, ray_trainer_command, wait_for
+from tests.support.trainer_runs import (
     EVAL_QUESTIONS,
-    RESPONSE_LENGTH,
-    RUN_TIMEOUT_S,
     STEP_METRICS,
     Run,
     assert_saved_weights_are_the_learners,
-    eval_file,  # noqa: F401  (a module fixture: the eval prompts file)
     explain_mismatch,
     fresh_engine_greedy,
     hf_greedy,
@@ -50,28 +47,8 @@ from tests.test_ppo_trainer import (
     run_to_completion,
 )
 
-TESTS_DIR = Path(__file__).resolve().parent
-TRAINER = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]
-
-needs_loopback_namespace = pytest.mark.skipif(
-    os.environ.get("OPEN_INSTRUCT_LOOPBACK_ONLY") != "1",
-    reason="Ray listens on every interface: run through scripts/test.sh, which uses a loopback-only namespace",
-)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """Two Ray nodes on this machine, one logical CPU each; the test process is connected as a driver."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+# One logical CPU per Ray node (tests/conftest.py's ray_cluster): a learner rank on each of the two nodes.
+RAY_CPUS_PER_NODE = 1
 
 
 # ---- the compute dtype: one for all ranks ---------------------------------------------------------------------------
@@ -88,6 +65,7 @@ def choose_dtype_on_rank(rank: int, port: int, choices: list[str], results) -> N
     results[rank] = (str(dtype), why)
 
 
+@pytest.mark.e2e
 @needs_loopback_namespace
 @pytest.mark.parametrize(
     "choices, expected",
@@ -120,80 +98,22 @@ def test_learner_ranks_whose_cpus_choose_different_dtypes_all_compute_in_fp32(ch
 
 # ---- equivalence with the single-process learner ----------------------------------------------------------------------
 
-QUESTIONS = [(1, 2), (3, 4), (2, 2), (5, 1)]
-# Two responses per prompt, of different lengths, right and wrong, one cut off without a stop token.
-RESPONSES = [
-    ("The answer is 3.", "stop"), ("1 + 2 = 4", "stop"),
-    ("3 + 4 = 7. So the answer is 7", "stop"), ("It is 8", "length"),
-    ("4", "stop"), ("2 + 2 is 5, I think", "stop"),
-    ("The sum of 5 and 1 is 6.", "stop"), ("6", "length"),
-]  # fmt: skip
-EQUIVALENCE_FLAGS = [
-    "--local_rollout_batch_size", "4",
-    "--number_samples_per_prompt", "2",
-    "--per_device_train_batch_size", "2",
-    "--num_mini_batches", "2",
-    "--num_epochs", "2",
-    "--learning_rate", "1e-3",  # far above a real run's, so that the step moves every weight visibly
-    "--value_learning_rate", "3e-3",
-    "--lr_scheduler_type", "linear",
-    "--total_episodes", "16",
-    "--response_length", "16",
-    "--seed", "3",
-    # fp32 compute: the comparison is exact to 1e-4, which bf16 autocast (chosen on CPUs with fast bf16) is not.
-    "--learner_compute_dtype", "float32",
-]  # fmt: skip
-
-
-def fixed_rollout(tokenizer) -> tuple[PromptBatch, list[Completion]]:
-    chats = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in QUESTIONS]
-    token_ids = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False) for chat in chats]
-    prompts = PromptBatch(
-        token_ids=token_ids,
-        ground_truths=[str(a + b) for a, b in QUESTIONS],
-        verifier_names=["arithmetic"] * len(QUESTIONS),
-        texts=[tokenizer.decode(ids) for ids in token_ids],
-    )
-    completions = []
-    for row, (text, finish_reason) in enumerate(RESPONSES):
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if finish_reason == "stop":
-            ids.append(tokenizer.eos_token_id)
-        completions.append(Completion(prompt_index=row // 2, token_ids=ids, text=text, finish_reason=finish_reason))
-    return prompts, completions
-
-
-def one_ppo_step(learner, prompts, completions, reward_manager) -> dict[str, float]:
-    experience, metrics, _ = learner.make_experience(prompts, completions, reward_manager)
-    metrics.update(learner.train(experience))
-    metrics["lr"] = learner.lr
-    return metrics
-
-
-def single_process_ppo_step(tiny_model_dir, completions: list[Completion] | None = None, *flags: str):
-    """The reference: today's PPOLearner in this process, one step on the fixed rollout (or these completions)."""
-    args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, *flags])
-    tokenizer = load_tokenizer(tiny_model_dir)
-    prompts, fixed_completions = fixed_rollout(tokenizer)
-    torch.manual_seed(args.run.seed)
-    learner = PPOLearner(args, compute_batch_sizes(args), tokenizer, tiny_model_dir, stop_token_ids_for(tokenizer, "eos"))
-    initial = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
-    metrics = one_ppo_step(learner, prompts, completions or fixed_completions, RewardManager(args.reward))
-    params = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
-    return initial, params, metrics
-
 
 @pytest.fixture(scope="module")
 def single_process_step(tiny_model_dir):
     return single_process_ppo_step(tiny_model_dir)
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_take_the_single_process_ppo_step(stage, ray_cluster, single_process_step, tiny_model_dir, tmp_path):
     assert_two_ranks_take_the_step(single_process_step, stage, ray_cluster, tiny_model_dir, tmp_path)
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_two_ranks_with_engine_old_logprobs_and_no_reference_take_the_single_process_step(
     ray_cluster, tiny_model_dir, tmp_path
@@ -264,22 +184,6 @@ def assert_two_ranks_take_the_step(
 # ---- end to end: the trainer on two Ray nodes ----------------------------------------------------------------------
 
 
-def ray_trainer_command(tiny_model_dir, ray_cluster, eval_file, output_dir: Path, *flags: str) -> list[str]:
-    return TRAINER + [
-        "--model_name_or_path", tiny_model_dir,
-        "--ray_address", ray_cluster.address,
-        "--num_learners_per_node", "1", "1",
-        "--local_rollout_batch_size", "4",
-        "--number_samples_per_prompt", "2",
-        "--per_device_train_batch_size", "2",
-        "--num_epochs", "1",
-        "--response_length", str(RESPONSE_LENGTH),
-        "--dataset_mixer_eval_list", str(eval_file), "1.0",
-        "--output_dir", str(output_dir),
-        *flags,
-    ]  # fmt: skip
-
-
 @pytest.fixture(scope="module", params=[("async", 3), ("sync", 2)], ids=["async-zero3", "sync-zero2"])
 def ray_run(request, ray_cluster, tiny_model_dir, eval_file, tmp_path_factory) -> Run:
     mode, stage = request.param
@@ -300,6 +204,8 @@ def ray_run(request, ray_cluster, tiny_model_dir, eval_file, tmp_path_factory) -
     return Run(workdir / "output", num_steps=2, async_mode=mode == "async")
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_ray_run_logs_every_metric_and_the_expected_policy_versions(ray_run):
     lines = ray_run.step_lines()
@@ -320,6 +226,8 @@ def test_ray_run_logs_every_metric_and_the_expected_policy_versions(ray_run):
     assert [e["eval/policy_version"] for e in evals] == [0, 2]
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_ray_run_final_model_loads_and_a_fresh_vllm_engine_reproduces_the_final_eval(ray_run, eval_file, tmp_path):
     """The final eval ran in the trainer's vLLM right after it loaded the gathered final weights; the saved folder
@@ -379,6 +287,8 @@ def test_a_zero3_run_whose_policy_is_a_hub_id_trains(ray_cluster, tiny_model_dir
 # ---- a dead learner ends the run -------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_killing_a_learner_actor_ends_the_run_naming_it(ray_cluster, tiny_model_dir, eval_file, tmp_path):
     output_dir = tmp_path / "output"
@@ -410,6 +320,7 @@ def test_killing_a_learner_actor_ends_the_run_naming_it(ray_cluster, tiny_model_
     assert seconds < 60, f"the run took {seconds:.0f}s to end after its learner died"
 
 
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_a_peer_failing_because_another_died_reports_the_death_first(ray_cluster):
     """A killed engine breaks the broadcast on its peers at once, and Ray reports the death a moment later: the
@@ -455,16 +366,6 @@ def learner_pid(stdout: str, rank: int) -> int | None:
         if line.startswith(prefix):
             return int(line.removeprefix(prefix).split()[0])
     return None
-
-
-def wait_for(condition, what: str, describe_process, timeout_s: float = RUN_TIMEOUT_S, poll_s: float = 0.5):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(poll_s)
-    pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}; the trainer's output:\n{describe_process()}")
 
 
 def test_minibatches_must_split_evenly_over_the_learners():

@@ -24,11 +24,13 @@ from pathlib import Path
 import pytest
 
 from open_instruct.run.tracking import read_metrics
-from tests.test_ppo_trainer import FP32_LEARNER, RUN_TIMEOUT_S, TESTS_DIR, TRAINER, last_lines, run_command
-from tests.test_ray_learners import eval_file, needs_loopback_namespace, ray_cluster, ray_trainer_command  # noqa: F401
-from tests.test_resume import assert_same_model, assert_same_run, finish, logged_steps, offline_env
+from tests.support.ray_runs import needs_loopback_namespace, ray_trainer_command
+from tests.support.resume_runs import assert_same_model, assert_same_run, finish, logged_steps, offline_env
+from tests.support.trainer_runs import FP32_LEARNER, RUN_TIMEOUT_S, TESTS_DIR, last_lines, run_command
 
-pytestmark = needs_loopback_namespace
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow, needs_loopback_namespace]
+# One logical CPU per Ray node (tests/conftest.py's ray_cluster), as in test_ray_learners.py.
+RAY_CPUS_PER_NODE = 1
 
 NUM_STEPS = 6
 ROLLOUT_BATCH_SIZE = 8  # responses per step with ray_trainer_command's flags (test_ray_learners: 16 episodes, 2 steps)
@@ -97,6 +99,8 @@ def zero2_reference(tiny_model_dir, ray_cluster, eval_file, tmp_path_factory) ->
 def test_zero3_sigterm_then_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(
     tiny_model_dir, ray_cluster, eval_file, zero3_reference, tmp_path  # noqa: F811
 ):
+    """Slow (~6 min): a 6-step reference run and the same run started three times on two Ray nodes; each start
+    brings up two DeepSpeed ranks and an engine. One scenario per test, because each start is the cost."""
     output_dir = tmp_path / "output"
     cmd = command(tiny_model_dir, ray_cluster, eval_file, output_dir, 3, True)
 
@@ -142,6 +146,8 @@ def test_zero3_sigterm_then_kill_9_then_resume_gives_the_uninterrupted_runs_metr
 def test_zero2_a_rank_dying_while_writing_a_checkpoint_leaves_the_previous_one_to_resume_exactly(
     tiny_model_dir, ray_cluster, eval_file, zero2_reference, tmp_path  # noqa: F811
 ):
+    """Slow (~5 min): a 6-step reference run, the run whose rank dies, and its resume, each a start of two
+    DeepSpeed ranks and an engine on two Ray nodes."""
     output_dir = tmp_path / "output"
     cmd = command(tiny_model_dir, ray_cluster, eval_file, output_dir, 2, False)
     faulty = [cmd[0], str(TESTS_DIR / "inject_fault.py"), "learner_rank_dies_in_checkpoint", *cmd[3:]]

