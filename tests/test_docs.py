@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Flags of programs other than ours that the pages show in commands (pip, pytest, Ray, SLURM, mkdocs, ...).
 EXTERNAL_FLAGS = set(
     "--no-deps --no-build-isolation --upgrade"  # pip
-    " --durations --strict"  # pytest, mkdocs
+    " --durations --strict --strict-markers --timeout --junitxml"  # pytest (and pytest-timeout), mkdocs
     " --head --address --port --block --node-ip-address --generate"  # ray start, ray get-auth-token
     " --signal --requeue --mount-proc --ip-address --help".split()  # sbatch, unshare, hostname
 )
@@ -33,10 +33,6 @@ EXTERNAL_FILES = {"ds_to_universal.py", "stage_1_and_2.py", "my_reward.py", "fil
 # an example function in the docs (`ground_truth.strip()`).
 EXTERNAL_DOTTED = {"reward_model", "nccl_common", "data_types", "ground_truth"}
 
-# Named by the pages and landing with another branch of the same change (issue 32): `scripts/test.sh --fast` and
-# tests/README.md come with the test-suite work. Remove each entry once it exists here.
-LANDING_FLAGS = {"--fast"}
-LANDING_PATHS = {"tests/README.md"}
 
 PATH_PREFIXES = ("open_instruct/", "scripts/", "configs/", "tests/", "docs/")
 
@@ -102,7 +98,7 @@ def stale_paths(text: str) -> list[str]:
     for span in code_spans(text):
         for token in re.findall(r"[\w./{},*?-]+", span):
             stale += stale_module_names(token)
-            if token.startswith(PATH_PREFIXES) and token not in LANDING_PATHS and not path_exists(token):
+            if token.startswith(PATH_PREFIXES) and not path_exists(token):
                 stale.append(token)
             for module in re.findall(r"\bopen_instruct(?:\.\w+)+", token):
                 if not module_exists(module):
@@ -214,7 +210,7 @@ def unknown_flags(text: str, known: set[str]) -> list[str]:
     unknown = []
     for span in code_spans(text):
         for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", span):
-            if flag not in known | EXTERNAL_FLAGS | NOT_FLAGS_ON_PURPOSE | LANDING_FLAGS:
+            if flag not in known | EXTERNAL_FLAGS | NOT_FLAGS_ON_PURPOSE:
                 unknown.append(flag)
     return unknown
 

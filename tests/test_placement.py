@@ -164,6 +164,8 @@ def test_a_learners_device_index_is_its_ray_gpu_id_when_ray_leaves_cuda_visible_
     assert all(w["local_gpu"] == int(w["gpu_ids"][0]) for w in where), where
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_engine_actors_compute_on_their_own_gpus_when_ray_leaves_cuda_visible_devices_alone(ray_with_two_gpus,
                                                                                              tiny_model_dir):

@@ -255,6 +255,8 @@ def test_ray_run_final_model_loads_and_a_fresh_vllm_engine_reproduces_the_final_
 # ---- the policy named by a hub id (issue 31) -------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
 @needs_loopback_namespace
 def test_a_zero3_run_whose_policy_is_a_hub_id_trains(ray_cluster, tiny_model_dir, eval_file, tmp_path):
     """The 8B recipe names its models by hub id. Here the policy is `org/tiny` at --model_revision v2, served by a

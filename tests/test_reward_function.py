@@ -122,6 +122,7 @@ def test_rows_need_no_known_verifier_name_with_a_reward_function(tmp_path):
         row_checker(parse_args([]), "train")(row, "row 0")
 
 
+@pytest.mark.e2e
 def test_a_grpo_run_scores_its_responses_with_the_function(tiny_model_dir, tmp_path):
     """End to end, the tiny model for 2 steps: every logged sample's score is what the function gives its response,
     and each step logs the function's correct rate (the rows name a verifier the registry does not know)."""
