@@ -71,9 +71,12 @@ def assert_same_gradients(got: dict, expected: dict, what: str, atol: float = 1e
         torch.testing.assert_close(got[name], gradient, rtol=0, atol=atol, msg=lambda m, where=where: f"{where}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_every_split_of_a_minibatch_takes_the_gradients_of_the_whole_minibatch(tiny_model_dir, algorithm, aggregation):
+    """Slow (about a minute a case on 2 cores): five real learners of the tiny model (one per split: 1, 2, 4 padded
+    micro-batches and packed) each take two epochs of two minibatches, so that every optimizer step is compared."""
     flags = ["--loss_aggregation", aggregation, *KL_IN_LOSS[algorithm]]
     learner, exp, _ = learner_with_experience(tiny_model_dir, algorithm, *flags, *SPLITS["1 padded micro-batch"])
     lengths = exp.response_mask.sum(1)
