@@ -68,10 +68,11 @@ def test_a_gpu_that_cuda_visible_devices_hides_is_an_error_not_device_0():
 def test_an_engine_process_narrows_cuda_visible_devices_to_its_ray_gpus(gpu_ids, visible, narrowed, monkeypatch):
     from open_instruct.run.devices import narrow_visible_gpus
 
+    # Set first, so that monkeypatch records the process's own value and puts it back: narrow_visible_gpus writes the
+    # variable itself, and a delenv of an unset variable records nothing (a '3' left behind broke the Ray tests below).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible or "")
     if visible is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert narrow_visible_gpus(gpu_ids) == narrowed
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == (narrowed or visible)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
