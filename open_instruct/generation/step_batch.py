@@ -85,8 +85,8 @@ class BatchCollector:
         chosen, filter_metrics = groups.batch()
         prompts, completions, scores = join_groups(chosen)
         joined = join_rollouts(received, completions)
-        trained = self.reward_manager.length_metrics([c.finish_reason == "stop" for c in completions],
-                                                     [length for group in chosen for length in group.lengths])  # fmt: skip
+        overlong = self.reward_manager.overlong([length for group in chosen for length in group.lengths])
+        trained = self.reward_manager.length_metrics([c.finish_reason == "stop" for c in completions], overlong)
         return StepBatch(prompts, joined, requests, PrecomputedScores(scores, {**reward_metrics, **trained}),
                          {**check_staleness(joined, learner_version, self.max_lag), **filter_metrics})  # fmt: skip
 

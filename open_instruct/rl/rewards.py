@@ -189,7 +189,7 @@ class RewardManager:
         if config.non_stop_penalty:
             score = torch.where(not_stopped, torch.tensor(config.penalty_reward_value, dtype=torch.float32), score)
 
-        metrics = self.length_metrics(stopped, response_lengths)
+        metrics = self.length_metrics(stopped, overlong)
         all_correct = [c for values in correct_by_verifier.values() for c in values]
         if all_correct:
             metrics["objective/verifiable_correct_rate"] = sum(all_correct) / len(all_correct)
@@ -209,11 +209,13 @@ class RewardManager:
         return overlong_penalty(torch.tensor(response_lengths), self.max_response_length,
                                 config.overlong_buffer_length, config.overlong_penalty_factor)  # fmt: skip
 
-    def length_metrics(self, stopped: list[bool], response_lengths: list[int] | None = None) -> dict[str, float]:
-        """`val/num_non_stop` and, when it is on, `objective/overlong_penalty` (its mean) of these responses: what
-        describes the batch trained on, where GRPO's filter chose it from several draws."""
+    @staticmethod
+    def length_metrics(stopped: list[bool], overlong: torch.Tensor | None) -> dict[str, float]:
+        """`val/num_non_stop` and, when the penalty is on, `objective/overlong_penalty` (the mean of `overlong`, see
+        `overlong`) of these responses: what describes the batch trained on, where GRPO's filter chose it from several
+        draws."""
         metrics = {"val/num_non_stop": float(sum(not s for s in stopped))}
-        if (overlong := self.overlong(response_lengths)) is not None:
+        if overlong is not None:
             metrics["objective/overlong_penalty"] = overlong.mean().item()
         return metrics
 
