@@ -445,7 +445,7 @@ def planned_learner_step(args, longest_prompt: int):
 
 def memory_plan(options) -> Row:
     """The memory plan of a single-process learner on this GPU (`memory_plan_args`) vs its measured peak over loading
-    and one PPO step: the caching allocator's peak reserve plus what the process holds outside it (CUDA context,
+    and two PPO steps: the caching allocator's peak reserve plus what the process holds outside it (CUDA context,
     cuBLAS workspaces)."""
     import torch
 
@@ -462,8 +462,11 @@ def memory_plan(options) -> Row:
     plan = planned_learner_step(args, max(len(ids) for ids in prompts.token_ids))
     torch.manual_seed(args.run.seed)
     learner = PPOLearner(args, compute_batch_sizes(args), tokenizer, path, stop_token_ids_for(tokenizer, "eos"))
-    experience, _, _ = learner.make_experience(prompts, completions, RewardManager(args.reward))
-    learner.train(experience)
+    # Two steps: AdamW makes its moments at the first optimizer step, after the first step's forward and backward
+    # passes; from the second step on they are held through them, which is the steady state the plan describes.
+    for _ in range(2):
+        experience, _, _ = learner.make_experience(prompts, completions, RewardManager(args.reward))
+        learner.train(experience)
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     outside_allocator = (total - free) - torch.cuda.memory_reserved()

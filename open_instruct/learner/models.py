@@ -312,7 +312,7 @@ def no_grad_in_chunks(
 ) -> torch.Tensor:
     """Run `fn` over row chunks without gradients (autocast to `dtype`) and concatenate the float32 results."""
     outputs = []
-    with torch.no_grad(), autocast(device, dtype):
+    with torch.no_grad(), autocast(device, dtype, training=False):
         for start in range(0, tensors[0].shape[0], chunk_size):
             outputs.append(fn(*(t[start : start + chunk_size] for t in tensors)).float())
     return torch.cat(outputs)

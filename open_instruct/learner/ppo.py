@@ -307,7 +307,7 @@ class PPOLearner(LearnerState):
         budget, world_size = self.args.ppo.max_tokens_per_micro_batch, self.backend.world_size
         plan = plan_micro_batches(attention_mask.sum(dim=1).tolist(), budget, world_size)[self.backend.rank]
         outputs = None
-        with torch.no_grad(), devices.autocast(self.device, self.compute_dtype):
+        with torch.no_grad(), devices.autocast(self.device, self.compute_dtype, training=False):
             for group in plan:
                 rows = torch.tensor(group, device=query_response.device)
                 result = packed_fn(pack_rows(query_response[rows], attention_mask[rows], context_length)).float()
