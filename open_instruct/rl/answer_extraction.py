@@ -39,10 +39,12 @@ VERDICT_PATTERN = re.compile(
 SENTENCE_END_PATTERN = re.compile(r"\.(?:\s|$)")
 # Math wrappers an answer may start with, opening -> closing; `$$` before `$` so that `$$5$$` reads as 5.
 MATH_SPAN_DELIMITERS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"))
-MATH_DELIMITER_PATTERN = re.compile(r"\$\$|\\\[|\\\]|\\\(|\\\)|\$")
+# An escaped dollar (`\$18`) is a currency sign inside the math, not a delimiter.
+MATH_DELIMITER_PATTERN = re.compile(r"(?<!\\)\$\$|\\\[|\\\]|\\\(|\\\)|(?<!\\)\$")
 # A word of two or more letters after a space (a LaTeX command has a backslash there instead): where the words
-# after a math answer begin ("5, because ...", "5 apples", "\frac{1}{2} of the pie").
-TRAILING_WORD_PATTERN = re.compile(r",?\s+[A-Za-z]{2,}\b")
+# after a math answer begin ("5, because ...", "5 apples", "\frac{1}{2} of the pie"). "or" and "and" join the parts
+# of one answer ("x = 5 or x = -5"), which math-verify reads as a set.
+TRAILING_WORD_PATTERN = re.compile(r",?\s+(?!(?:or|and)\b)[A-Za-z]{2,}\b")
 ENGLISH_WORD_PATTERN = re.compile(r"[A-Za-z]{2,}\b")
 
 
@@ -112,6 +114,8 @@ def leading_math_span(text: str) -> str | None:
     for opening, closing in MATH_SPAN_DELIMITERS:
         if text.startswith(opening):
             end = text.find(closing, len(opening))
+            while end > 0 and text[end - 1] == "\\":  # an escaped `\$` does not close the span
+                end = text.find(closing, end + 1)
             if end > len(opening):
                 return text[len(opening) : end].strip()
     return None
