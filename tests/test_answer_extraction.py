@@ -4,6 +4,8 @@ Each extraction mistake the issue lists has its own test, then a hand-labelled s
 the verifiers' verdicts end to end (the expected verdict is the one a careful grader gives).
 """
 
+import time
+
 import pytest
 
 from open_instruct.rl import verifiers
@@ -172,6 +174,17 @@ def test_a_remark_about_the_answer_after_a_box_is_no_marker(response):
 def test_numbers_with_a_bare_decimal_point(text, expected):
     number = last_number(text)
     assert (None if number is None else str(number)) == expected
+
+
+def test_degenerate_repetitions_are_read_in_linear_time():
+    # RL policies do fall into loops; a scan to the end of the response for every unclosed box took 12 s on 27k
+    # characters, which stalls the scoring of a whole batch.
+    repeated_boxes = "\\boxed{1 " * 10_000 + "\\boxed{7}"
+    repeated_phrases = "The answer is 5 and " * 10_000 + "The answer is 7."
+    started = time.perf_counter()
+    assert extract_final_answer(repeated_boxes) == "7"
+    assert extract_final_answer(repeated_phrases) == "7"
+    assert time.perf_counter() - started < 1.0
 
 
 # ---------------------------------------------------------------- hand-labelled responses, verdicts end to end

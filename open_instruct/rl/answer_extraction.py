@@ -36,6 +36,9 @@ VERDICT_PATTERN = re.compile(
     r"|helpful|not|below|above|as|shown|given|boxed)\b",
     re.IGNORECASE,
 )
+# How far after a phrase its answer is looked for: far beyond any real answer, and it keeps a response that
+# repeats "The answer is" thousands of times from costing quadratic time.
+ANSWER_WINDOW_CHARS = 2000
 SENTENCE_END_PATTERN = re.compile(r"\.(?:\s|$)")
 # Math wrappers an answer may start with, opening -> closing; `$$` before `$` so that `$$5$$` reads as 5.
 MATH_SPAN_DELIMITERS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"))
@@ -64,17 +67,19 @@ def last_number(text: str) -> Decimal | None:
         return None
 
 
-def balanced_braces_content(text: str, open_brace: int) -> str | None:
-    """The text inside the `{` at `open_brace` and its matching `}`, nested braces included; None if unbalanced."""
-    depth = 0
-    for position in range(open_brace, len(text)):
-        if text[position] == "{":
-            depth += 1
-        elif text[position] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[open_brace + 1 : position]
-    return None
+def matching_close_braces(text: str) -> dict[int, int]:
+    """Position of each `{` -> position of its matching `}`, in one pass; unclosed braces are left out.
+
+    One pass, so that a degenerate response repeating "\\boxed{1" thousands of times costs linear time, not a scan
+    to the end for every box.
+    """
+    open_positions, matches = [], {}
+    for position, character in enumerate(text):
+        if character == "{":
+            open_positions.append(position)
+        elif character == "}" and open_positions:
+            matches[open_positions.pop()] = position
+    return matches
 
 
 def box_markers(text: str) -> list[tuple[int, str]]:
@@ -83,13 +88,15 @@ def box_markers(text: str) -> list[tuple[int, str]]:
     Without braces the box holds the next token ("\\boxed 5." -> "5"), unless that is an English word ("in \\boxed
     form" is prose). A box whose braces never close is skipped.
     """
-    markers = []
+    markers, close_braces = [], None
     for command in BOX_COMMAND_PATTERN.finditer(text):
         position = command.end()
         while position < len(text) and text[position].isspace():
             position += 1
         if position < len(text) and text[position] == "{":
-            content = balanced_braces_content(text, position)
+            close_braces = matching_close_braces(text) if close_braces is None else close_braces
+            close = close_braces.get(position)
+            content = None if close is None else text[position + 1 : close]
         else:
             token = re.match(r"[^\s$]*", text[position:]).group().rstrip(".,;:")
             content = token if token and not ENGLISH_WORD_PATTERN.fullmatch(token) else None
@@ -146,7 +153,7 @@ def phrase_markers(text: str) -> list[tuple[int, str]]:
     """(position, answer) of every final-answer phrase followed by an answer."""
     markers = []
     for phrase in ANSWER_PHRASE_PATTERN.finditer(text):
-        answer = phrase_answer_text(text[phrase.end() :])
+        answer = phrase_answer_text(text[phrase.end() : phrase.end() + ANSWER_WINDOW_CHARS])
         if answer is not None:
             markers.append((phrase.start(), answer))
     return markers
