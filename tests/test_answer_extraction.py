@@ -98,6 +98,9 @@ def test_string_answers_keep_their_words():
         "Therefore, the answer to the problem is $7$.",
         "THE ANSWER TO THIS QUESTION IS: 7",
         "Thus the answer is therefore 7.",
+        "The answer is given by $7$.",
+        "The answer is as follows:\n\\[ 7 \\]",
+        "The final answer is shown below.\n\n7",
     ],
 )
 def test_answer_to_the_question_phrasings(response):
@@ -149,6 +152,7 @@ def test_the_last_marker_wins(response, expected):
         "\\boxed{5}\n\nLet me verify the answer is correct: 2 + 3 = 5. Yes.",
         "\\boxed{5}. The answer is not 6.",
         "\\boxed{5}. The final answer is therefore confirmed.",
+        "\\boxed{5}\n\nThe answer is above.",
         "\\boxed{5}\nThe final answer is:",  # the phrase ends the response: nothing to read
     ],
 )

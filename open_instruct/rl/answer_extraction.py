@@ -25,15 +25,18 @@ ANSWER_PHRASE_PATTERN = re.compile(
     r"|\bfinal\s+answer[*_:]*[ \t]*(?=\r?\n|$)",
     re.IGNORECASE,
 )
-# Words between the phrase and the answer that carry no answer: "The answer is therefore 6".
+# Words between the phrase and the answer that carry no answer: "The answer is therefore 6", "... is given by
+# $x = 6$", "... is as follows:" (then the answer is on the next line).
 FILLER_WORDS_PATTERN = re.compile(
-    r"(?:therefore|thus|hence|so|then|indeed|clearly|simply|actually|just|now)\b[\s,]*", re.IGNORECASE
+    r"(?:therefore|thus|hence|so|then|indeed|clearly|simply|actually|just|now|given\s+by|as\s+follows"
+    r"|(?:as\s+)?shown\s+below)\b[\s,:.]*",
+    re.IGNORECASE,
 )
-# "The answer is correct", "... is not 5", "... is as follows": a remark about an answer, not one. After a box such
-# a remark must not replace the boxed answer (the last marker wins, so it would otherwise).
+# "The answer is correct", "... is not 5", "... is above": a remark about an answer, not one. After a box such a
+# remark must not replace the boxed answer (the last marker wins, so it would otherwise).
 VERDICT_PATTERN = re.compile(
     r"(?:correct|incorrect|right|wrong|clear|confirmed|verified|consistent|reasonable|plausible|valid|invalid"
-    r"|helpful|not|below|above|as|shown|given|boxed)\b",
+    r"|helpful|not|above|boxed)\b",
     re.IGNORECASE,
 )
 # How far after a phrase its answer is looked for: far beyond any real answer, and it keeps a response that
