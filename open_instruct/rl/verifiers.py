@@ -10,15 +10,17 @@ import logging
 import re
 import threading
 from collections.abc import Callable
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
+
+from open_instruct.rl.answer_extraction import (  # noqa: F401 (the extraction API is also reached from here)
+    NUMBER_PATTERN,
+    extract_final_answer,
+    extract_math_answer,
+    last_boxed_content,
+    last_number,
+)
 
 logger = logging.getLogger(__name__)
-# A number as models write it: optional minus, digits with optional thousands separators, optional decimals.
-# The look-behind keeps "3-5" from reading as -5 and "x2" or "1.2.3" tails from reading as numbers.
-NUMBER_PATTERN = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3}(?!\d))+|\d+)(?:\.\d+)?")
-# "The answer is ...", "The final answer is ...", "Final answer: ...", "Answer: ...".
-FINAL_ANSWER_PATTERN = re.compile(r"\b(?:final\s+)?answer\s*(?:is\b|:)\s*:?", re.IGNORECASE)
-SENTENCE_END_PATTERN = re.compile(r"\.(?:\s|$)")
 BOXED_PREFIX = "\\boxed"
 R1_FORMAT_PATTERN = re.compile(
     r"\s*<think>(?:(?!</?think>|</?answer>).)*</think>\s*<answer>(?:(?!</?think>|</?answer>).)*</answer>\s*",
@@ -28,71 +30,6 @@ R1_FORMAT_PATTERN = re.compile(
 MAX_MATH_ANSWER_CHARS = 1000
 # math-verify's timeouts use signal.alarm, which only works in the main thread; elsewhere they are off.
 MATH_VERIFY_TIMEOUT_SECONDS = 5
-
-
-# ---------------------------------------------------------------- answer extraction
-
-
-def normalize_number_text(text: str) -> str:
-    """Unicode minus to ASCII, so "−3" reads as -3."""
-    return text.replace("\u2212", "-")
-
-
-def last_number(text: str) -> Decimal | None:
-    """The last number written in `text` ("1,234" -> 1234, "-3.50" -> -3.5), or None when there is none."""
-    matches = NUMBER_PATTERN.findall(normalize_number_text(text))
-    if not matches:
-        return None
-    try:
-        return Decimal(matches[-1].replace(",", ""))
-    except InvalidOperation:
-        return None
-
-
-def last_boxed_content(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` in `text`, nested braces included; None if absent or unbalanced."""
-    start = text.rfind(BOXED_PREFIX)
-    if start == -1:
-        return None
-    position = start + len(BOXED_PREFIX)
-    while position < len(text) and text[position].isspace():
-        position += 1
-    if position == len(text) or text[position] != "{":
-        return None
-    depth = 0
-    for end in range(position, len(text)):
-        if text[end] == "{":
-            depth += 1
-        elif text[end] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[position + 1 : end]
-    return None
-
-
-def clean_answer_text(text: str) -> str:
-    """Strip whitespace, math dollars, markdown bold and a trailing period around an answer."""
-    return text.strip().strip("$*").strip().rstrip(".").strip()
-
-
-def final_answer_phrase_text(text: str) -> str | None:
-    """The answer after the last final-answer phrase, up to the end of its line or sentence; None if absent."""
-    matches = list(FINAL_ANSWER_PATTERN.finditer(text))
-    if not matches:
-        return None
-    tail = text[matches[-1].end() :].split("\n", 1)[0]
-    sentence_end = SENTENCE_END_PATTERN.search(tail)
-    if sentence_end:
-        tail = tail[: sentence_end.start()]
-    return clean_answer_text(tail)
-
-
-def extract_final_answer(response: str) -> str | None:
-    """The model's final answer: the last `\\boxed{}` if any, else the text after a final-answer phrase."""
-    boxed = last_boxed_content(response)
-    if boxed is not None:
-        return boxed.strip()
-    return final_answer_phrase_text(response)
 
 
 # ---------------------------------------------------------------- verifiers
@@ -163,14 +100,15 @@ def parse_ground_truth(ground_truth: str, timeout_seconds: int | None) -> tuple:
 
 
 def math(response: str, ground_truth: str) -> float:
-    """MATH: the last `\\boxed{}` (or final-answer phrase) is equivalent to the ground truth per math-verify.
+    """MATH: the answer the response marks last (a box or a final-answer phrase) is equivalent to the ground truth
+    per math-verify; the answer's leading expression is compared ("$5$ apples" -> 5, see answer_extraction.py).
 
     A response with no marked answer scores 0: the prompt asks for one, and guessing at the last expression
     would reward rambling. Any math-verify error or timeout scores 0.
     """
     from math_verify import parse, verify
 
-    answer = extract_final_answer(response)
+    answer = extract_math_answer(response)
     if not answer or len(answer) > MAX_MATH_ANSWER_CHARS:
         return 0.0
     timeout_seconds = math_verify_timeout()
