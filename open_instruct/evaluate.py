@@ -2,9 +2,11 @@
 
     python -m open_instruct.evaluate output/ppo_arithmetic_debug/model embedded      # trained vs base model
     python -m open_instruct.evaluate MODEL --dataset_mixer_list data/test.jsonl 1.0 --temperature 1.0 --samples 16
+    python -m open_instruct.evaluate MODEL --dataset_mixer_list data/test.jsonl 1.0 --reward_function my_reward.py:fn
 
 For each model: the greedy correct rate (one response per prompt at temperature 0) and the sampled correct rate
-(`--samples` responses per prompt at `--temperature`), graded by each row's verifier. By default the prompts are
+(`--samples` responses per prompt at `--temperature`), graded by each row's verifier, or as the trainer's reward
+flags say (`--reward_function file.py:fn`, the function a run trained with). By default the prompts are
 every question of the embedded arithmetic task (train and test splits together: all 81 one-digit additions), so
 the trained policy is measured on the questions it trained on and on the held-out ones. Prints a table and,
 with `--output_json`, writes the results.
@@ -54,11 +56,13 @@ def eval_prompts(data_args: DatasetArgs, tokenizer) -> dict[str, PromptBatch]:
     return sets
 
 
-def evaluate_model(model: str, args: EvalArgs, data_args: DatasetArgs) -> dict:
+def evaluate_model(model: str, args: EvalArgs, data_args: DatasetArgs, reward: RewardConfig | None = None) -> dict:
+    """`reward`: how responses are graded, as the trainer's flags say (`--reward_function`, ...); default: each row's
+    verifier."""
     path = resolve_model_path(model)
     tokenizer = load_tokenizer(path)
     prompt_sets = eval_prompts(data_args, tokenizer)
-    reward_manager = RewardManager(RewardConfig())
+    reward_manager = RewardManager(reward or RewardConfig())
     reward_manager.validate(prompt_sets["train"].verifier_names)
     llm = create_engine(EngineConfig(path, max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype))
     stop_token_ids = stop_token_ids_for(tokenizer, "eos")
@@ -97,13 +101,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     models = list(itertools.takewhile(lambda word: not word.startswith("--"), argv))
     if models:  # `evaluate A B --flag ...`: the leading words are the models
         argv = ["--models", *models, *argv[len(models) :]]
-    args, data_args = HfArgumentParser((EvalArgs, DatasetArgs)).parse_args_into_dataclasses(args=argv)
+    parser = HfArgumentParser((EvalArgs, DatasetArgs, RewardConfig))
+    args, data_args, reward = parser.parse_args_into_dataclasses(args=argv)
     if not data_args.dataset_mixer_list:  # the embedded task: both splits, i.e. every question
         from open_instruct.data.embedded import arithmetic_data_path
 
         data_args.dataset_mixer_list = [arithmetic_data_path(), "1.0"]
         data_args.dataset_mixer_eval_list = data_args.dataset_mixer_eval_list or [arithmetic_data_path(), "1.0"]
-    results = [evaluate_model(model, args, data_args) for model in args.models]
+    results = [evaluate_model(model, args, data_args, reward) for model in args.models]
     print(format_table(results))
     if args.output_json:
         with open(args.output_json, "w") as f:
