@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 
+from open_instruct.rl import ifeval as ifeval_rows
+
 logger = logging.getLogger(__name__)
 # A number as models write it: optional minus, digits with optional thousands separators, optional decimals.
 # The look-behind keeps "3-5" from reading as -5 and "x2" or "1.2.3" tails from reading as numbers.
@@ -195,11 +197,22 @@ def r1_format(response: str, ground_truth: str | None = None) -> float:
     return float(R1_FORMAT_PATTERN.fullmatch(response) is not None)
 
 
+def check_numeric_ground_truth(verifier: Callable[[str, str], float]) -> Callable[[str], None]:
+    """A ground-truth check for a verifier that compares numbers: grading an empty response raises for a ground truth
+    it cannot compare (no number; not an integer, for `arithmetic`)."""
+
+    def check(ground_truth: str) -> None:
+        verifier("", ground_truth)
+
+    return check
+
+
 VERIFIERS: dict[str, Callable[[str, str], float]] = {
     "gsm8k": gsm8k,
     "math": math,
     "arithmetic": arithmetic,
     "string_match": string_match,
+    "ifeval": ifeval_rows.ifeval,
 }
 # Dataset names used by open-instruct (`dataset`) and verl (`data_source`), lowercased -> verifier name.
 VERIFIER_ALIASES: dict[str, str] = {
@@ -211,6 +224,15 @@ VERIFIER_ALIASES: dict[str, str] = {
     "huggingfaceh4/math-500": "math",
     "arithmetic": "arithmetic",
     "string_match": "string_match",
+    "ifeval": "ifeval",
+}
+# Verifier name -> a check that raises ValueError (one line: the problem and the fix) for a ground truth that
+# verifier cannot grade. The trainer runs it on every row before any model loads; a verifier that can grade any
+# text needs none.
+GROUND_TRUTH_CHECKS: dict[str, Callable[[str], None]] = {
+    "gsm8k": check_numeric_ground_truth(gsm8k),
+    "arithmetic": check_numeric_ground_truth(arithmetic),
+    "ifeval": ifeval_rows.check_ground_truth,
 }
 
 
