@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from open_instruct.rl import ifeval_checks
-from open_instruct.rl.ifeval import INSTRUCTIONS, TULU_FUNCTIONS, check_ground_truth, ifeval
+from open_instruct.rl.ifeval import INSTRUCTIONS, TULU_FUNCTIONS, check_ground_truth, constraint_results, ifeval
 from open_instruct.rl.rewards import RewardConfig, RewardManager
 from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, VERIFIERS, resolve_verifier_name
 
@@ -165,7 +165,9 @@ def test_thinking_is_stripped_before_checking():
     assert ifeval("<think>First, commas, everywhere.</think>\nA plain answer.", ground_truth) == 1.0
     assert ifeval("<think>Plain.</think>\nAn answer, with a comma.", ground_truth) == 0.0
     # Nothing after the thinking: nothing to meet a constraint with, even one an empty text would pass.
-    assert ifeval("<think>I will avoid evil.</think>", tulu_row("validate_forbidden_words", forbidden_words=["x"])) == 0.0
+    assert (
+        ifeval("<think>I will avoid evil.</think>", tulu_row("validate_forbidden_words", forbidden_words=["x"])) == 0.0
+    )
 
 
 def test_the_verifier_is_registered_and_logged_under_its_name():
@@ -183,7 +185,10 @@ def test_the_verifier_is_registered_and_logged_under_its_name():
         (google_row(["keywords:existance"], [{}]), "unknown instruction id 'keywords:existance'"),
         (tulu_row("validate_word_constraint", N=50), "needs argument 'quantifier'"),
         (tulu_row("verify_bullet_points"), "'verify_bullet_points' needs argument 'N' (a whole number >= 0)"),
-        (google_row(["keywords:frequency"], [{"keyword": "cat", "relation": "at least"}]), "needs argument 'frequency'"),
+        (
+            google_row(["keywords:frequency"], [{"keyword": "cat", "relation": "at least"}]),
+            "needs argument 'frequency'",
+        ),
         (google_row(["detectable_content:postscript"], [{}]), "needs argument 'postscript_marker'"),
         (google_row(["language:response_language"], [{"language": "Klingon"}]), "argument 'language' is 'Klingon'"),
         (google_row(["length_constraints:number_words"], [{"num_words": "many", "relation": "at least"}]), "is 'many'"),
@@ -246,3 +251,19 @@ def test_language_detection_gives_the_same_verdict_in_another_process():
 
 def test_text_without_a_language_fails_the_language_check():
     assert ifeval_checks.in_language("12345 !!!", "en") is False
+
+
+@pytest.mark.parametrize("name", ["ifeval_tulu.jsonl", "ifeval_google.jsonl"])
+def test_shipped_fixtures_load_and_every_row_can_be_graded(name):
+    """The fixtures the CPU demo trains on (`--dataset_mixer_list open_instruct/data/fixtures/<name> N`)."""
+    from open_instruct.data.prompt_dataset import load_prompt_dataset
+
+    path = Path(__file__).resolve().parents[1] / "open_instruct" / "data" / "fixtures" / name
+    rows = load_prompt_dataset([str(path), "1.0"], ["train"], seed=0).to_list()
+    assert 8 <= len(rows) <= 12
+    kinds = set()
+    for row in rows:
+        assert resolve_verifier_name(row["dataset"]) == "ifeval"
+        check_ground_truth(row["ground_truth"])
+        kinds.update(constraint_name for constraint_name, _ in constraint_results("", row["ground_truth"]))
+    assert len(kinds) >= 8  # many constraint kinds, not one repeated
