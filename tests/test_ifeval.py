@@ -267,3 +267,15 @@ def test_shipped_fixtures_load_and_every_row_can_be_graded(name):
         check_ground_truth(row["ground_truth"])
         kinds.update(constraint_name for constraint_name, _ in constraint_results("", row["ground_truth"]))
     assert len(kinds) >= 8  # many constraint kinds, not one repeated
+
+
+def test_a_ground_truth_stored_as_an_object_is_read_as_its_json_text(tmp_path):
+    """A JSON file (or parquet struct) may hold the constraint set as an object rather than as a string."""
+    from open_instruct.data.prompt_dataset import load_prompt_dataset
+
+    constraints = {"instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "Name a colour.", "ground_truth": constraints, "dataset": "ifeval"}) + "\n")
+    (row,) = load_prompt_dataset([str(path), "1.0"], ["train"], seed=0).to_list()
+    assert json.loads(row["ground_truth"]) == constraints
+    assert ifeval("Red.", row["ground_truth"]) == 1.0 and ifeval("Red, blue.", row["ground_truth"]) == 0.0
