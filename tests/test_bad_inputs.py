@@ -49,6 +49,10 @@ def arithmetic_row(**changes) -> dict:
     return {**row, **changes}
 
 
+def ifeval_row(ground_truth: dict) -> dict:
+    return arithmetic_row(ground_truth=json.dumps(ground_truth), dataset="ifeval")
+
+
 GOOD_ROWS = [arithmetic_row() for _ in range(8)]
 HUB_ONLINE = {"HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_fake", "HF_ENDPOINT": "http://127.0.0.1:9"}
 
@@ -213,6 +217,13 @@ CASES = [
     Case("no verifier name", [], "row 1: has a ground truth but no verifier name", rows=[arithmetic_row(), arithmetic_row(dataset=None)]),
     Case("unknown verifier", [], "row 0: Unknown verifier 'physics'", rows=[arithmetic_row(dataset="physics")]),
     Case("non-numeric answer", [], "row 2: Ground truth 'five' holds no number", rows=GOOD_ROWS[:2] + [arithmetic_row(ground_truth="five")]),
+    Case("unknown IF func_name", [], "row 1: ifeval ground truth '{{\"func_name\": \"verify_keywordz\"}}': unknown func_name 'verify_keywordz'",
+         rows=[arithmetic_row(), ifeval_row({"func_name": "verify_keywordz"})]),
+    Case("unknown IFEval instruction id", [], "unknown instruction id 'keywords:existance'",
+         rows=[ifeval_row({"instruction_id_list": ["keywords:existance"], "kwargs": [{}]})]),  # fmt: skip
+    Case("IF constraint missing its argument", [],
+         "IFEval constraint 'length_constraints:number_words' needs argument 'relation'",
+         rows=[arithmetic_row(), ifeval_row({"instruction_id_list": ["length_constraints:number_words"], "kwargs": [{"num_words": 50}]})]),
     Case("no reward source", [], "row 1: has no reward source", rows=[arithmetic_row(), arithmetic_row(ground_truth=None)]),
     Case("row without a prompt", [], "row 0 has no prompt field", rows=[{"question": "2+3?", "ground_truth": "5"}]),
     Case("invalid JSON line", [], "line 2 is not valid JSON", raw_data=b'{"prompt": "a", "ground_truth": "1", "dataset": "arithmetic"}\n{oops\n'),

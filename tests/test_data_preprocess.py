@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from open_instruct.data.prompt_dataset import load_prompt_dataset
-from scripts.data_preprocess import arithmetic, full_hh_rlhf, gsm8k, hellaswag
+from scripts.data_preprocess import arithmetic, full_hh_rlhf, gsm8k, hellaswag, tulu3_rlvr
 from scripts.data_preprocess import math as math_converter
 from scripts.data_preprocess.common import last_boxed_content
 
@@ -88,6 +88,35 @@ def test_wrong_column_layout_names_the_missing_fields(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [{"problem": "1+1", "solution": "2"}])
     with pytest.raises(ValueError, match=r"gsm8k row lacks the field\(s\) \['question', 'answer'\]"):
         gsm8k.main(["--input", str(tmp_path / "train.jsonl"), "--splits", "train", "--output_dir", str(tmp_path)])
+
+
+# Rows in the layout of allenai/RLVR-GSM-MATH-IF-Mixed-Constraints (written here; the hub is offline in the tests).
+TULU3_RLVR_ROWS = [
+    {"messages": [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many?"}], "ground_truth": "7",
+     "dataset": "gsm8k", "constraint_type": None, "constraint": None},
+    {"messages": [{"role": "user", "content": "Simplify $2x + 3x$."}], "ground_truth": "5x", "dataset": "MATH",
+     "constraint_type": None, "constraint": None},
+    {"messages": [{"role": "user", "content": "Name a river. Do not use commas."}],
+     "ground_truth": json.dumps({"func_name": "validate_no_commas", "N": None, "keyword_list": None}),
+     "dataset": "ifeval", "constraint_type": "No Commas", "constraint": "Do not use commas."},
+]  # fmt: skip
+
+
+def test_tulu3_rlvr_keeps_the_hub_rows_as_they_are(tmp_path):
+    write_parquet(tmp_path / "train.parquet", TULU3_RLVR_ROWS)
+    tulu3_rlvr.main(["--input", str(tmp_path / "train.parquet"), "--output_dir", str(tmp_path / "out")])
+    rows = by_prompt(load_split(tmp_path / "out", "train"))
+    assert rows == {
+        raw["messages"][0]["content"]: {key: raw[key] for key in ("messages", "ground_truth", "dataset")}
+        for raw in TULU3_RLVR_ROWS
+    }
+
+
+def test_tulu3_rlvr_refuses_an_if_row_the_verifier_cannot_grade(tmp_path):
+    bad_row = {**TULU3_RLVR_ROWS[2], "ground_truth": json.dumps({"func_name": "validate_word_constraint", "N": 5})}
+    write_jsonl(tmp_path / "train.jsonl", [*TULU3_RLVR_ROWS, bad_row])
+    with pytest.raises(ValueError, match="'validate_word_constraint' needs argument 'quantifier'"):
+        tulu3_rlvr.main(["--input", str(tmp_path / "train.jsonl"), "--output_dir", str(tmp_path / "out")])
 
 
 def test_math_takes_the_last_boxed_answer(tmp_path):

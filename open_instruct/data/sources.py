@@ -16,7 +16,7 @@ Rows. Three row schemas are detected row by row and normalised to the columns in
 - plain: `prompt` as a string (becomes one user turn); `ground_truth` / `dataset` optional.
 Precedence when a row mixes them: `messages` over `prompt`, `reward_model.ground_truth` over
 `ground_truth`, `data_source` over `dataset`. A ground truth number becomes its text (72.0 -> "72"),
-a list its first element.
+a list its first element, a JSON object (an IFEval constraint set) its JSON text.
 """
 
 import json
@@ -225,9 +225,12 @@ def _prompt_messages(row: dict, where: str) -> list[dict]:
 
 
 def _ground_truth_text(value: object, where: str) -> str | None:
-    """Ground truth as text: numbers become their text (72.0 -> "72"), a list its first element."""
+    """Ground truth as text: numbers become their text (72.0 -> "72"), a list its first element, an object (an IFEval
+    constraint set, as parquet files store it) its JSON text."""
     if value is None or isinstance(value, str):
         return value
+    if isinstance(value, dict):
+        return json.dumps(value)
     if isinstance(value, list):
         return _ground_truth_text(value[0], where) if value else None
     if isinstance(value, float) and value.is_integer():
@@ -235,8 +238,8 @@ def _ground_truth_text(value: object, where: str) -> str | None:
     if isinstance(value, int | float):
         return str(value)
     raise ValueError(
-        f"{where}: the ground truth is a {type(value).__name__} ({value!r}), expected a string, number or list; "
-        f"store it as a string (JSON-encode structured answers)."
+        f"{where}: the ground truth is a {type(value).__name__} ({value!r}), expected a string, number, list or object; "
+        f"store the answer as one of those."
     )
 
 

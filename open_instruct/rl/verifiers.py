@@ -20,6 +20,8 @@ from open_instruct.rl.answer_extraction import (  # noqa: F401 (the extraction A
     last_number,
 )
 
+from open_instruct.rl import ifeval as ifeval_rows
+
 logger = logging.getLogger(__name__)
 BOXED_PREFIX = "\\boxed"
 R1_FORMAT_PATTERN = re.compile(
@@ -133,11 +135,22 @@ def r1_format(response: str, ground_truth: str | None = None) -> float:
     return float(R1_FORMAT_PATTERN.fullmatch(response) is not None)
 
 
+def check_numeric_ground_truth(verifier: Callable[[str, str], float]) -> Callable[[str], None]:
+    """A ground-truth check for a verifier that compares numbers: grading an empty response raises for a ground truth
+    it cannot compare (no number; not an integer, for `arithmetic`)."""
+
+    def check(ground_truth: str) -> None:
+        verifier("", ground_truth)
+
+    return check
+
+
 VERIFIERS: dict[str, Callable[[str, str], float]] = {
     "gsm8k": gsm8k,
     "math": math,
     "arithmetic": arithmetic,
     "string_match": string_match,
+    "ifeval": ifeval_rows.ifeval,
 }
 # Dataset names used by open-instruct (`dataset`) and verl (`data_source`), lowercased -> verifier name.
 VERIFIER_ALIASES: dict[str, str] = {
@@ -149,6 +162,15 @@ VERIFIER_ALIASES: dict[str, str] = {
     "huggingfaceh4/math-500": "math",
     "arithmetic": "arithmetic",
     "string_match": "string_match",
+    "ifeval": "ifeval",
+}
+# Verifier name -> a check that raises ValueError (one line: the problem and the fix) for a ground truth that
+# verifier cannot grade. The trainer runs it on every row before any model loads; a verifier that can grade any
+# text needs none.
+GROUND_TRUTH_CHECKS: dict[str, Callable[[str], None]] = {
+    "gsm8k": check_numeric_ground_truth(gsm8k),
+    "arithmetic": check_numeric_ground_truth(arithmetic),
+    "ifeval": ifeval_rows.check_ground_truth,
 }
 
 

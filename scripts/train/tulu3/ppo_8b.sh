@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Tulu 3 8B RLVR with PPO (configs/train_configs/ppo_tulu3_8b.yaml): Llama-3.1-Tulu-3-8B-DPO on GSM8K + MATH,
+# Tulu 3 8B RLVR with PPO (configs/train_configs/ppo_tulu3_8b.yaml): Llama-3.1-Tulu-3-8B-DPO on Tulu 3's RLVR mix
+# (allenai/RLVR-GSM-MATH-IF-Mixed-Constraints: GSM8K, MATH and instruction-following rows, graded by the gsm8k, math
+# and ifeval verifiers), evaluated on the GSM8K and MATH test splits, on
 # 2 nodes x 8 GPUs (80 GB each): 8 learner ranks at ZeRO-3 on one node, 4 vLLM engines x 2 GPUs on the other.
 #
 #   every node:  bash scripts/install.sh
@@ -9,8 +11,8 @@
 #
 # or on SLURM: TRAIN_SCRIPT=scripts/train/tulu3/ppo_8b.sh sbatch scripts/train/multinode/ppo_slurm.sbatch
 #
-# Needs the Hugging Face Hub (the models, and GSM8K and MATH the first time: written to data/gsm8k and data/math
-# by this repo's converters). The trainer downloads both models into node A's HF cache before Ray starts; node B's
+# Needs the Hugging Face Hub (the models, and the data the first time: the mix written to data/tulu3_rlvr, GSM8K and
+# MATH, for their test splits, to data/gsm8k and data/math, by this repo's converters). The trainer downloads both models into node A's HF cache before Ray starts; node B's
 # engines fetch the same commit into node B's cache unless HF_HOME is shared (docs/distributed.md, "Models named by
 # a hub id"). Extra arguments go to the trainer and win over the recipe.
 #
@@ -26,9 +28,13 @@ source "$REPO/scripts/train/multinode/common.sh"
 cd "$REPO"
 find_python_and_ray
 
+if [[ ! -f data/tulu3_rlvr/train.parquet ]]; then
+  say "preparing data/tulu3_rlvr from the Hub (once)"
+  "$python" -m scripts.data_preprocess.tulu3_rlvr --output_dir data/tulu3_rlvr
+fi
 for dataset in gsm8k math; do
-  if [[ ! -f "data/$dataset/train.parquet" || ! -f "data/$dataset/test.parquet" ]]; then
-    say "preparing data/$dataset from the Hub (once)"
+  if [[ ! -f "data/$dataset/test.parquet" ]]; then
+    say "preparing data/$dataset from the Hub (once; its test split is the eval set)"
     "$python" -m "scripts.data_preprocess.$dataset" --output_dir "data/$dataset"
   fi
 done
