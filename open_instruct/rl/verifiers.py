@@ -2,7 +2,7 @@
 
 A verifier is `fn(response, ground_truth) -> float` in [0, 1]. Dataset rows name their verifier in
 `dataset` (open-instruct) or `data_source` (verl); `VERIFIER_ALIASES` maps those names to the verifiers here.
-No verifier runs model-written code.
+Only `code` runs model-written code, in the sandbox (`code_tests`).
 """
 
 import functools
@@ -11,6 +11,8 @@ import re
 import threading
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
+
+from open_instruct.rl import code_tests
 
 logger = logging.getLogger(__name__)
 # A number as models write it: optional minus, digits with optional thousands separators, optional decimals.
@@ -195,11 +197,22 @@ def r1_format(response: str, ground_truth: str | None = None) -> float:
     return float(R1_FORMAT_PATTERN.fullmatch(response) is not None)
 
 
+def check_numeric_ground_truth(verifier: Callable[[str, str], float]) -> Callable[[str], None]:
+    """A ground-truth check for a verifier that compares numbers: grading an empty response raises for a ground truth
+    it cannot compare (no number; not an integer, for `arithmetic`)."""
+
+    def check(ground_truth: str) -> None:
+        verifier("", ground_truth)
+
+    return check
+
+
 VERIFIERS: dict[str, Callable[[str, str], float]] = {
     "gsm8k": gsm8k,
     "math": math,
     "arithmetic": arithmetic,
     "string_match": string_match,
+    "code": code_tests.code,
 }
 # Dataset names used by open-instruct (`dataset`) and verl (`data_source`), lowercased -> verifier name.
 VERIFIER_ALIASES: dict[str, str] = {
@@ -211,6 +224,26 @@ VERIFIER_ALIASES: dict[str, str] = {
     "huggingfaceh4/math-500": "math",
     "arithmetic": "arithmetic",
     "string_match": "string_match",
+    # Code with tests: open-instruct's `code`, verl's and PRIME's data sources, the hub sets they come from.
+    "code": "code",
+    "code_stdio": "code",
+    "codecontests": "code",
+    "deepmind/code_contests": "code",
+    "apps": "code",
+    "codeparrot/apps": "code",
+    "taco": "code",
+    "baai/taco": "code",
+    "codeforces": "code",
+    "primeintellect": "code",
+    "primeintellect/verifiable-coding-problems": "code",
+}
+# Verifier name -> a check that raises ValueError (one line: the problem and the fix) for a ground truth that
+# verifier cannot grade. The trainer runs it on every row before any model loads; a verifier that can grade any
+# text needs none.
+GROUND_TRUTH_CHECKS: dict[str, Callable[[str], None]] = {
+    "gsm8k": check_numeric_ground_truth(gsm8k),
+    "arithmetic": check_numeric_ground_truth(arithmetic),
+    "code": code_tests.check_ground_truth,
 }
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from open_instruct.rl.reward_function import load_reward_function
-from open_instruct.rl.verifiers import VERIFIERS, resolve_verifier_name
+from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, VERIFIERS, resolve_verifier_name
 from open_instruct.run.args import (
     Args,
     BatchSizes,
@@ -29,9 +29,6 @@ from open_instruct.run.args import (
     needs_off_policy_correction,
 )
 from open_instruct.run.devices import split_cpu_cores
-
-# Verifiers that compare numbers: a ground truth without one would fail mid-run at the first response scored.
-NUMERIC_VERIFIERS = ("gsm8k", "arithmetic")
 
 
 def one_line(error: BaseException) -> str:
@@ -576,7 +573,7 @@ def row_checker(args: Args, split: str):
 
     Training rows need a reward source: a ground truth with a known verifier (when verifiable rewards are on; any
     verifier name with --reward_function, which replaces them) or a reward model. Eval rows may lack a ground truth (they count for lengths), but what they hold must be
-    usable. Numeric verifiers need a number in the ground truth.
+    usable. Each verifier's GROUND_TRUTH_CHECKS entry says whether it can grade the row's ground truth.
     """
     reward = args.reward
     has_reward_model = reward.reward_model_multiplier != 0
@@ -607,7 +604,8 @@ def check_verifier(verifier: str | None, ground_truth: str, where: str) -> None:
         )
     try:
         canonical = resolve_verifier_name(verifier)
-        if canonical in NUMERIC_VERIFIERS:
-            VERIFIERS[canonical]("", ground_truth)  # raises for a ground truth it cannot compare
+        check_ground_truth = GROUND_TRUTH_CHECKS.get(canonical)
+        if check_ground_truth is not None:  # a ground truth it cannot grade would fail mid-run, at the first score
+            check_ground_truth(ground_truth)
     except ValueError as error:
         raise ConfigError(f"{where}: {error}") from error
