@@ -4,9 +4,11 @@ ones and come faster; code rows through the reward manager and the row loader; t
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
+from open_instruct.data.prompt_dataset import load_prompt_dataset
 from open_instruct.data.sources import normalise_row
 from open_instruct.rl.code_tests import CodeVerifier, extract_program, normalise_output, parse_tests
 from open_instruct.rl.rewards import RewardConfig, RewardManager
@@ -80,6 +82,7 @@ def test_the_program_is_the_last_python_block_or_the_whole_response():
     assert extract_program("<think>```python\nprint(0)\n```</think>print(4)") == "print(4)"
     assert extract_program("print(5)") == "print(5)"
     assert extract_program("Sure:\n```python\nprint(6)\n") == "print(6)\n"  # cut off at the length limit
+    assert extract_program("```python\nx = 7\nprint(x)```\nDone.") == "x = 7\nprint(x)"
 
 
 def test_outputs_compare_without_trailing_whitespace():
@@ -176,3 +179,31 @@ def test_code_rows_through_the_reward_manager():
     assert metrics["objective/code_correct_rate"] == pytest.approx((1 + 1 / 3 + 1) / 3)
     assert metrics["objective/gsm8k_correct_rate"] == 1.0
     assert metrics["time/reward"] > 0
+
+
+FIXTURE = Path(__file__).resolve().parents[1] / "open_instruct" / "data" / "fixtures" / "code_problems.jsonl"
+# A right answer to each shipped problem, in its order: each must score 1, so that every row can be learned.
+FIXTURE_SOLUTIONS = [
+    READ_AND_ADD,
+    "print(input()[::-1])",
+    "print(int(input()) * 2)",
+    "print(input().upper())",
+    DEFINE_ADD,
+    "def is_even(n):\n    return n % 2 == 0\n",
+    "def square(x):\n    return x * x\n",
+    "def largest(numbers):\n    return max(numbers)\n",
+]
+
+
+@needs_sandbox
+def test_the_shipped_code_fixture_loads_and_each_problem_can_be_solved(verifier):
+    """`--dataset_mixer_list open_instruct/data/fixtures/code_problems.jsonl 8`: every row loads, passes the start-up
+    check, and a right program scores 1 on it (a wrong one 0)."""
+    rows = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
+    loaded = load_prompt_dataset([str(FIXTURE), str(len(rows))], ["train"], seed=0)
+    assert sorted(loaded["ground_truth"]) == sorted(row["ground_truth"] for row in rows)
+    assert {form for form in (parse_tests(row["ground_truth"]).kind for row in rows)} == {"stdio", "call", "assert"}
+    for row, solution in zip(rows, FIXTURE_SOLUTIONS, strict=True):
+        GROUND_TRUTH_CHECKS[resolve_verifier_name(row["dataset"])](row["ground_truth"])
+        assert verifier.score(fenced(solution), row["ground_truth"]) == 1.0, row["messages"][0]["content"]
+    assert verifier.score(fenced("print('no')"), rows[0]["ground_truth"]) == 0.0

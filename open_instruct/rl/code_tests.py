@@ -96,7 +96,7 @@ def check_ground_truth(ground_truth: str) -> None:
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
     """(label, body) of each markdown fenced block, read line by line (a block left open at the end counts: a response
-    cut at its length limit keeps its last code)."""
+    cut at its length limit keeps its last code; a fence may close at the end of a code line)."""
     blocks, label, lines = [], "", None
     for line in text.split("\n"):
         stripped = line.strip()
@@ -105,6 +105,9 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
                 label, lines = stripped[len(FENCE) :].strip().lower(), []
         elif stripped.startswith(FENCE):
             blocks.append((label, "\n".join(lines)))
+            lines = None
+        elif stripped.endswith(FENCE):  # "    return x```": the fence closed on the code's last line
+            blocks.append((label, "\n".join(lines + [line.rstrip()[: -len(FENCE)]])))
             lines = None
         else:
             lines.append(line)
