@@ -4,7 +4,7 @@ How it isolates (mode "isolated", needs root; CI and the training machines run a
 - `unshare` gives the run new network, PID, mount, IPC and UTS namespaces. The network namespace holds only a loopback
   that is down: no address, 127.0.0.1 included, can be reached.
 - In the new mount namespace a setup script (root, before anything untrusted runs) builds a root of its own: a tmpfs,
-  read-only, holding /usr, /bin, /lib... bound read-only, /dev/null, /dev/zero, /dev/urandom, a size-limited
+  read-only, holding /usr, /bin, /lib... bound read-only, /dev/null and /dev/urandom, a size-limited
   private /tmp (the only writable place, and the working directory) and /sandbox, the run's own folder (its program,
   read-only). The checkout, /root, /home, /etc, /proc and everything else of the machine are not there.
 - `chroot` into it, then `setpriv` drops to an unprivileged user (a uid of its own per concurrent run, so one run's
@@ -57,34 +57,49 @@ SANDBOX_FOLDER = "/sandbox"
 CPU_LIMIT_EXIT = 128 + signal.SIGXCPU
 
 # Runs as root in the new namespaces, before anything untrusted; arguments: root mount point, the run's folder, uid,
-# /tmp size in MiB, an interpreter prefix to bind ("" when the interpreter lies under /usr), then the command.
+# /tmp size in MiB, an interpreter prefix to bind ("" when the interpreter lies under /usr), the targets of /'s
+# symbolic links to recreate (bin -> usr/bin: each named after its target's last part), the top-level folders to
+# bind, then the command. Few processes: each costs milliseconds, and a run pays for all of them.
 SETUP_SCRIPT = r"""
 set -u
 fail() { echo "sandbox setup failed: $*" >&2; exit 125; }
-root=$1 work=$2 uid=$3 tmp_mb=$4 prefix=$5
-shift 5
+root=$1 work=$2 uid=$3 tmp_mb=$4 prefix=$5 links=$6 folders=$7
+shift 7
 mount -t tmpfs -o size=1m,mode=755 sandbox-root "$root" || fail "tmpfs on $root"
-for entry in bin lib lib32 lib64 libx32 sbin; do
-  if [ -L "/$entry" ]; then
-    ln -s "$(readlink "/$entry")" "$root/$entry" || fail "link /$entry"
-  elif [ -d "/$entry" ]; then
-    mkdir "$root/$entry" && mount --bind -o ro,nosuid,nodev "/$entry" "$root/$entry" || fail "bind /$entry"
-  fi
-done
 mkdir "$root/usr" "$root/tmp" "$root/sandbox" "$root/dev" || fail "folders in $root"
+if [ -n "$links" ]; then (cd "$root" && ln -s $links .) || fail "links $links"; fi
+for folder in $folders; do
+  mkdir "$root/$folder" && mount --bind -o ro,nosuid,nodev "/$folder" "$root/$folder" || fail "bind /$folder"
+done
 mount --bind -o ro,nosuid,nodev /usr "$root/usr" || fail "bind /usr"
 if [ -n "$prefix" ]; then
   mkdir -p "$root$prefix" && mount --bind -o ro,nosuid,nodev "$prefix" "$root$prefix" || fail "bind $prefix"
 fi
 mount -t tmpfs -o "size=${tmp_mb}m,nr_inodes=4096,mode=1777,nosuid,nodev" sandbox-tmp "$root/tmp" || fail "tmpfs /tmp"
 mount --bind -o ro,nosuid,nodev "$work" "$root/sandbox" || fail "bind $work"
-for device in null zero urandom random; do
-  touch "$root/dev/$device" && mount --bind -o nosuid,noexec "/dev/$device" "$root/dev/$device" || fail "/dev/$device"
-done
+touch "$root/dev/null" "$root/dev/urandom" || fail "/dev in $root"
+mount --bind -o nosuid,noexec /dev/null "$root/dev/null" || fail "/dev/null"
+mount --bind -o nosuid,noexec /dev/urandom "$root/dev/urandom" || fail "/dev/urandom"
 mount -o remount,ro "$root" || fail "read-only $root"
 chroot "$root" /usr/bin/setpriv --reuid="$uid" --regid="$uid" --clear-groups --no-new-privs \
   --inh-caps=-all --bounding-set=-all -- /usr/bin/env --chdir=/tmp "$@"
 """
+# The system folders a program may need besides /usr (on merged-/usr systems, links into it).
+SYSTEM_FOLDERS = ("bin", "lib", "lib32", "lib64", "libx32", "sbin")
+
+
+def system_layout() -> tuple[str, str]:
+    """(the targets of /'s links to recreate, the real folders to bind), as the setup script takes them: a link is
+    recreated in one `ln -s TARGET... .` call, which names each link after its target's last part (bin -> usr/bin);
+    a link named otherwise (rare) is bound as a folder instead."""
+    links, folders = [], []
+    for name in SYSTEM_FOLDERS:
+        path = f"/{name}"
+        if os.path.islink(path) and os.path.basename(os.readlink(path).rstrip("/")) == name:
+            links.append(os.readlink(path))
+        elif os.path.isdir(path):
+            folders.append(name)
+    return " ".join(links), " ".join(folders)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -177,6 +192,7 @@ class Sandbox:
         self.mode = mode
         self.limits = limits or Limits()
         self.interpreter, self.interpreter_prefix = python_interpreter()
+        self.links, self.folders = system_layout()
 
     def run_python(self, source: str, stdin: str = "", files: dict[str, str] | None = None,
                    argv: tuple[str, ...] = ()) -> RunResult:  # fmt: skip
@@ -228,7 +244,7 @@ class Sandbox:
             "--propagation", "private", "--",
             "/bin/sh", "-c", SETUP_SCRIPT, "sandbox-setup",
             os.path.join(folder, "root"), os.path.join(folder, "work"), str(next_uid()), str(limits.tmp_mb),
-            self.interpreter_prefix,
+            self.interpreter_prefix, self.links, self.folders,
             "/usr/bin/prlimit", f"--nproc={limits.max_processes}", *self.resource_limits(), "--",
             self.interpreter, "-I", "-S", f"{SANDBOX_FOLDER}/main.py", *argv,
         ]  # fmt: skip
