@@ -257,7 +257,6 @@ def test_dataset_args_parse_from_the_command_line():
         ({"messages": [{"role": "human", "content": "hi"}]}, r"row 2: `messages\[0\]` has role 'human', expected one"),
         ({"messages": [{"role": "assistant", "content": "hi"}]}, r"row 2: `messages` holds only an assistant turn"),
         ({"prompt": 7}, r"row 2: `prompt` is a int, expected a string or a list"),
-        ({"prompt": "q", "ground_truth": {"a": 1}}, r"row 2: the ground truth is a dict"),
         ({"prompt": "q", "reward_model": "5"}, r"row 2: `reward_model` is a str, expected a dict"),
         ({"prompt": "q", "dataset": 3}, r"row 2: the verifier name `dataset`/`data_source` is 3"),
     ],

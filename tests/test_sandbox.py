@@ -19,8 +19,15 @@ from pathlib import Path
 import pytest
 
 from open_instruct.rl.code_tests import CodeVerifier
-from open_instruct.sandbox import ISOLATED, UNSAFE_NO_ISOLATION, Limits, Sandbox, SandboxPool, SandboxUnavailable
-from open_instruct.sandbox import isolation
+from open_instruct.sandbox import (
+    ISOLATED,
+    UNSAFE_NO_ISOLATION,
+    Limits,
+    Sandbox,
+    SandboxPool,
+    SandboxUnavailable,
+    isolation,
+)
 from open_instruct.sandbox.isolation import ERROR, OK, OUTPUT_LIMIT, TIMEOUT, UID_BASE, isolation_problem
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,7 +94,9 @@ def stdio_tests(inputs: list[str], outputs: list[str]) -> str:
 
 
 def test_an_honest_program_runs_and_sees_only_the_sandbox(sandbox):
-    run = sandbox.run_python("import os\nprint(input()[::-1], os.getuid(), os.getcwd(), sorted(os.listdir('/')))", "abc\n")
+    run = sandbox.run_python(
+        "import os\nprint(input()[::-1], os.getuid(), os.getcwd(), sorted(os.listdir('/')))", "abc\n"
+    )
     assert run.verdict == OK, run.stderr
     reversed_text, uid, cwd, listing = run.stdout.split(" ", 3)
     assert reversed_text == "cba" and int(uid) >= UID_BASE and cwd == "/tmp"
@@ -101,7 +110,9 @@ def test_infinite_loop_is_killed_at_the_wall_clock_limit(short_sandbox):
 
 
 def test_fork_bomb_is_capped_and_killed_whole(sandbox, short_sandbox):
-    run = short_sandbox.run_python("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n")
+    run = short_sandbox.run_python(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
     assert run.verdict == TIMEOUT
     assert sandbox.run_python("print('after')").stdout == "after\n"  # the next run starts: nothing was exhausted
 
@@ -129,9 +140,13 @@ def test_writes_to_etc_the_checkout_and_the_root_fail(sandbox):
     passwd = Path("/etc/passwd").read_bytes()
     for path in ("/etc/passwd", "/etc/sandbox_escape", str(target), "/sandbox_escape", "/sandbox/main.py", "/usr/x"):
         run = sandbox.run_python(f"open({path!r}, 'a').write('escaped')\n")
-        assert run.verdict == ERROR and re.search("Read-only file system|No such file|Permission denied", run.stderr), path
+        assert run.verdict == ERROR and re.search("Read-only file system|No such file|Permission denied", run.stderr), (
+            path
+        )
     assert not target.exists() and Path("/etc/passwd").read_bytes() == passwd
-    assert sandbox.run_python("open('/tmp/scratch', 'w').write('ok')\nprint(open('/tmp/scratch').read())").stdout == "ok\n"
+    assert (
+        sandbox.run_python("open('/tmp/scratch', 'w').write('ok')\nprint(open('/tmp/scratch').read())").stdout == "ok\n"
+    )
 
 
 def test_a_big_file_is_stopped_by_the_file_size_limit(sandbox):
@@ -151,7 +166,9 @@ def test_files_outside_the_sandbox_cannot_be_read(sandbox, tmp_path):
         for path in files:
             program = f"print(open({str(path)!r}).read())"
             assert verifier.score(program, stdio_tests([""], [secret])) == 0.0, path
-        run = sandbox.run_python("import os\nprint(os.path.exists('/root'), os.path.exists('/work'), os.path.exists('/etc'))")
+        run = sandbox.run_python(
+            "import os\nprint(os.path.exists('/root'), os.path.exists('/work'), os.path.exists('/etc'))"
+        )
         assert run.stdout == "False False False\n"
     finally:
         for path in files:
@@ -196,7 +213,9 @@ def test_kill_everything_kills_only_the_program(sandbox):
     machine survive."""
     bystander = subprocess.Popen(["sleep", "5"])
     beside = []
-    thread = threading.Thread(target=lambda: beside.append(sandbox.run_python("import time\ntime.sleep(0.5)\nprint('alive')")))
+    thread = threading.Thread(
+        target=lambda: beside.append(sandbox.run_python("import time\ntime.sleep(0.5)\nprint('alive')"))
+    )
     thread.start()
     try:
         run = sandbox.run_python("import os\nos.kill(-1, 9)\nprint('still here')\n")

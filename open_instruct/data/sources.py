@@ -16,8 +16,8 @@ Rows. Three row schemas are detected row by row and normalised to the columns in
 - plain: `prompt` as a string (becomes one user turn); `ground_truth` / `dataset` optional.
 Precedence when a row mixes them: `messages` over `prompt`, `reward_model.ground_truth` over
 `ground_truth`, `data_source` over `dataset`. A ground truth number becomes its text (72.0 -> "72"),
-a list its first element; a code row's tests (verl's dict of inputs and outputs, or a list of assert statements)
-become their JSON text, all of them.
+a list its first element, a JSON object (an IFEval constraint set) its JSON text. A code row's list of assert
+statements is its tests: it becomes its JSON text, all of it.
 """
 
 import json
@@ -228,11 +228,14 @@ def _prompt_messages(row: dict, where: str) -> list[dict]:
 
 
 def _ground_truth_text(value: object, where: str, verifier: str | None = None) -> str | None:
-    """Ground truth as text: numbers become their text (72.0 -> "72"), a list its first element; a code row's tests
-    (a dict or a list) their JSON text."""
+    """Ground truth as text: numbers become their text (72.0 -> "72"), a list its first element, an object (an IFEval
+    constraint set, code tests, as parquet files store them) its JSON text; a code row's list of assert statements
+    its JSON text."""
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, dict | list) and _is_code_row(verifier):
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, list) and _is_code_row(verifier):  # its tests: all of them
         return json.dumps(value)
     if isinstance(value, list):
         return _ground_truth_text(value[0], where) if value else None
@@ -241,8 +244,8 @@ def _ground_truth_text(value: object, where: str, verifier: str | None = None) -
     if isinstance(value, int | float):
         return str(value)
     raise ValueError(
-        f"{where}: the ground truth is a {type(value).__name__} ({value!r}), expected a string, number or list; "
-        f"store it as a string (JSON-encode structured answers)."
+        f"{where}: the ground truth is a {type(value).__name__} ({value!r}), expected a string, number, list or object; "
+        f"store the answer as one of those."
     )
 
 

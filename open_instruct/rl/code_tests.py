@@ -74,8 +74,14 @@ def parse_tests(ground_truth: str) -> CodeTests:
             raise ValueError(f"code tests {str(ground_truth)[:80]!r} are not a non-empty list of assert statements; "
                              f"expected {TEST_FORMS}")  # fmt: skip
         return CodeTests("assert", tuple(tests))
-    if not isinstance(tests, dict) or not isinstance(tests.get("inputs"), list) or not isinstance(tests.get("outputs"), list):
-        raise ValueError(f"code tests {str(ground_truth)[:80]!r} have no `inputs` and `outputs` lists; expected {TEST_FORMS}")
+    if (
+        not isinstance(tests, dict)
+        or not isinstance(tests.get("inputs"), list)
+        or not isinstance(tests.get("outputs"), list)
+    ):
+        raise ValueError(
+            f"code tests {str(ground_truth)[:80]!r} have no `inputs` and `outputs` lists; expected {TEST_FORMS}"
+        )
     inputs, outputs, fn_name = tests["inputs"], tests["outputs"], tests.get("fn_name")
     if len(inputs) != len(outputs):
         raise ValueError(f"code tests have {len(inputs)} inputs but {len(outputs)} outputs; give one output per input")
@@ -84,7 +90,9 @@ def parse_tests(ground_truth: str) -> CodeTests:
     if fn_name is not None and fn_name != "":
         if not isinstance(fn_name, str) or not fn_name.isidentifier():
             raise ValueError(f"code tests' fn_name {fn_name!r} is not a Python function name")
-        return CodeTests("call", tuple(args if isinstance(args, list) else [args] for args in inputs), tuple(outputs), fn_name)
+        return CodeTests(
+            "call", tuple(args if isinstance(args, list) else [args] for args in inputs), tuple(outputs), fn_name
+        )
     return CodeTests("stdio", tuple(lines_text(value, "input", i) for i, value in enumerate(inputs)),
                      tuple(lines_text(value, "output", i) for i, value in enumerate(outputs)))  # fmt: skip
 
@@ -164,7 +172,10 @@ class CodeVerifier:
             return run.ok and normalise_output(run.stdout) == normalise_output(tests.outputs[index]), run
         nonce = secrets.token_hex(16)
         if tests.kind == "call":
-            request, expected = {"nonce": nonce, "fn_name": tests.fn_name, "args": tests.inputs[index]}, tests.outputs[index]
+            request, expected = (
+                {"nonce": nonce, "fn_name": tests.fn_name, "args": tests.inputs[index]},
+                tests.outputs[index],
+            )
         else:
             request, expected = {"nonce": nonce, "test": tests.inputs[index]}, None
         run = self.sandbox.run_python(HARNESS_SOURCE, json.dumps(request), files={"solution.py": program},
