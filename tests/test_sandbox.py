@@ -182,17 +182,18 @@ def test_no_network_not_even_loopback(sandbox):
     server.bind(("127.0.0.1", 0))
     server.listen()
     port = server.getsockname()[1]
-    served = []
+    served, stop = [], threading.Event()
 
     def serve():
-        server.settimeout(3)
-        try:
-            connection, _ = server.accept()
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except OSError:  # the timeout: look at `stop` again
+                continue
             served.append(True)
             connection.sendall(b"42\n")
             connection.close()
-        except OSError:
-            pass
 
     thread = threading.Thread(target=serve)
     thread.start()
@@ -203,8 +204,9 @@ def test_no_network_not_even_loopback(sandbox):
         outside = sandbox.run_python("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=0.5)\n")
         assert outside.verdict == ERROR and "Network is unreachable" in outside.stderr
     finally:
-        server.close()
+        stop.set()
         thread.join()
+        server.close()
     assert not served
 
 
