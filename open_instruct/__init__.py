@@ -9,6 +9,7 @@ The package is a stack of layers; each imports only the layers below it (tests/t
     run/                          configuration and bookkeeping: flags, checks, checkpoints, logs, hub
     data/                         what a run reads: prompt datasets, tokenizer, the embedded model and task
     rl/                           the math (advantages, losses) and the rewards (verifiers)
+    sandbox/                      isolated runs of model-written programs (code rewards, tools)
 """
 
 from typing import Annotated, TypeVar

@@ -82,6 +82,7 @@ from open_instruct.run.validation import (
     row_checker,
     start_warnings,
     validate_async_depth,
+    validate_code_sandbox,
     validate_flags,
     validate_hub,
     validate_memory,
@@ -315,6 +316,7 @@ def load_data(args: Args) -> RunData:
         train_dataset, eval_dataset = build_prompt_datasets(
             args.data, tokenizer, row_checker(args, "train"), row_checker(args, "eval")
         )
+        validate_code_sandbox(args, list(train_dataset["dataset"]) + (list(eval_dataset["dataset"]) if eval_dataset else []))
         validate_models(local_args, policy_path, tokenizer)
         longest_prompt = max(len(ids) for ids in train_dataset["input_ids_prompt"])
         validate_packing(args, longest_prompt)

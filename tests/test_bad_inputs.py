@@ -54,6 +54,13 @@ def ifeval_row(ground_truth: dict) -> dict:
 
 
 GOOD_ROWS = [arithmetic_row() for _ in range(8)]
+
+
+def code_row(tests: str) -> dict:
+    return {"messages": [{"role": "user", "content": "Write add(a, b)."}], "ground_truth": tests, "dataset": "code"}
+
+
+GOOD_CODE_TESTS = '["assert add(1, 2) == 3"]'
 HUB_ONLINE = {"HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_fake", "HF_ENDPOINT": "http://127.0.0.1:9"}
 
 CASES = [
@@ -229,6 +236,18 @@ CASES = [
     Case("invalid JSON line", [], "line 2 is not valid JSON", raw_data=b'{"prompt": "a", "ground_truth": "1", "dataset": "arithmetic"}\n{oops\n'),
     Case("invalid UTF-8", [], "line 2 is not valid UTF-8", raw_data=b'{"prompt": "a", "ground_truth": "1", "dataset": "arithmetic"}\n{"prompt": "\xff"}\n'),
     Case("unknown chat template", ["--chat_template_name", "bogus"], "bogus"),
+    # ---- code rows ----
+    Case("code row without tests", [], "row 1: code tests '" + '{{"inputs": [], "outputs": []}}' + "' hold no test",
+         rows=[code_row(GOOD_CODE_TESTS), code_row('{"inputs": [], "outputs": []}')]),
+    Case("code tests not JSON", [], "row 0: code tests 'assert add(1, 2) == 3' are not valid JSON",
+         rows=[code_row("assert add(1, 2) == 3")]),
+    Case("code inputs and outputs differ in length", [], "row 0: code tests have 2 inputs but 1 outputs",
+         rows=[code_row('{"inputs": ["1", "2"], "outputs": ["1"]}')]),
+    Case("code sandbox cannot start", [], "the data has code rows, whose tests run in a sandbox, but the code sandbox "
+         "needs util-linux's", rows=[code_row(GOOD_CODE_TESTS)], env={"PATH": "/nonexistent"}),
+    Case("unknown code sandbox", ["--code_sandbox", "none"], "--code_sandbox 'none' is not valid; expected one of isolated"),
+    Case("zero code workers", ["--code_workers", "0"], "--code_workers 0 is not valid"),
+    Case("code pass threshold above 1", ["--code_pass_threshold", "1.5"], "--code_pass_threshold 1.5 is not valid"),
 ]  # fmt: skip
 
 

@@ -255,3 +255,40 @@ def test_without_input_the_hub_dataset_is_read(tmp_path, monkeypatch):
     gsm8k.main(["--output_dir", str(tmp_path), "--max_rows", "2"])
     assert calls == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
     assert len(load_split(tmp_path, "test")) == 2
+
+
+CODE_ROWS = [
+    {"prompt": "Solve the following coding problem using the programming language python:\nPrint a + b.",
+     "verification_info": json.dumps({"language": "python", "test_cases": [
+         {"type": "stdin_stdout", "input": "1 2\n", "output": "3\n", "fn_name": None},
+         {"type": "stdin_stdout", "input": "5 5\n", "output": "10\n", "fn_name": None}]}),
+     "source": "codeforces", "problem_id": "p1"},
+    {"prompt": "Write max_score(points, k).",
+     "verification_info": {"language": "python", "test_cases": [
+         {"type": "function_call", "fn_name": "max_score", "input": [[1, 2, 3], 2], "output": [5]}]},
+     "source": "leetcode", "problem_id": "p2"},
+    {"prompt": "In C++: print a + b.", "verification_info": json.dumps({"language": "cpp", "test_cases": [
+        {"type": "stdin_stdout", "input": "1 2\n", "output": "3\n"}]}), "source": "x", "problem_id": "p3"},
+    {"prompt": "Mixed tests.", "verification_info": json.dumps({"language": "python", "test_cases": [
+        {"type": "stdin_stdout", "input": "1\n", "output": "1\n"},
+        {"type": "function_call", "fn_name": "f", "input": [1], "output": [1]}]}), "source": "x", "problem_id": "p4"},
+    {"prompt": "No tests.", "verification_info": json.dumps({"language": "python", "test_cases": []}),
+     "source": "x", "problem_id": "p5"},
+]  # fmt: skip
+
+
+def test_code_problems_to_verl_schema_and_back_through_the_loader(tmp_path):
+    from open_instruct.rl.code_tests import parse_tests
+    from open_instruct.rl.verifiers import resolve_verifier_name
+    from scripts.data_preprocess import code_verl
+
+    write_jsonl(tmp_path / "code.jsonl", CODE_ROWS)
+    written = code_verl.main(["--input", str(tmp_path / "code.jsonl"), "--output_dir", str(tmp_path / "out")])
+    assert pq.read_table(written["train"]).column_names == ["prompt", "data_source", "reward_model", "extra_info"]
+    rows = by_prompt(load_split(tmp_path / "out", "train"))
+    assert len(rows) == 2  # the C++ row, the mixed one and the one without tests are skipped
+    stdio = rows[CODE_ROWS[0]["prompt"] + code_verl.ANSWER_FORMAT]
+    assert json.loads(stdio["ground_truth"]) == {"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]}
+    call = parse_tests(rows[CODE_ROWS[1]["prompt"] + code_verl.ANSWER_FORMAT]["ground_truth"])
+    assert (call.kind, call.fn_name, call.inputs, call.outputs) == ("call", "max_score", ([[1, 2, 3], 2],), ([5],))
+    assert resolve_verifier_name(stdio["dataset"]) == "code"

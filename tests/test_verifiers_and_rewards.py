@@ -244,6 +244,7 @@ def test_score_dispatches_by_alias_and_reports_metrics():
     )
     torch.testing.assert_close(score, torch.tensor([10.0, 0.0, 10.0, 0.0]))
     assert score.dtype == torch.float32
+    assert metrics.pop("time/reward") >= 0  # the verifiers' wall time
     assert metrics == {
         "val/num_non_stop": 1.0,
         "objective/verifiable_correct_rate": 0.5,  # 2 of 4

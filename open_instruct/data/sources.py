@@ -16,7 +16,8 @@ Rows. Three row schemas are detected row by row and normalised to the columns in
 - plain: `prompt` as a string (becomes one user turn); `ground_truth` / `dataset` optional.
 Precedence when a row mixes them: `messages` over `prompt`, `reward_model.ground_truth` over
 `ground_truth`, `data_source` over `dataset`. A ground truth number becomes its text (72.0 -> "72"),
-a list its first element, a JSON object (an IFEval constraint set) its JSON text.
+a list its first element, a JSON object (an IFEval constraint set) its JSON text. A code row's list of assert
+statements is its tests: it becomes its JSON text, all of it.
 """
 
 import json
@@ -27,6 +28,8 @@ from pathlib import Path
 import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from open_instruct.rl.verifiers import VERIFIER_ALIASES
 
 DATA_FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 KNOWN_SPLIT_NAMES = ("train", "test", "validation", "valid", "dev", "eval")
@@ -224,12 +227,15 @@ def _prompt_messages(row: dict, where: str) -> list[dict]:
     )
 
 
-def _ground_truth_text(value: object, where: str) -> str | None:
+def _ground_truth_text(value: object, where: str, verifier: str | None = None) -> str | None:
     """Ground truth as text: numbers become their text (72.0 -> "72"), a list its first element, an object (an IFEval
-    constraint set, as parquet files store it) its JSON text."""
+    constraint set, code tests, as parquet files store them) its JSON text; a code row's list of assert statements
+    its JSON text."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, list) and _is_code_row(verifier):  # its tests: all of them
         return json.dumps(value)
     if isinstance(value, list):
         return _ground_truth_text(value[0], where) if value else None
@@ -241,6 +247,10 @@ def _ground_truth_text(value: object, where: str) -> str | None:
         f"{where}: the ground truth is a {type(value).__name__} ({value!r}), expected a string, number, list or object; "
         f"store the answer as one of those."
     )
+
+
+def _is_code_row(verifier: str | None) -> bool:
+    return verifier is not None and VERIFIER_ALIASES.get(verifier.strip().lower()) == "code"
 
 
 def normalise_row(row: dict, where: str, source: str) -> dict:
@@ -256,7 +266,7 @@ def normalise_row(row: dict, where: str, source: str) -> dict:
         raise ValueError(f"{where}: the verifier name `dataset`/`data_source` is {verifier!r}, expected a string.")
     return {
         "messages": _prompt_messages(row, where),
-        "ground_truth": _ground_truth_text(ground_truth, where),
+        "ground_truth": _ground_truth_text(ground_truth, where, verifier),
         "dataset": verifier,
         "source": source,
     }

@@ -70,10 +70,11 @@ class BatchCollector:
         if not self.zero_std_filter:
             return StepBatch(request.prompts, rollout, requests, self.reward_manager, staleness)
         groups = GroupFilter(self.groups_per_step, self.max_extra_batches, self.filter_metric)
-        received, reward_metrics = [rollout], None
+        received, reward_metrics, scoring_seconds = [rollout], None, 0.0
         while True:
             scored = score(self.reward_manager, request.prompts, rollout.completions, self.stop_token_ids)
             reward_metrics = reward_metrics or scored.metrics
+            scoring_seconds += scored.metrics.get("time/reward", 0.0)  # every draw was scored, not only the first
             groups.add(split_groups(request.prompts, rollout.completions, scored))
             if groups.full:
                 break
@@ -87,6 +88,7 @@ class BatchCollector:
         joined = join_rollouts(received, completions)
         overlong = self.reward_manager.overlong([length for group in chosen for length in group.lengths])
         trained = self.reward_manager.length_metrics([c.finish_reason == "stop" for c in completions], overlong)
+        reward_metrics = {**reward_metrics, "time/reward": scoring_seconds}
         return StepBatch(prompts, joined, requests, PrecomputedScores(scores, {**reward_metrics, **trained}),
                          {**check_staleness(joined, learner_version, self.max_lag), **filter_metrics})  # fmt: skip
 

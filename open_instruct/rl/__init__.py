@@ -1,6 +1,6 @@
 """rl: the math of PPO and GRPO (masked statistics, KL, GAE, group advantages, losses, logprobs) and the rewards
 (verifiers that grade a response's text, and the manager that turns them into one score per response).
-May import: torch, math_verify and langdetect only; nothing else of open_instruct. Every function is tensors or text in, numbers out.
+May import: torch, math_verify and langdetect, and open_instruct.sandbox (the code verifiers run programs in it); nothing else of open_instruct. Every function is tensors or text in, numbers out.
 
 The pure math is re-exported here, so that the learner reads `rl.compute_gae(...)`, `rl.policy_loss(...)`.
 """

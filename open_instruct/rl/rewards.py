@@ -1,17 +1,24 @@
 """Rewards: `RewardManager.score` turns responses into one scalar score each, from each row's verifier (see
 `verifiers`; with --reward_function, the user's own for every row: `reward_function`), an optional reward model's
 score, an optional R1-style format reward and DAPO's soft overlong penalty, then applies the non-stop penalty ("The N
-Implementation Details of RLHF with PPO").
+Implementation Details of RLHF with PPO"). Code rows run their tests in sandboxes, --code_workers at a time
+(`code_tests`).
 """
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from open_instruct import MayChangeOnResume
+from open_instruct.rl.code_tests import DEFAULT_MAX_TESTS, CodeVerifier
 from open_instruct.rl.reward_function import absolute_spec, checked_score, load_reward_function, split_spec
 from open_instruct.rl.verifiers import VERIFIER_ALIASES, VERIFIERS, r1_format, resolve_verifier_name
+from open_instruct.sandbox import ISOLATED, UNSAFE_NO_ISOLATION, Limits, Sandbox
+
+CODE_VERIFIER = "code"
 
 
 def _option(default, help: str):
@@ -38,6 +45,27 @@ class RewardConfig:
         "up to --overlong_penalty_factor, linearly, reaching all of it at --response_length. 0: off."
     )
     overlong_penalty_factor: float = _option(1.0, "The most a response loses to the overlong penalty.")
+    code_sandbox: str = _option(
+        ISOLATED, f"How code rows' programs run: {ISOLATED!r} (namespaces, read-only root, unprivileged user, "
+        f"limits; needs root) or {UNSAFE_NO_ISOLATION!r} (as this process's user, with only the resource limits: "
+        "the model's code can read and write what the trainer can; for a machine you do not mind losing)."
+    )
+    code_workers: MayChangeOnResume[int] = _option(
+        4, "Sandboxed programs run at once when scoring code rows (a thread each, beside the learner)."
+    )
+    code_max_tests: int = _option(
+        DEFAULT_MAX_TESTS, "A code row's score counts its first this many tests (0: all of them)."
+    )
+    code_pass_threshold: float | None = _option(
+        None, "Score a code row 1 when at least this fraction of its tests pass, else 0; unset: the fraction itself."
+    )
+    code_timeout_s: float = _option(2.0, "Wall-clock seconds one code test may run (CPU seconds: this, rounded up).")
+    code_memory_mb: int = _option(512, "Address space, in MiB, of each process of a code test.")
+
+
+def code_limits(config: RewardConfig) -> Limits:
+    """The sandbox limits of one code test, from the --code_* flags."""
+    return Limits(wall_time_s=config.code_timeout_s, memory_mb=config.code_memory_mb)
 
 
 def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer_length: int, factor: float) -> torch.Tensor:
@@ -78,11 +106,23 @@ class RewardManager:
         self._reward_function = None
         if self.reward_function_spec is not None:
             self._reward_function = load_reward_function(self.reward_function_spec)
+        self._code_verifier: CodeVerifier | None = None
 
     def __getstate__(self) -> dict:
         # A function from the user's file is loaded again from its path where the manager is unpickled (a Ray learner
-        # rank): pickle would look for its module by name, which only this process has.
-        return {**self.__dict__, "_reward_function": None}
+        # rank): pickle would look for its module by name, which only this process has. The code verifier's threads
+        # are this process's own: a rank starts its own on first use.
+        return {**self.__dict__, "_reward_function": None, "_code_verifier": None}
+
+    def code_verifier(self) -> CodeVerifier:
+        """The verifier of code rows, from the --code_* flags; built on first use (runs without code rows need no
+        sandbox). Raises SandboxUnavailable where the sandbox cannot isolate."""
+        if self._code_verifier is None:
+            config = self.config
+            sandbox = Sandbox(config.code_sandbox, code_limits(config))
+            self._code_verifier = CodeVerifier(sandbox, config.code_max_tests, config.code_pass_threshold,
+                                               config.code_workers)  # fmt: skip
+        return self._code_verifier
 
     def verify(self, response: str, ground_truth: str, verifier_name: str | None, index: int) -> tuple[str, float]:
         """(the verifier's name in the metrics, its score in [0, 1]) of response `index`: the --reward_function for
@@ -98,7 +138,15 @@ class RewardManager:
                 f"of {', '.join(sorted(VERIFIER_ALIASES))}."
             )
         canonical = resolve_verifier_name(verifier_name)
+        if canonical == CODE_VERIFIER:
+            return canonical, self.code_verifier().score(response, ground_truth)
         return canonical, VERIFIERS[canonical](response, ground_truth)
+
+    def is_code_row(self, verifier_name: str | None) -> bool:
+        """Whether the row's program runs against tests (scored in a batch on the sandbox pool, not row by row)."""
+        return self.reward_function_spec is None and verifier_name is not None and (
+            resolve_verifier_name(verifier_name) == CODE_VERIFIER
+        )
 
     def validate(self, verifier_names: Iterable[str | None]) -> None:
         """Fail at start-up, not mid-run: some reward must be on, and every dataset name must have a verifier."""
@@ -146,6 +194,7 @@ class RewardManager:
         shapes training scores only (an eval passes none).
         """
         config = self.config
+        started = time.perf_counter()
         batch = len(responses)
         lengths = {"ground_truths": len(ground_truths), "verifier_names": len(verifier_names), "stopped": len(stopped)}
         if rm_scores is not None:
@@ -162,7 +211,14 @@ class RewardManager:
         if use_reward_model:
             score += config.reward_model_multiplier * rm_scores.detach().float().cpu().flatten()
         correct_by_verifier: dict[str, list[float]] = {}
+
+        def record(i: int, canonical: str, correct: float) -> None:
+            correct_by_verifier.setdefault(canonical, []).append(correct)
+            correct_each[i] = correct
+            score[i] += config.verification_reward * correct
+
         format_scores = []
+        code_rows = []  # scored together below, on the sandbox pool: a step's programs run side by side
         for i, (response, ground_truth, name) in enumerate(zip(responses, ground_truths, verifier_names)):
             verified = config.apply_verifiable_reward and ground_truth is not None
             if not verified and not use_reward_model:
@@ -171,15 +227,19 @@ class RewardManager:
                     f"{config.apply_verifiable_reward}, and no reward model); give it a ground truth or enable "
                     f"`--reward_model_multiplier`."
                 )
-            if verified:
-                canonical, correct = self.verify(response, ground_truth, name, i)
-                correct_by_verifier.setdefault(canonical, []).append(correct)
-                correct_each[i] = correct
-                score[i] += config.verification_reward * correct
+            if verified and self.is_code_row(name):
+                code_rows.append(i)
+            elif verified:
+                record(i, *self.verify(response, ground_truth, name, i))
             if config.add_r1_style_format_reward:
                 format_score = r1_format(response)
                 format_scores.append(format_score)
                 score[i] += config.r1_style_format_reward * format_score
+        if code_rows:
+            code_scores = self.code_verifier().score_many([responses[i] for i in code_rows],
+                                                          [ground_truths[i] for i in code_rows])  # fmt: skip
+            for i, correct in zip(code_rows, code_scores):
+                record(i, CODE_VERIFIER, correct)
 
         overlong = self.overlong(response_lengths)
         if overlong is not None:
@@ -197,6 +257,7 @@ class RewardManager:
             metrics[f"objective/{canonical}_correct_rate"] = sum(values) / len(values)
         if format_scores:
             metrics["objective/format_reward"] = sum(format_scores) / len(format_scores)
+        metrics["time/reward"] = time.perf_counter() - started  # the verifiers' wall time: code tests dominate it
         return score, correct_each, metrics
 
     def overlong(self, response_lengths: list[int] | None) -> torch.Tensor | None:

@@ -2,7 +2,7 @@
 
 A verifier is `fn(response, ground_truth) -> float` in [0, 1]. Dataset rows name their verifier in
 `dataset` (open-instruct) or `data_source` (verl); `VERIFIER_ALIASES` maps those names to the verifiers here.
-No verifier runs model-written code.
+Only `code` runs model-written code, in the sandbox (`code_tests`).
 """
 
 import functools
@@ -21,6 +21,8 @@ from open_instruct.rl.answer_extraction import (  # noqa: F401 (the extraction A
 )
 
 from open_instruct.rl import ifeval as ifeval_rows
+
+from open_instruct.rl import code_tests
 
 logger = logging.getLogger(__name__)
 BOXED_PREFIX = "\\boxed"
@@ -151,6 +153,7 @@ VERIFIERS: dict[str, Callable[[str, str], float]] = {
     "arithmetic": arithmetic,
     "string_match": string_match,
     "ifeval": ifeval_rows.ifeval,
+    "code": code_tests.code,
 }
 # Dataset names used by open-instruct (`dataset`) and verl (`data_source`), lowercased -> verifier name.
 VERIFIER_ALIASES: dict[str, str] = {
@@ -163,6 +166,18 @@ VERIFIER_ALIASES: dict[str, str] = {
     "arithmetic": "arithmetic",
     "string_match": "string_match",
     "ifeval": "ifeval",
+    # Code with tests: open-instruct's `code`, verl's and PRIME's data sources, the hub sets they come from.
+    "code": "code",
+    "code_stdio": "code",
+    "codecontests": "code",
+    "deepmind/code_contests": "code",
+    "apps": "code",
+    "codeparrot/apps": "code",
+    "taco": "code",
+    "baai/taco": "code",
+    "codeforces": "code",
+    "primeintellect": "code",
+    "primeintellect/verifiable-coding-problems": "code",
 }
 # Verifier name -> a check that raises ValueError (one line: the problem and the fix) for a ground truth that
 # verifier cannot grade. The trainer runs it on every row before any model loads; a verifier that can grade any
@@ -171,6 +186,7 @@ GROUND_TRUTH_CHECKS: dict[str, Callable[[str], None]] = {
     "gsm8k": check_numeric_ground_truth(gsm8k),
     "arithmetic": check_numeric_ground_truth(arithmetic),
     "ifeval": ifeval_rows.check_ground_truth,
+    "code": code_tests.check_ground_truth,
 }
 
 

@@ -6,7 +6,7 @@ model folders' vocabularies and context lengths against the policy's tokens; `va
 memory plan and refuses a run that cannot fit; `validate_work` the sampling that could never finish;
 `validate_async_depth` an --async_steps the run's steps cannot use; `validate_packing` a token budget below one
 sequence; `row_checker` every dataset row the run will read (ground truth present where its verifier needs one,
-verifier known). Each raises
+verifier known); `validate_code_sandbox` that code rows' sandbox starts and runs a program. Each raises
 `ConfigError`, whose message names the value and the fix; the CLI prints it as `error: ...` and exits with code 2
 (see `ppo_vllm_thread_ray_gtrl.cli`). `start_warnings` names settings that work but not as a user would expect.
 """
@@ -14,12 +14,13 @@ verifier known). Each raises
 import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from open_instruct.rl.reward_function import load_reward_function
-from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, VERIFIERS, resolve_verifier_name
+from open_instruct.rl.rewards import CODE_VERIFIER, code_limits
+from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, VERIFIER_ALIASES, VERIFIERS, resolve_verifier_name
 from open_instruct.run.args import (
     Args,
     BatchSizes,
@@ -29,6 +30,8 @@ from open_instruct.run.args import (
     needs_off_policy_correction,
 )
 from open_instruct.run.devices import split_cpu_cores
+from open_instruct.sandbox import MODES as SANDBOX_MODES
+from open_instruct.sandbox import Sandbox, SandboxUnavailable
 
 
 def one_line(error: BaseException) -> str:
@@ -144,6 +147,13 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("filter_max_extra_batches", args.ppo.filter_max_extra_batches, NON_NEGATIVE_INT),
         ("overlong_buffer_length", reward.overlong_buffer_length, NON_NEGATIVE_INT),
         ("overlong_penalty_factor", reward.overlong_penalty_factor, NON_NEGATIVE),
+        ("code_sandbox", reward.code_sandbox, (lambda v: v in SANDBOX_MODES, "one of " + ", ".join(SANDBOX_MODES))),
+        ("code_workers", reward.code_workers, AT_LEAST_1),
+        ("code_max_tests", reward.code_max_tests, (lambda v: v >= 0, "an integer >= 0 (0: every test of a row)")),
+        ("code_pass_threshold", reward.code_pass_threshold,
+         (lambda v: v is None or (_finite(v) and 0 < v <= 1), "a fraction in (0, 1] (or unset: the fraction passed)")),
+        ("code_timeout_s", reward.code_timeout_s, POSITIVE),
+        ("code_memory_mb", reward.code_memory_mb, (lambda v: v >= 64, "an integer >= 64 (Python itself needs ~30)")),
         ("async_steps", args.gen.async_steps, AT_LEAST_1),
         ("vllm_cpu_cores", args.gen.vllm_cpu_cores, NON_NEGATIVE_INT),
         ("max_tokens_per_micro_batch", args.ppo.max_tokens_per_micro_batch,
@@ -609,3 +619,24 @@ def check_verifier(verifier: str | None, ground_truth: str, where: str) -> None:
             check_ground_truth(ground_truth)
     except ValueError as error:
         raise ConfigError(f"{where}: {error}") from error
+
+
+def validate_code_sandbox(args: Args, verifier_names: Iterable[str | None]) -> None:
+    """When some row is graded by running its tests: the sandbox (--code_sandbox) starts here and runs a trivial
+    program, so that a machine where it cannot isolate, or a broken util-linux, is one line before any model loads."""
+    reward = args.reward
+    if not reward.apply_verifiable_reward or reward.reward_function is not None:
+        return
+    if not any(VERIFIER_ALIASES.get(str(name).strip().lower()) == CODE_VERIFIER for name in set(verifier_names)):
+        return
+    try:
+        sandbox = Sandbox(reward.code_sandbox, code_limits(reward))
+    except SandboxUnavailable as error:
+        raise ConfigError(f"the data has code rows, whose tests run in a sandbox, but {error}.") from error
+    run = sandbox.run_python('print("sandbox ok")')
+    if run.stdout.strip() != "sandbox ok":
+        detail = (run.stderr.strip().splitlines() or [run.verdict])[-1]
+        raise ConfigError(
+            f"--code_sandbox {reward.code_sandbox}: a trivial program did not run in the code sandbox ({run.verdict}: "
+            f"{detail}); check that util-linux's unshare, setpriv and prlimit work here, or drop the code rows."
+        )

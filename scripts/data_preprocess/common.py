@@ -54,7 +54,7 @@ class HubSource:
     splits: tuple[str, ...]
 
 
-def build_arg_parser(description: str, hub_source: HubSource) -> argparse.ArgumentParser:
+def build_arg_parser(description: str, hub_source: HubSource, default_format: str = "open_instruct") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--input",
@@ -66,7 +66,7 @@ def build_arg_parser(description: str, hub_source: HubSource) -> argparse.Argume
     parser.add_argument(
         "--splits", nargs="+", default=list(hub_source.splits), help="Splits to convert (default: %(default)s)."
     )
-    parser.add_argument("--format", choices=OUTPUT_FORMATS, default="open_instruct", help="Output row schema.")
+    parser.add_argument("--format", choices=OUTPUT_FORMATS, default=default_format, help="Output row schema.")
     return parser
 
 
@@ -107,9 +107,10 @@ def run_converter(
     description: str,
     hub_source: HubSource,
     convert_row: Callable[[dict], PromptRow | None],
+    default_format: str = "open_instruct",
 ) -> dict[str, str]:
     """Parse arguments, convert every requested split, write parquet; return {split: path}."""
-    args = build_arg_parser(description, hub_source).parse_args(argv)
+    args = build_arg_parser(description, hub_source, default_format).parse_args(argv)
     if args.input is not None and Path(args.input).is_file() and len(args.splits) > 1:
         raise ValueError(
             f"--input {args.input} is a single file, so it holds one split, but --splits asks for {args.splits}; "
