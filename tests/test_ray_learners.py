@@ -34,6 +34,7 @@ from open_instruct.learner.ppo import PPOLearner
 from open_instruct.data.tokenizer import stop_token_ids_for
 from open_instruct.generation.vllm_engine import Completion, engine_dtype
 from tests.fake_hub import FakeHub, download_env, folder_files
+from tests.support.deepspeed_ranks import run_two_ranks
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step, single_process_ppo_step
 from tests.support.ray_runs import needs_loopback_namespace, ray_trainer_command, wait_for
 from tests.support.trainer_runs import (
@@ -56,42 +57,41 @@ RAY_CPUS_PER_NODE = 1
 # ---- the compute dtype: one for all ranks ---------------------------------------------------------------------------
 
 
-def choose_dtype_on_rank(rank: int, port: int, choices: list[str], results) -> None:
-    """One learner rank (a spawned process) joins a real 2-rank gloo group on 127.0.0.1 and agrees on its dtype."""
+DTYPE_CASES = [
+    (["bfloat16", "float32"], "torch.float32"),  # rank 1's CPU has no fast bf16: both ranks compute in fp32
+    (["float32", "bfloat16"], "torch.float32"),
+    (["bfloat16", "bfloat16"], "torch.bfloat16"),
+    (["float32", "float32"], "torch.float32"),
+]
+
+
+def choose_dtypes_on_rank(rank: int, port: int, results, cases: list) -> None:
+    """One learner rank (a spawned process) joins a real 2-rank gloo group on 127.0.0.1 and agrees on its dtype for
+    each case in turn: `results[(case, rank)]` is (dtype, why)."""
     from open_instruct.learner import deepspeed_backend
     from open_instruct.run import devices
 
     deepspeed_backend.init_process_group(rank, 2, "127.0.0.1", port, 60)
     backend = deepspeed_backend.DeepSpeedBackend(stage=2, micro_batch_size=1, gather_whole_model=False)
-    dtype, why = devices.compute_dtype_of_all_ranks(getattr(torch, choices[rank]), "probe", backend.all_sum)
-    results[rank] = (str(dtype), why)
+    for case, (choices, _) in enumerate(cases):
+        dtype, why = devices.compute_dtype_of_all_ranks(getattr(torch, choices[rank]), "probe", backend.all_sum)
+        results[(case, rank)] = (str(dtype), why)
+
+
+@pytest.fixture(scope="module")
+def agreed_dtypes() -> dict:
+    """Every case of DTYPE_CASES agreed by the same 2 spawned ranks (one start of two processes, ~8 s, for all)."""
+    return run_two_ranks(choose_dtypes_on_rank, DTYPE_CASES)
 
 
 @pytest.mark.e2e
 @needs_loopback_namespace
-@pytest.mark.parametrize(
-    "choices, expected",
-    [
-        (["bfloat16", "float32"], "torch.float32"),  # rank 1's CPU has no fast bf16: both ranks compute in fp32
-        (["float32", "bfloat16"], "torch.float32"),
-        (["bfloat16", "bfloat16"], "torch.bfloat16"),
-        (["float32", "float32"], "torch.float32"),
-    ],
-)
-def test_learner_ranks_whose_cpus_choose_different_dtypes_all_compute_in_fp32(choices, expected):
+@pytest.mark.parametrize("choices, expected", DTYPE_CASES)
+def test_learner_ranks_whose_cpus_choose_different_dtypes_all_compute_in_fp32(choices, expected, agreed_dtypes):
     """Each rank's `--learner_compute_dtype auto` probes its own CPU, and nodes can differ; ranks computing in
     different dtypes would take different steps, so one fp32 rank makes every rank fp32."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(choose_dtype_on_rank, args=(port, choices, shared), nprocs=2, join=True)
-        results = dict(shared)
+    case = DTYPE_CASES.index((choices, expected))
+    results = [agreed_dtypes[(case, rank)] for rank in range(2)]
     assert [results[rank][0] for rank in range(2)] == [expected, expected]
     for rank in range(2):
         overruled = choices[rank] == "bfloat16" and expected == "torch.float32"
