@@ -30,6 +30,7 @@ from open_instruct.data.prompt_dataset import DatasetArgs, build_prompt_datasets
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.evaluation import verifiable_correct_rate
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine, generate, sampling_params
+from open_instruct.run import console
 from open_instruct.rl.rewards import RewardConfig, RewardManager
 
 
@@ -117,4 +118,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    console.exit_without_teardown(main)  # the results are on disk: no slow teardown of the engines

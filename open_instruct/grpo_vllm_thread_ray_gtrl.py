@@ -11,6 +11,7 @@ reference as a k3 loss term, one epoch per rollout, no batch whitening, output/g
 """
 
 from open_instruct import ppo_vllm_thread_ray_gtrl as trainer
+from open_instruct.run import console
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -22,4 +23,4 @@ def cli(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    console.exit_without_teardown(cli)

@@ -568,4 +568,4 @@ def resume_hint(argv: list[str], algorithm: str = "ppo") -> str:
 
 
 if __name__ == "__main__":
-    cli()
+    console.exit_without_teardown(cli)

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine, load_weights
+from open_instruct.run import console
 
 
 def prompt_logprobs(llm, sequences: list[list[int]]) -> list[list[float]]:
@@ -51,4 +52,6 @@ if __name__ == "__main__":
         cases = json.load(f)
     with open(sys.argv[2]) as f:
         sequences = json.load(f)
-    print(json.dumps({case["name"]: run_case(case, sequences) for case in cases}))
+    results = {case["name"]: run_case(case, sequences) for case in cases}
+    # The result is printed; the engines' teardown at exit would take seconds (console.exit_without_teardown).
+    console.exit_without_teardown(lambda: print(json.dumps(results)))

@@ -30,6 +30,7 @@ from open_instruct import ppo_vllm_thread_ray_gtrl
 from open_instruct import rl
 from open_instruct.generation import vllm_engine
 from open_instruct.generation.engine_batches import EngineBatches
+from open_instruct.run import console
 from open_instruct.run.console import say
 
 INJECTED_MESSAGE = "injected generation failure"
@@ -137,4 +138,4 @@ if __name__ == "__main__":
     else:
         module, name, replacement = FAULTS[sys.argv[1]]
         setattr(module, name, replacement)  # callers look it up on the module at each call
-    ppo_vllm_thread_ray_gtrl.cli(sys.argv[2:])
+    console.exit_without_teardown(lambda: ppo_vllm_thread_ray_gtrl.cli(sys.argv[2:]))

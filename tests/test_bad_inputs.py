@@ -465,6 +465,19 @@ def test_bad_input_as_a_real_process(name, tmp_path):
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("exit_with, code, stderr", [
+    ("None", 0, ""), ("2", 2, ""), ("'error: the message'", 1, "error: the message"),
+])  # fmt: skip
+def test_the_exit_without_teardown_keeps_the_exit_code_and_what_was_printed(exit_with, code, stderr):
+    """The trainer's `python -m` ends by console.exit_without_teardown (os._exit after flushing): the exit code of
+    sys.exit, its message, and everything printed before it (buffered in a pipe) still reach the caller."""
+    script = ("import sys; from open_instruct.run import console\n"
+              f"console.exit_without_teardown(lambda: (print('the last line', end=''), sys.exit({exit_with})))")  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}  # stdout block-buffered
+    process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert (process.returncode, process.stdout, process.stderr.strip()) == (code, "the last line", stderr)
+
+
 def test_print_the_table():
     """Not a check: prints the table of every case run above (pytest -s shows it)."""
     print("\n| case | exit code | seconds | message |\n| --- | --- | --- | --- |")

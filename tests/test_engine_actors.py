@@ -345,7 +345,7 @@ def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_with
     flags = [
         "--model_name_or_path", tiny_model_dir, "--ray_address", ray_cluster.address, "--vllm_num_engines", "2",
         "--max_engine_restarts", "1", "--local_rollout_batch_size", "4", "--number_samples_per_prompt", "2",
-        "--per_device_train_batch_size", "2", "--num_epochs", "1", "--response_length", "16", "--total_episodes", "32",
+        "--per_device_train_batch_size", "2", "--num_epochs", "1", "--response_length", "16", "--total_episodes", "24",
         "--num_evals", "0", "--learner_compute_dtype", "float32",
     ]  # fmt: skip
     runs = {}
@@ -359,8 +359,8 @@ def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_with
     (reference, _), (restarted, console) = runs["as is"], runs["engine 1 dies"]
     assert "vLLM engine 1 died during generate" in console, last_lines(console)
     step_rows = [row for row in restarted if "lr" in row]  # (the final eval's row aside)
-    assert [row["engine/restarts"] for row in step_rows] == [0, 1, 1, 1]
-    assert [row["engine/restarts"] for row in reference if "lr" in row] == [0, 0, 0, 0]
+    assert [row["engine/restarts"] for row in step_rows] == [0, 1, 1]
+    assert [row["engine/restarts"] for row in reference if "lr" in row] == [0, 0, 0]
     for got, want in zip(restarted, reference, strict=True):  # every row, the final eval's too
         got, want = comparable(got), comparable(want)
         got.pop("engine/restarts", None), want.pop("engine/restarts", None)

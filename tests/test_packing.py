@@ -190,12 +190,18 @@ def step_on_rank(rank: int, port: int, results, model_dir: str, stage: int, *fla
     results[rank] = (metrics, weights if rank == 0 else None, [len(plan) for plan in plans], tokens)
 
 
-def two_ranks_against_one_whole_minibatch(model_dir: str, stage: int, *flags: str):
+@pytest.fixture(scope="module")
+def whole_minibatch_step(tiny_model_dir):
+    """The reference of every two-rank test below: one process holding each minibatch in one padded micro-batch."""
+    return learner_step(tiny_model_dir, "ppo", "--per_device_train_batch_size", "4")
+
+
+def two_ranks_against_one_whole_minibatch(whole_minibatch_step, model_dir: str, stage: int, *flags: str):
     """One PPO step on two ZeRO ranks with `flags`, checked against one process that holds each minibatch in one
     padded micro-batch: the same weights (1e-5) and metrics (1e-6). Returns the ranks' results and the reference."""
     from tests.support.deepspeed_ranks import run_two_ranks
 
-    padded, _, padded_weights, _ = learner_step(model_dir, "ppo", "--per_device_train_batch_size", "4")
+    padded, _, padded_weights, _ = whole_minibatch_step
     results = run_two_ranks(step_on_rank, model_dir, stage, *flags)
     metrics, weights, counts, _ = results[0]
     assert counts == results[1][2]  # every rank runs as many micro-batches (ZeRO's collectives)
@@ -215,11 +221,11 @@ def two_ranks_against_one_whole_minibatch(model_dir: str, stage: int, *flags: st
 @pytest.mark.e2e
 @needs_loopback_namespace
 @pytest.mark.parametrize("stage", [2, 3])
-def test_two_ranks_packed_by_tokens_take_the_single_process_padded_step(stage, tiny_model_dir):
+def test_two_ranks_packed_by_tokens_take_the_single_process_padded_step(stage, tiny_model_dir, whole_minibatch_step):
     """Two ZeRO ranks, each with its share of every minibatch by tokens (as many micro-batches each), packed at 100
     tokens, take the step of one process that holds each minibatch in one padded micro-batch."""
     packing = ["--max_tokens_per_micro_batch", "100"]
-    results, padded = two_ranks_against_one_whole_minibatch(tiny_model_dir, stage, *packing)
+    results, padded = two_ranks_against_one_whole_minibatch(whole_minibatch_step, tiny_model_dir, stage, *packing)
     for mine, other in zip(results[0][3], results[1][3]):
         assert abs(mine - other) < 60  # within about one sequence of each other
     assert results[0][0]["perf/token_slots"] == padded["perf/real_tokens"]
@@ -229,13 +235,13 @@ def test_two_ranks_packed_by_tokens_take_the_single_process_padded_step(stage, t
 @needs_loopback_namespace
 @pytest.mark.parametrize("stage,rows_per_micro_batch", [(2, 2), (2, 1), (3, 1)])
 def test_two_ranks_of_padded_micro_batches_take_the_single_process_whole_minibatch_step(
-    stage, rows_per_micro_batch, tiny_model_dir
+    stage, rows_per_micro_batch, tiny_model_dir, whole_minibatch_step
 ):
     """Two ZeRO ranks, each with 2 rows of every 4-row minibatch in padded micro-batches of 2 rows or 1 (one or two
     micro-batches a rank), take the step of one process that holds each minibatch in one micro-batch (issue 31:
     each micro-batch took its own mean and DeepSpeed averaged them, so a short response's tokens weighed more)."""
     results, _ = two_ranks_against_one_whole_minibatch(
-        tiny_model_dir, stage, "--per_device_train_batch_size", str(rows_per_micro_batch)
+        whole_minibatch_step, tiny_model_dir, stage, "--per_device_train_batch_size", str(rows_per_micro_batch)
     )
     assert results[0][2] == [2 // rows_per_micro_batch] * 2  # micro-batches per minibatch on each rank
 

@@ -17,6 +17,8 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from open_instruct.learner.ppo import PPOLearner
 from open_instruct.data.tokenizer import stop_token_ids_for
 from open_instruct.generation.vllm_engine import Completion, engine_dtype
 from tests.fake_hub import FakeHub, download_env, folder_files
+from tests.support.deepspeed_ranks import run_two_ranks
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step, single_process_ppo_step
 from tests.support.ray_runs import needs_loopback_namespace, ray_trainer_command, wait_for
 from tests.support.trainer_runs import (
@@ -54,42 +57,41 @@ RAY_CPUS_PER_NODE = 1
 # ---- the compute dtype: one for all ranks ---------------------------------------------------------------------------
 
 
-def choose_dtype_on_rank(rank: int, port: int, choices: list[str], results) -> None:
-    """One learner rank (a spawned process) joins a real 2-rank gloo group on 127.0.0.1 and agrees on its dtype."""
+DTYPE_CASES = [
+    (["bfloat16", "float32"], "torch.float32"),  # rank 1's CPU has no fast bf16: both ranks compute in fp32
+    (["float32", "bfloat16"], "torch.float32"),
+    (["bfloat16", "bfloat16"], "torch.bfloat16"),
+    (["float32", "float32"], "torch.float32"),
+]
+
+
+def choose_dtypes_on_rank(rank: int, port: int, results, cases: list) -> None:
+    """One learner rank (a spawned process) joins a real 2-rank gloo group on 127.0.0.1 and agrees on its dtype for
+    each case in turn: `results[(case, rank)]` is (dtype, why)."""
     from open_instruct.learner import deepspeed_backend
     from open_instruct.run import devices
 
     deepspeed_backend.init_process_group(rank, 2, "127.0.0.1", port, 60)
     backend = deepspeed_backend.DeepSpeedBackend(stage=2, micro_batch_size=1, gather_whole_model=False)
-    dtype, why = devices.compute_dtype_of_all_ranks(getattr(torch, choices[rank]), "probe", backend.all_sum)
-    results[rank] = (str(dtype), why)
+    for case, (choices, _) in enumerate(cases):
+        dtype, why = devices.compute_dtype_of_all_ranks(getattr(torch, choices[rank]), "probe", backend.all_sum)
+        results[(case, rank)] = (str(dtype), why)
+
+
+@pytest.fixture(scope="module")
+def agreed_dtypes() -> dict:
+    """Every case of DTYPE_CASES agreed by the same 2 spawned ranks (one start of two processes, ~8 s, for all)."""
+    return run_two_ranks(choose_dtypes_on_rank, DTYPE_CASES)
 
 
 @pytest.mark.e2e
 @needs_loopback_namespace
-@pytest.mark.parametrize(
-    "choices, expected",
-    [
-        (["bfloat16", "float32"], "torch.float32"),  # rank 1's CPU has no fast bf16: both ranks compute in fp32
-        (["float32", "bfloat16"], "torch.float32"),
-        (["bfloat16", "bfloat16"], "torch.bfloat16"),
-        (["float32", "float32"], "torch.float32"),
-    ],
-)
-def test_learner_ranks_whose_cpus_choose_different_dtypes_all_compute_in_fp32(choices, expected):
+@pytest.mark.parametrize("choices, expected", DTYPE_CASES)
+def test_learner_ranks_whose_cpus_choose_different_dtypes_all_compute_in_fp32(choices, expected, agreed_dtypes):
     """Each rank's `--learner_compute_dtype auto` probes its own CPU, and nodes can differ; ranks computing in
     different dtypes would take different steps, so one fp32 rank makes every rank fp32."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(choose_dtype_on_rank, args=(port, choices, shared), nprocs=2, join=True)
-        results = dict(shared)
+    case = DTYPE_CASES.index((choices, expected))
+    results = [agreed_dtypes[(case, rank)] for rank in range(2)]
     assert [results[rank][0] for rank in range(2)] == [expected, expected]
     for rank in range(2):
         overruled = choices[rank] == "bfloat16" and expected == "torch.float32"
@@ -184,12 +186,17 @@ def assert_two_ranks_take_the_step(
 # ---- end to end: the trainer on two Ray nodes ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[("async", 3), ("sync", 2)], ids=["async-zero3", "sync-zero2"])
-def ray_run(request, ray_cluster, tiny_model_dir, eval_file, tmp_path_factory) -> Run:
-    mode, stage = request.param
-    workdir = tmp_path_factory.mktemp(f"ray_{mode}")
-    command = ray_trainer_command(
-        tiny_model_dir, ray_cluster, eval_file, workdir / "output",
+@dataclass
+class RayRun(Run):
+    stdout: str = ""
+    hub: FakeHub | None = None  # the async run's policy came from it (stopped after the run; its requests stay)
+    hub_commit: str = ""
+    hf_cache: Path | None = None
+
+
+def ray_run_command(ray_cluster, eval_file, workdir: Path, policy: str, mode: str, stage: int, *flags: str):
+    return ray_trainer_command(
+        policy, ray_cluster, eval_file, workdir / "output",
         "--deepspeed_stage", str(stage),
         "--async_mode", str(mode == "async").lower(),
         "--total_episodes", "16",
@@ -199,9 +206,35 @@ def ray_run(request, ray_cluster, tiny_model_dir, eval_file, tmp_path_factory) -
         "--learning_rate", "1e-2",
         "--lr_scheduler_type", "constant",
         "--vllm_dtype", "bfloat16",
+        *flags,
     )  # fmt: skip
-    run_to_completion(command, cwd=workdir)
-    return Run(workdir / "output", num_steps=2, async_mode=mode == "async")
+
+
+@pytest.fixture(scope="module")
+def async_zero3_run(ray_cluster, tiny_model_dir, eval_file, tmp_path_factory) -> RayRun:
+    """Async at ZeRO-3, its policy named by a hub id (issue 31): `org/tiny` at --model_revision v2, served by a local
+    fake Hub whose main holds only a config (a run that ignored the revision could not load it). One run serves
+    the metric, final-eval and hub-id tests: each trainer start on two Ray nodes costs ~30 s."""
+    workdir = tmp_path_factory.mktemp("ray_async")
+    with FakeHub() as hub:
+        hub.add_repo("org/tiny", {"config.json": folder_files(tiny_model_dir)["config.json"]})
+        commit = hub.add_repo("org/tiny", folder_files(tiny_model_dir), branch="v2")
+        command = ray_run_command(ray_cluster, eval_file, workdir, "org/tiny", "async", 3, "--model_revision", "v2")
+        process = run_to_completion(command, cwd=workdir, env=download_env(hub, workdir / "hf_cache"))
+    return RayRun(workdir / "output", num_steps=2, async_mode=True, stdout=process.stdout, hub=hub, hub_commit=commit,
+                  hf_cache=workdir / "hf_cache")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sync_zero2_run(ray_cluster, tiny_model_dir, eval_file, tmp_path_factory) -> RayRun:
+    workdir = tmp_path_factory.mktemp("ray_sync")
+    process = run_to_completion(ray_run_command(ray_cluster, eval_file, workdir, tiny_model_dir, "sync", 2), cwd=workdir)
+    return RayRun(workdir / "output", num_steps=2, async_mode=False, stdout=process.stdout)
+
+
+@pytest.fixture(params=["async_zero3_run", "sync_zero2_run"], ids=["async-zero3", "sync-zero2"])
+def ray_run(request) -> RayRun:
+    return request.getfixturevalue(request.param)
 
 
 @pytest.mark.e2e
@@ -258,31 +291,21 @@ def test_ray_run_final_model_loads_and_a_fresh_vllm_engine_reproduces_the_final_
 @pytest.mark.e2e
 @pytest.mark.ray
 @needs_loopback_namespace
-def test_a_zero3_run_whose_policy_is_a_hub_id_trains(ray_cluster, tiny_model_dir, eval_file, tmp_path):
-    """The 8B recipe names its models by hub id. Here the policy is `org/tiny` at --model_revision v2, served by a
-    local fake Hub (main holds only a config: a run that ignored the revision could not load it). The driver
-    downloads that commit before Ray starts; 2 learner ranks on 2 Ray nodes at ZeRO-3 read their shares from the
-    snapshot folder, the engine loads the same folder, and the run trains. (Before: the ranks looked for
+def test_a_zero3_run_whose_policy_is_a_hub_id_trains(async_zero3_run, tiny_model_dir):
+    """The 8B recipe names its models by hub id; `async_zero3_run`'s policy is `org/tiny` at --model_revision v2.
+    The driver downloads that commit before Ray starts; 2 learner ranks on 2 Ray nodes at ZeRO-3 read their shares
+    from the snapshot folder, the engine loads the same folder, and the run trains. (Before: the ranks looked for
     safetensors in a folder named `org/tiny` and failed after Ray, placement and the engine had started.)"""
-    with FakeHub() as hub:
-        hub.add_repo("org/tiny", {"config.json": folder_files(tiny_model_dir)["config.json"]})
-        commit = hub.add_repo("org/tiny", folder_files(tiny_model_dir), branch="v2")
-        command = ray_trainer_command(
-            "org/tiny", ray_cluster, eval_file, tmp_path / "output",
-            "--model_revision", "v2", "--deepspeed_stage", "3", "--async_mode", "false",
-            "--total_episodes", "8", "--num_evals", "0",
-        )  # fmt: skip
-        process = run_to_completion(command, cwd=tmp_path, env=download_env(hub, tmp_path / "hf_cache"))
-
-    snapshot = tmp_path / "hf_cache" / "models--org--tiny" / "snapshots" / commit
-    assert f"[ppo] policy org/tiny ({snapshot})" in process.stdout, last_lines(process.stdout)
+    run, commit = async_zero3_run, async_zero3_run.hub_commit
+    snapshot = run.hf_cache / "models--org--tiny" / "snapshots" / commit
+    assert f"[ppo] policy org/tiny ({snapshot})" in run.stdout, last_lines(run.stdout)
     assert folder_files(snapshot) == folder_files(tiny_model_dir)
     # Every file came from the v2 commit, each once: the driver downloaded, the ranks and the engine read the folder.
-    downloads = [request.path for request in hub.requests if request.method == "GET" and "/resolve/" in request.path]
+    downloads = [request.path for request in run.hub.requests if request.method == "GET" and "/resolve/" in request.path]
     assert sorted(downloads) == sorted(f"/org/tiny/resolve/{commit}/{path}" for path in folder_files(snapshot))
-    run = Run(tmp_path / "output", num_steps=1, async_mode=False)
-    [line] = run.step_lines()
-    assert is_finite_number(line["loss/policy_avg"]) and line["episode"] == 8, line
+    lines = run.step_lines()
+    assert [line["episode"] for line in lines] == [8, 16], lines
+    assert all(is_finite_number(line["loss/policy_avg"]) for line in lines), lines
     assert (run.model_dir / "model.safetensors").is_file()
 
 
@@ -387,9 +410,13 @@ def test_minibatches_must_split_evenly_over_the_learners():
 # ---- the single-process path stays free of ray and deepspeed ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("algorithm, learner", [("ppo", "PPOLearner"), ("grpo", "GRPOLearner")])
-def test_single_process_trainer_imports_neither_ray_nor_deepspeed(algorithm, learner, tiny_model_dir):
-    """Import the trainer and build its single-process learner in a fresh interpreter; then look at sys.modules."""
+ALGORITHMS = {"ppo": "PPOLearner", "grpo": "GRPOLearner"}
+
+
+@pytest.fixture(scope="module")
+def single_process_learners(tiny_model_dir) -> dict[str, str]:
+    """Import the trainer and build each algorithm's single-process learner in one fresh interpreter (one import of
+    torch, vLLM and transformers for both), looking at sys.modules after each: algorithm -> "Learner [modules]"."""
     script = f"""
 import sys
 from open_instruct.data.tokenizer import load_tokenizer
@@ -397,11 +424,20 @@ from open_instruct.learner.saving import weights_sha256
 from open_instruct.ppo_vllm_thread_ray_gtrl import RunData, build_learner
 from open_instruct.run.args import compute_batch_sizes, parse_args
 
-args = parse_args(["--model_name_or_path", {tiny_model_dir!r}, "--total_episodes", "32"], algorithm={algorithm!r})
-data = RunData({tiny_model_dir!r}, load_tokenizer({tiny_model_dir!r}), [], None, None, args)
-learner = build_learner(args, compute_batch_sizes(args), data)
-print(type(learner).__name__, sorted(m for m in ("ray", "deepspeed") if m in sys.modules))
+for algorithm in {list(ALGORITHMS)!r}:
+    args = parse_args(["--model_name_or_path", {tiny_model_dir!r}, "--total_episodes", "32"], algorithm=algorithm)
+    data = RunData({tiny_model_dir!r}, load_tokenizer({tiny_model_dir!r}), [], None, None, args)
+    learner = build_learner(args, compute_batch_sizes(args), data)
+    print(algorithm, type(learner).__name__, sorted(m for m in ("ray", "deepspeed") if m in sys.modules))
 """
     process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, last_lines(process.stderr)
-    assert process.stdout.strip().splitlines()[-1] == f"{learner} []"
+    lines = [line.split(" ", 1) for line in process.stdout.splitlines() if line.split(" ", 1)[0] in ALGORITHMS]
+    return dict(lines)
+
+
+@pytest.mark.parametrize("algorithm, learner", list(ALGORITHMS.items()))
+def test_single_process_trainer_imports_neither_ray_nor_deepspeed(algorithm, learner, single_process_learners):
+    """The trainer imported and its single-process learner built (in a fresh interpreter, `single_process_learners`)
+    leave ray and deepspeed out of sys.modules."""
+    assert single_process_learners[algorithm] == f"{learner} []"

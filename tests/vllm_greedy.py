@@ -13,6 +13,7 @@ import sys
 
 from open_instruct.data.tokenizer import load_tokenizer
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine, generate, sampling_params
+from open_instruct.run import console
 
 
 def greedy_completions(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str) -> list[list[int]]:
@@ -26,4 +27,6 @@ if __name__ == "__main__":
     model_dir, prompts_path, max_tokens, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     with open(prompts_path) as f:
         prompts = json.load(f)
-    print(json.dumps(greedy_completions(model_dir, prompts, max_tokens, dtype)))
+    completions = greedy_completions(model_dir, prompts, max_tokens, dtype)
+    # The result is printed; the engine's teardown at exit would take seconds (console.exit_without_teardown).
+    console.exit_without_teardown(lambda: print(json.dumps(completions)))

@@ -22,6 +22,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo  # noqa: E402
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: E402
 
+from open_instruct.run import console  # noqa: E402
+
 
 @dataclass
 class StandInInit(WeightTransferInitInfo):
@@ -104,4 +106,6 @@ def main(model_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1])))
+    result = main(sys.argv[1])
+    # The result is printed; the teardown at exit would take seconds (console.exit_without_teardown).
+    console.exit_without_teardown(lambda: print(json.dumps(result)))
