@@ -8,7 +8,8 @@ The group-advantage math itself is tested in test_rl_math.py. Here:
   Ray learner ranks build the same class (checked without starting Ray).
 - Flags: fewer than 2 samples per prompt, a KL in the reward and value-model flags fail in one line.
 - `python -m open_instruct.grpo_vllm_thread_ray_gtrl` on the tiny model with a reward model (random but fixed
-  scores, so every group has a spread): 2 steps, every metric logged and finite, no value metric, a checkpoint
+  scores, so every group has a spread) added to the verifiers of a mix of sources (arithmetic, IFEval and code rows,
+  the code run in the sandbox): 2 steps, every metric logged and finite, each source's correct rate logged, no value metric, a checkpoint
   without a value model, a saved folder that loads and holds the trained weights; resuming from the step-1
   checkpoint gives the uninterrupted run's step 2 and final model.
 """
@@ -25,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from open_instruct import grpo_vllm_thread_ray_gtrl
+from open_instruct.data.embedded import arithmetic_data_path
 from open_instruct.learner import models
 from open_instruct.run.checkpoint import save_checkpoint
 from open_instruct.learner.grpo import GRPOLearner
@@ -254,9 +256,19 @@ GRPO_STEP_METRICS = [key for key in STEP_METRICS if key != "loss/value_avg"] + [
 VALUE_METRICS = {"loss/value_avg", "val/value_mean", "val/clipfrac_avg", "time/value_forward"}
 
 
+# The training rows: 2 arithmetic questions, 1 IFEval row and 1 code problem, each graded by its own verifier (the
+# code one in the sandbox) and all drawn in the run's 2 steps of 2 prompts. The reward model's score is added to each.
+FIXTURES = Path(__file__).resolve().parent.parent / "open_instruct" / "data" / "fixtures"
+
+
+def mixed_sources() -> list[str]:
+    return ["--dataset_mixer_list", arithmetic_data_path(), "2", str(FIXTURES / "ifeval_google.jsonl"), "1",
+            str(FIXTURES / "code_problems.jsonl"), "1"]  # fmt: skip
+
+
 def grpo_command(tiny_model_dir: str, eval_path: Path, output_dir: Path, *extra: str) -> list[str]:
     return GRPO_TRAINER + [
-        "--model_name_or_path", tiny_model_dir,
+        "--model_name_or_path", tiny_model_dir, *mixed_sources(),
         "--reward_model_path", tiny_model_dir, "--reward_model_multiplier", "1",
         "--dataset_mixer_eval_list", str(eval_path), "1.0",
         "--output_dir", str(output_dir),
@@ -286,6 +298,10 @@ def test_grpo_trainer_logs_every_step_saves_a_loadable_model_and_a_checkpoint_wi
         assert line["policy_version/rollout"] == max(0, line["step"] - 2)  # async, as PPO
     evals = [line for line in read_metrics(str(grpo_run / "metrics.jsonl")) if "eval/policy_version" in line]
     assert [e["eval/policy_version"] for e in evals] == [0, NUM_STEPS]
+    # Rewards by source: each row's verifier graded it, and each verifier's correct rate was logged.
+    logged = {key for line in lines for key in line if key.endswith("_correct_rate")}
+    assert {"objective/arithmetic_correct_rate", "objective/ifeval_correct_rate", "objective/code_correct_rate"} <= logged
+    assert all(line["time/reward"] > 0 for line in lines)
 
     summary = json.loads((grpo_run / "summary.json").read_text())
     assert summary["status"] == "completed"

@@ -293,6 +293,11 @@ class RolloutRequests:
             for request in self.in_flight:
                 if request.rollout is None:
                     request.partial = partials.get(request.batch_id)
+                # The engine ran this request's eval when it admitted the batch, before any of its tokens: a batch
+                # the engine holds has its eval waiting for the learner. Stored with it, or the resumed run, which
+                # continues the batch and does not run its eval again, would wait for it forever.
+                if request.partial is not None and request.run_eval and request.eval_rollout is None:
+                    request.receive_eval(self.generator, left())
         return {
             "prompt_order": self.prompt_order.state_dict(),
             "evaluated_versions": sorted(self.evaluated_versions),
@@ -318,6 +323,14 @@ class RolloutRequests:
             slot = self.free_snapshot_slot() if not self.broadcast else None
             self.send_weights_and(restore, slot)
         for request in self.in_flight:
+            if request.partial is not None and request.run_eval and request.eval_rollout is None:
+                # A checkpoint written before its eval was stored with it: the eval alone, of the learner's weights.
+                if request.policy_version != learner_version:
+                    replaced.append(request.policy_version)
+                evaluation = GenerationRequest(learner_version, None, [], run_eval=True,
+                                               sampling_seed=request.sampling_seed, batch_id=request.batch_id)  # fmt: skip
+                slot = self.free_snapshot_slot() if learner_version > 0 and not self.broadcast else None
+                self.send_weights_and(evaluation, slot)
             if request.complete or request.partial is not None:
                 continue
             if 0 < request.policy_version < learner_version:  # version 0 sends no weights: the engine's initial ones
