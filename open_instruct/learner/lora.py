@@ -49,8 +49,10 @@ class LoraSettings:
 
 
 def merged_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """`W + s B A` in fp32, out of place: `base` W [out, in], `lora_a` A [rank, in], `lora_b` B [out, rank]."""
-    return base.float() + scaling * (lora_b.float() @ lora_a.float())
+    """`W + s B A` in fp32, out of place: `base` W [out, in], `lora_a` A [rank, in], `lora_b` B [out, rank]. One
+    addmm, which writes only its result: `W + s * (B @ A)` makes three [out, in] temporaries and measured 12x slower
+    (29 ms vs 2.5 ms for a 576 x 1536 layer at rank 16, on 2 busy cores)."""
+    return torch.addmm(base.float(), lora_b.float(), lora_a.float(), alpha=scaling)
 
 
 def add_adapters(hf_model: nn.Module, settings: LoraSettings, seed: int, train_head: bool = False) -> PeftModel:
