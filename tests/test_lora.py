@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.learner import lora, models
+from open_instruct.learner.algorithms import learner_class
 from open_instruct.learner.ppo import PPOLearner
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
@@ -213,6 +214,24 @@ def test_a_run_with_other_lora_flags_refuses_the_checkpoint(stepped_learner, tin
     other = build_learner(tiny_model_dir, "--lora_rank", "2")
     with pytest.raises(ValueError, match="resume with the LoRA flags of the run that wrote it"):
         other.read_checkpoint(str(folder))
+
+
+def test_grpo_learner_with_lora_trains_the_policy_adapters_against_its_base(tiny_model_dir, rollout):
+    value_lr = EQUIVALENCE_FLAGS.index("--value_learning_rate")
+    flags = EQUIVALENCE_FLAGS[:value_lr] + EQUIVALENCE_FLAGS[value_lr + 2 :]
+    args = parse_args(["--model_name_or_path", tiny_model_dir, *flags, *LORA_FLAGS], algorithm="grpo")
+    tokenizer = load_tokenizer(tiny_model_dir)
+    learner = learner_class("grpo")(args, compute_batch_sizes(args), tokenizer, tiny_model_dir,
+                                    stop_token_ids_for(tokenizer, "eos"))  # fmt: skip
+    assert learner.value_model is None and isinstance(learner.ref_policy, lora.AdaptersDisabled)
+    policy = learner.policy.hf_model
+    initial = base_weights(policy)
+    in_optimizer = {id(p) for group in learner.policy_trainer.optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(p) for p in lora.trained_parameters(policy).values()}
+    metrics = one_ppo_step(learner, *rollout, RewardManager(args.reward))
+    assert metrics["objective/kl"] == 0.0 and metrics["loss/policy_avg"] != 0.0
+    assert all(torch.equal(p, initial[n]) for n, p in base_weights(policy).items())
+    assert set(learner.state_dict()["policy"]) == set(lora.trained_parameters(policy))
 
 
 def test_saved_model_is_plain_hf_with_the_merged_weights_and_the_adapter_loads_with_peft(
