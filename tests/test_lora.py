@@ -33,6 +33,7 @@ from tests.support.trainer_runs import (
     SMALL_RUN,
     SYNC_MAX_LOGPROB_DIFF,
     TRAINER,
+    Run,
     fresh_engine_greedy,
     run_to_completion,
 )
@@ -289,8 +290,12 @@ def test_memory_plan_with_lora_holds_no_reference_and_only_the_adapters_gradient
 
 # ---- the trainer ---------------------------------------------------------------------------------------------------
 
-RUN = [*SMALL_RUN, "--total_episodes", "16", "--lora_rank", "8", "--learning_rate", "3e-3", "--save_freq", "1",
-       "--beta", "0.05", *FP32_LEARNER]  # fmt: skip
+# Sync mode: the engine samples with the very weights the learner then scores, so the run's own guard
+# (--max_vllm_logprob_diff) checks the merged weights at every step. A learning rate far above a real run's, so that two
+# steps change the tiny model's greedy output and the fresh-engine comparison would catch stale or wrong weights.
+RUN = [*SMALL_RUN, "--total_episodes", "16", "--async_mode", "false", "--lora_rank", "8", "--learning_rate", "2e-2",
+       "--lr_scheduler_type", "constant", "--save_freq", "1", "--beta", "0.05",
+       "--max_vllm_logprob_diff", str(SYNC_MAX_LOGPROB_DIFF), *FP32_LEARNER]  # fmt: skip
 
 
 def lora_command(tiny_model_dir: str, eval_file: Path, output_dir: Path, *extra: str) -> list[str]:
@@ -322,8 +327,9 @@ def test_lora_run_engine_agrees_with_learner_and_a_fresh_engine_on_the_saved_mod
     state = torch.load(lora_run / "checkpoints" / "step_2" / "learner.pt", weights_only=False)
     assert all("lora_" in name for name in state["policy"])
 
-    final = [row for row in read_metrics(str(lora_run / "samples.jsonl")) if row.get("table") == "eval"]
-    final = [row for row in final if row["step"] == max(r["step"] for r in final)]
+    run = Run(lora_run, num_steps=2, async_mode=False)
+    final, initial_rows = run.eval_rows(policy_version=2), run.eval_rows(policy_version=0)
+    assert final and any(a["token_ids"] != b["token_ids"] for a, b in zip(final, initial_rows)), "nothing changed"
     _, fresh = fresh_engine_greedy(model_dir, eval_file, final, tmp_path)
     assert fresh == [row["token_ids"] for row in final]
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
