@@ -144,7 +144,9 @@ def test_base_weights_unchanged_after_100_syncs():
 
 # ---- what the learner trains, checkpoints and saves ----------------------------------------------------------------
 
-LORA_FLAGS = ["--lora_rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
+# One epoch of the fixed rollout's two minibatches: two updates, enough to move every adapter, at a learning rate far
+# above a real run's so that they move visibly.
+LORA_FLAGS = ["--lora_rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2", "--num_epochs", "1"]
 
 
 def build_learner(tiny_model_dir: str, *flags: str) -> PPOLearner:
@@ -241,7 +243,6 @@ def test_saved_model_is_plain_hf_with_the_merged_weights_and_the_adapter_loads_w
     from peft import PeftModel
 
     learner = build_learner(tiny_model_dir, "--beta", "0")
-    one_ppo_step(learner, *rollout, RewardManager(learner.args.reward))
     one_ppo_step(learner, *rollout, RewardManager(learner.args.reward))
     saved = learner.save(str(tmp_path / "model"))
     expected = logprobs_of(learner.policy)
