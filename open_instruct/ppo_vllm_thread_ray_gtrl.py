@@ -493,11 +493,15 @@ def describe_models(args: Args, data: RunData) -> str:
     value = "none (GRPO)" if args.ppo.algorithm == "grpo" else (
         model.value_model_path or model.reward_model_path or "the policy with a new score head")  # fmt: skip
     reference = "none (--beta 0)" if args.ppo.beta == 0 else "the initial policy"
+    if model.lora_rank and args.ppo.beta != 0:
+        reference = "the policy with its LoRA adapters disabled (the base)"
+    lora = f"; LoRA rank {model.lora_rank}, alpha {model.lora_alpha:g}" if model.lora_rank else ""
     verifiers = f"reward function {args.reward.reward_function}" if args.reward.reward_function else "verifiers"
     rewards = [name for name, on in ((verifiers, args.reward.apply_verifiable_reward),
                                      (f"reward model {model.reward_model_path}", args.reward.reward_model_multiplier != 0)) if on]  # fmt: skip
     evals = f"{len(data.eval_prompts.token_ids)} eval prompts" if data.eval_prompts is not None else "no eval set"
-    return (f"[ppo] policy {model.model_name_or_path} ({data.policy_path}); value model: {value}; reference: {reference}; "
+    return (f"[ppo] policy {model.model_name_or_path} ({data.policy_path}){lora}; value model: {value}; "
+            f"reference: {reference}; "
             f"reward: {' + '.join(rewards)}; {data.num_train_prompts} train prompts, {evals}")  # fmt: skip
 
 

@@ -87,6 +87,17 @@ CASES = [
          "--save_model_freq 0 is not valid; expected -1 (final model only) or steps >= 1"),
     Case("keep_last_n 0", ["--keep_last_n", "0"], "--keep_last_n 0 is not valid"),
     Case("negative seed", ["--seed", "-1"], "--seed -1 is not valid"),
+    # ---- LoRA (docs/lora.md) ----
+    Case("lora dropout", ["--lora_rank", "8", "--lora_dropout", "0.1"],
+         "--lora_dropout 0.1 is not valid; expected 0: the engine samples with the merged weights and no dropout"),
+    Case("lora with Ray learners", ["--lora_rank", "8", "--deepspeed_stage", "2"],
+         "--lora_rank 8 is supported on the single-process learner with its in-process engine"),
+    Case("lora unknown target", ["--lora_rank", "8", "--lora_target_modules", "q_proj", "c_attn"],
+         "--lora_target_modules c_attn: no linear layer of the LlamaForCausalLM decoder has that name; expected some "
+         "of down_proj gate_proj k_proj o_proj q_proj up_proj v_proj"),
+    Case("lora targets without a rank", ["--lora_target_modules", "q_proj"],
+         "--lora_target_modules q_proj names the layers of LoRA adapters, and --lora_rank is 0"),
+    Case("negative lora rank", ["--lora_rank", "-1"], "--lora_rank -1 is not valid"),
     Case("negative num_evals", ["--num_evals", "-1"], "--num_evals -1 is not valid"),
     Case("negative eval samples", ["--eval_samples_per_prompt", "-2"], "--eval_samples_per_prompt -2 is not valid"),
     Case("zero max_grad_norm", ["--max_grad_norm", "0"], "--max_grad_norm 0.0 is not valid"),

@@ -6,6 +6,7 @@ dtype in rank_<r>.pt. The frozen reference (and reward) model are reloaded from 
 the run's initial policy.
 """
 
+import dataclasses
 import logging
 import os
 
@@ -93,9 +94,11 @@ class LearnerState:
         their original paths instead, so the KL reference stays the run's initial policy (with --beta 0 there is
         none, in the run and in its resumption: --beta must match the checkpoint's). Without a value model (GRPO)
         there is no "value_model" entry, and one optimizer and scheduler."""
-        state = {"policy": self.backend.hf_model(self.policy).state_dict()}
+        state = {"policy": self.model_state(self.policy)}
         if self.value_model is not None:
-            state["value_model"] = self.backend.hf_model(self.value_model).state_dict()
+            state["value_model"] = self.model_state(self.value_model)
+        if self.lora is not None:
+            state["lora"] = dataclasses.asdict(self.lora)
         return {
             **state,
             "optimizers": [trainer.optimizer.state_dict() for trainer in self.trainers],
@@ -103,11 +106,40 @@ class LearnerState:
             **self.rank_state(),
         }
 
+    def model_state(self, model) -> dict:
+        """A trained model's weights for a checkpoint: all of them, or with LoRA the trained ones alone (the adapters,
+        a value model's score head); the frozen base is reloaded from its path, as the reference is."""
+        hf_model = self.backend.hf_model(model)
+        if self.lora is None:
+            return hf_model.state_dict()
+        return {name: param.detach() for name, param in hf_model.named_parameters() if param.requires_grad}
+
+    def load_model_state(self, model, state: dict) -> None:
+        hf_model = self.backend.hf_model(model)
+        if self.lora is None:
+            hf_model.load_state_dict(state)
+            return
+        missing, unexpected = hf_model.load_state_dict(state, strict=False)
+        trained = {name for name, param in hf_model.named_parameters() if param.requires_grad}
+        if unexpected or trained & set(missing):  # check_same_lora compared the settings; this is the tensors' names
+            raise ValueError(f"the checkpoint's weights are not this run's adapters ({(unexpected or missing)[0]})")
+
+    def check_same_lora(self, state: dict) -> None:
+        """A checkpoint resumes only into a run with its LoRA settings (or, without any, into full fine-tuning)."""
+        written = state.get("lora")  # absent from checkpoints written before LoRA: full fine-tuning
+        wanted = dataclasses.asdict(self.lora) if self.lora is not None else None
+        if written != wanted:
+            raise ValueError(
+                f"the checkpoint was written with LoRA {written or 'off'} and this run has LoRA {wanted or 'off'} "
+                "(--lora_rank, --lora_alpha, --lora_target_modules); resume with the LoRA flags of the run that wrote it."
+            )
+
     def load_state_dict(self, state: dict) -> None:
         self.check_same_algorithm("value_model" in state)
-        self.backend.hf_model(self.policy).load_state_dict(state["policy"])
+        self.check_same_lora(state)
+        self.load_model_state(self.policy, state["policy"])
         if self.value_model is not None:
-            self.backend.hf_model(self.value_model).load_state_dict(state["value_model"])
+            self.load_model_state(self.value_model, state["value_model"])
         for trainer, optimizer_state, scheduler_state in zip(self.trainers, state["optimizers"], state["schedulers"]):
             trainer.optimizer.load_state_dict(optimizer_state)
             trainer.scheduler.load_state_dict(scheduler_state)

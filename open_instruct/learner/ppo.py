@@ -8,14 +8,16 @@ model and with its own `compute_advantages`.
 
 import logging
 import time
+from functools import partial
 
 import torch
+from peft import PeftModel
 
 from open_instruct import rl
 from open_instruct.data.batches import PromptBatch
 from open_instruct.data.tokenizer import check_same_vocab, load_tokenizer
 from open_instruct.generation.vllm_engine import Completion, engine_dtype
-from open_instruct.learner import models, saving
+from open_instruct.learner import lora, models, saving
 from open_instruct.learner.experience import (
     Experience,
     MicroBatch,
@@ -29,6 +31,7 @@ from open_instruct.learner.experience import (
     timed,
 )
 from open_instruct.learner.learner_state import LearnerState
+from open_instruct.learner.lora import LoraSettings
 from open_instruct.learner.models import ModelSpec
 from open_instruct.learner.saving import SavedModel
 from open_instruct.learner.seams import LearnerBackend
@@ -85,10 +88,19 @@ class PPOLearner(LearnerState):
         # that one forward gives per-token outputs (models.TokenLogprobs, models.TokenScores).
         chunk_size = args.ppo.logprob_chunk_size
         load = self.backend.load_model
-        self.policy = models.TokenLogprobs(load(ModelSpec("policy", policy_path, model_args.model_revision)), chunk_size)
-        # --beta 0 puts no KL in the reward or the loss: no reference model is loaded, and none runs.
+        # --lora_rank: adapters on the policy and the value model, their base frozen (lora.py); peft keeps each wrapper.
+        self.lora = LoraSettings.of(model_args)
+        self.adapters: dict[str, PeftModel] = {}
+        policy = load(ModelSpec("policy", policy_path, model_args.model_revision))
+        if self.lora is not None:
+            self.adapters["policy"] = lora.add_adapters(policy, self.lora, args.run.seed)
+        self.policy = models.TokenLogprobs(policy, chunk_size)
+        # --beta 0 puts no KL in the reward or the loss: no reference model is loaded, and none runs. With LoRA the
+        # reference is the policy with its adapters disabled: the base model, not loaded a second time.
         self.ref_policy = None
-        if args.ppo.beta != 0:
+        if args.ppo.beta != 0 and self.lora is not None:
+            self.ref_policy = lora.AdaptersDisabled(self.policy)
+        elif args.ppo.beta != 0:
             reference = ModelSpec("reference policy", policy_path, model_args.model_revision, trainable=False)
             self.ref_policy = models.TokenLogprobs(load(reference), chunk_size)
         self.reward_model = None
@@ -105,22 +117,25 @@ class PPOLearner(LearnerState):
         if self.uses_value_model:
             value_path = model_args.value_model_path or model_args.reward_model_path or policy_path
             value = ModelSpec("value model", value_path, scalar_head=True, pad_token_id=tokenizer.pad_token_id)
-            self.value_model = models.TokenScores(load(value))
+            value_model = load(value)
+            if self.lora is not None:  # its score head trains in full
+                self.adapters["value_model"] = lora.add_adapters(value_model, self.lora, args.run.seed + 1, True)
+            self.value_model = models.TokenScores(value_model)
         self.initial_weight_norm = weight_norm(self.policy, self.backend)  # the divergence guard's yardstick
         if model_args.gradient_checkpointing:
-            self.policy.hf_model.gradient_checkpointing_enable()
+            enable_gradient_checkpointing(self.policy.hf_model)
         self.policy.train()
         self.policy_trainer = self.backend.trainable(self.policy, self.optimizer_settings(args.ppo.learning_rate))
         # From here on forward passes go through what the backend built (a DeepSpeed engine, or the module itself).
         self.policy = self.policy_trainer.model
         if self.value_model is not None:
             if model_args.gradient_checkpointing:
-                self.value_model.hf_model.gradient_checkpointing_enable()
+                enable_gradient_checkpointing(self.value_model.hf_model)
             self.value_model.train()
             value_lr = args.ppo.value_learning_rate or args.ppo.learning_rate
             self.value_trainer = self.backend.trainable(self.value_model, self.optimizer_settings(value_lr))
             self.value_model = self.value_trainer.model
-        if self.ref_policy is not None:
+        if self.ref_policy is not None and self.lora is None:
             self.ref_policy = self.backend.frozen(self.ref_policy)
         if self.reward_model is not None:
             self.reward_model = self.backend.frozen(self.reward_model)
@@ -150,6 +165,8 @@ class PPOLearner(LearnerState):
         """The policy's weights, copied in the engine's dtype (on rank 0; None on the other ranks), into reusable
         buffer `slot` where the backend keeps one (see learner_backend)."""
         dtype = getattr(torch, engine_dtype(self.args.gen.vllm_dtype))
+        if self.lora is not None:  # merged afresh, out of place; the frozen weights by reference (lora.py)
+            return list(lora.merged_weights(self.policy.hf_model, dtype))
         return self.backend.named_weights(self.policy, dtype, slot)
 
     @property
@@ -528,15 +545,25 @@ class PPOLearner(LearnerState):
         in gathering the weights (a collective per tensor under ZeRO) and return None. Non-finite weights are never
         written; a save in lower precision reports how much of the update its rounding removed."""
         dtype = getattr(torch, self.args.run.save_dtype)
-        weights = self.backend.iter_master_weights(self.policy)
+        weights, write_more = self.backend.iter_master_weights(self.policy), None
+        if self.lora is not None:  # the merged fp32 weights, and the adapters in peft's format inside the folder
+            weights = lora.merged_weights(self.policy.hf_model, torch.float32)
+            write_more = partial(lora.save_adapter, self.adapters["policy"])
         if self.backend.rank != 0:
             for _ in weights:
                 pass
             return None
         initial = self.initial_weights() if dtype.itemsize < 4 else None
-        return saving.save_hf_folder(
-            self.backend.hf_model(self.policy), self.tokenizer, output_dir, weights, dtype, extra_files, initial
-        )
+        return saving.save_hf_folder(self.backend.hf_model(self.policy), self.tokenizer, output_dir, weights, dtype,
+                                     extra_files, initial, write_more=write_more)  # fmt: skip
+
+
+def enable_gradient_checkpointing(hf_model) -> None:
+    """Recompute activations in backward. With LoRA the embedding is frozen: its output must require grad, or the
+    checkpointed layers' recomputation would have nothing to backpropagate into (the adapters would get no gradient)."""
+    hf_model.gradient_checkpointing_enable()
+    if not all(param.requires_grad for param in hf_model.parameters()):
+        hf_model.enable_input_require_grads()
 
 
 def engine_dtype_mismatch(args, compute_dtype: torch.dtype, device: torch.device) -> str | None:

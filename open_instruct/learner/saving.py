@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -200,11 +200,13 @@ def save_hf_folder(
     extra_files: dict[str, dict] | None = None,
     initial: CheckpointReader | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    write_more: Callable[[str], None] | None = None,
 ) -> SavedModel:
     """Save `weights` (name, tensor) in `dtype` as `model`'s weights, with its config (architectures and dtype of the
     files), generation config, tokenizer and chat template, and `extra_files` as JSON. `model` gives the config and
     class only: its own parameters may be partitioned. With `initial` (a save in lower precision), the rounding report.
-    Non-finite weights are never written.
+    `write_more(folder)` adds files before the folder is swapped in (LoRA: the adapters). Non-finite weights are never
+    written.
     """
     output_dir = os.path.abspath(output_dir)
     parent = os.path.dirname(output_dir)
@@ -231,6 +233,8 @@ def save_hf_folder(
         for name, content in (extra_files or {}).items():
             with open(os.path.join(tmp_dir, name), "w") as f:
                 json.dump(content, f, indent=2)
+        if write_more is not None:
+            write_more(tmp_dir)
         old_dir = None
         if os.path.exists(output_dir):
             old_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}-old-", dir=parent)

@@ -36,9 +36,9 @@ class OptimizerSettings:
 
 
 def adamw(model: nn.Module, settings: OptimizerSettings) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        model.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay, eps=1e-5
-    )
+    """AdamW over the parameters that train (with LoRA the adapters' alone: the frozen base gets no state)."""
+    trained = [param for param in model.parameters() if param.requires_grad]
+    return torch.optim.AdamW(trained, lr=settings.learning_rate, weight_decay=settings.weight_decay, eps=1e-5)
 
 
 def lr_scheduler(optimizer, settings: OptimizerSettings):

@@ -45,6 +45,22 @@ class ModelArgs:
         "else float32.",
         choices=["auto", "bfloat16", "float32"],
     )
+    lora_rank: int = arg(
+        0,
+        "LoRA (docs/lora.md): train rank-r adapters on the policy's (and PPO's value model's) decoder linear layers, "
+        "the base weights frozen; the reference is the policy with its adapters disabled. 0: full fine-tuning.",
+    )
+    lora_alpha: float = arg(16.0, "LoRA: the adapters' update is scaled by --lora_alpha / --lora_rank.")
+    lora_target_modules: list[str] = arg(
+        [],
+        "LoRA: names of the decoder's linear layers that get adapters (e.g. q_proj v_proj). Default: every linear "
+        "layer of the decoder (not the LM head, nor PPO's score head, which trains in full).",
+        nargs="*",
+    )
+    lora_dropout: float = arg(
+        0.0,
+        "LoRA: dropout on the adapters' input; only 0 is accepted: rollout and training must compute the same function.",
+    )
 
 
 @dataclass

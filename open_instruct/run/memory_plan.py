@@ -24,6 +24,9 @@ What is counted, and where the numbers come from (P parameters of a model, N lea
   - The optimizer step, one model at a time: AdamW's `sqrt(v)` temporaries (fp32; 8 bytes per parameter of a tensor
     on CPUs, stepped tensor by tensor; 4 per parameter of the whole list on GPUs, `foreach`), at ZeRO-3 per sub-group
     (`sub_group_size`) and with the sub-group's gradient flattened into a new fp32 tensor first (4 more).
+- **LoRA** (--lora_rank): a trainable model keeps its whole fp32 weights (the frozen base), but gradients, AdamW's
+  moments and the step's temporaries are those of its T trained parameters only (the adapters, and a value model's
+  score head): 4P + 12T instead of 16P; no reference model (the policy with its adapters disabled is the reference).
 - **Frozen models** (reference with a non-zero --beta, reward model with a non-zero --reward_model_multiplier) in the
   inference dtype (bf16 on GPUs, fp32 on CPUs): whole, or 1/N at ZeRO-3 plus their gathered parameters while they run.
 - **Activations** of one micro-batch of b rows x T tokens (prompt + response), what autograd saves per Llama-style layer
@@ -218,15 +221,21 @@ def gathered_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int, inferenc
     return dtype_bytes * min(shape.num_params, bound)
 
 
+def trained_params(shape: ModelShape) -> int:
+    """The parameters that get gradients and AdamW moments: with --lora_rank the adapters' (and a score head's)."""
+    return shape.num_params if shape.trained_params is None else shape.trained_params
+
+
 def trainable_items(shape: ModelShape, layout: Layout) -> list[Item]:
     p, n, stage, w = shape.num_params, layout.ranks, layout.stage, layout.weight_bytes
     role, shard = shape.role, f", 1/{n}" if n > 1 else ""
     more_ranks = "more learner ranks (--num_learners_per_node)" + ("" if stage == 3 else " at --deepspeed_stage 3")
     if stage in (None, 0):
+        lora = "" if shape.trained_params is None else f", LoRA: {describe_count(shape.trained_params)} trained"
         return [
-            Item(f"{role} weights (fp32)", 4 * p, 4 * p, HELD, more_ranks),
+            Item(f"{role} weights (fp32{lora})", 4 * p, 4 * p, HELD, more_ranks),
             *gradient_items(shape, layout, HELD),
-            Item(f"{role} AdamW moments (fp32)", 0, 8 * p, HELD, more_ranks),
+            Item(f"{role} AdamW moments (fp32)", 0, 8 * trained_params(shape), HELD, more_ranks),
         ]
     weights = w * p if stage == 2 else w * p / n
     items = [
@@ -249,7 +258,7 @@ def gradient_items(shape: ModelShape, layout: Layout, phase: str) -> list[Item]:
     policy and value model interleave their micro-batches, so with more than one micro-batch per step both models
     hold theirs (held), and with one they never overlap (a part of that model's forward + backward and of its step).
     """
-    p, n, stage = shape.num_params, layout.ranks, layout.stage
+    p, n, stage = trained_params(shape), layout.ranks, layout.stage
     held_throughout = stage == 3 or layout.accumulation > 1
     if held_throughout != (phase == HELD):
         return []
@@ -279,12 +288,12 @@ def reduce_bucket_item(shape: ModelShape, layout: Layout) -> list[Item]:
 
 def step_temporaries(shape: ModelShape, layout: Layout) -> float:
     """AdamW's `sqrt(v) / c` (two fp32 temporaries) over what one step call sees, and ZeRO-3's copy of the gradient."""
-    p, n = shape.num_params, layout.ranks
+    p, n = trained_params(shape), layout.ranks
     # torch AdamW: on CPUs tensor by tensor, `(sqrt(v) / c).add_(eps)` (two fp32 temporaries of the tensor); on GPUs
     # `foreach` over the whole list at once, one fp32 temporary (`_foreach_sqrt`) of everything it steps.
     adam = ADAM_TEMPORARY_BYTES[layout.device]
     if layout.stage in (None, 0):
-        return adam * (shape.largest_param if layout.device == "cpu" else p)
+        return adam * (min(shape.largest_param, p) if layout.device == "cpu" else p)
     if layout.stage == 2:  # one flat partition, its gradient already flat
         return adam * p / n
     sub_group = min(p / n, layout.ds["sub_group_size"])  # ZeRO-3 steps one sub-group at a time

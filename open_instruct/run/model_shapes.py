@@ -42,6 +42,7 @@ class ModelShape:
     causal_lm: bool  # logits over the vocabulary (policy, reference); else a scalar score head
     source: str  # where its config was read
     checkpoint_bytes: int = 2  # per parameter in its files (the config's dtype; bf16 unless it says float32)
+    trained_params: int | None = None  # with --lora_rank: the adapters' (and a score head's); None: all of them
 
     @property
     def attention_width(self) -> int:
@@ -66,10 +67,40 @@ def find_config(path_or_id: str, revision: str | None = None):
     return AutoConfig.from_pretrained(folder, revision=revision), folder
 
 
+def decoder_linear_layers(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """The linear layers of a model's decoder by module name (`model.layers.0.self_attn.q_proj`, ...): those under its
+    backbone, so neither a causal LM's head nor a value model's score head."""
+    prefix = model.base_model_prefix
+    backbone = getattr(model, prefix)
+    return {f"{prefix}.{name}": module for name, module in backbone.named_modules()
+            if isinstance(module, torch.nn.Linear)}  # fmt: skip
+
+
+def lora_targets(model: torch.nn.Module, requested: list[str]) -> list[str]:
+    """The decoder's linear layer names (their last part, `q_proj`) that get adapters: `requested` (--lora_target_modules)
+    after checking each names one, else all of them."""
+    available = sorted({name.rsplit(".", 1)[-1] for name in decoder_linear_layers(model)})
+    unknown = [name for name in requested if name not in available]
+    if unknown:
+        raise ConfigError(
+            f"--lora_target_modules {' '.join(unknown)}: no linear layer of the {type(model).__name__} decoder has that "
+            f"name; expected some of {' '.join(available)} (or nothing: all of them)."
+        )
+    return sorted(set(requested)) if requested else available
+
+
+def lora_params(model: torch.nn.Module, rank: int, targets: list[str]) -> int:
+    """Parameters of rank-`rank` adapters on the decoder layers named `targets`: A [rank, in] and B [out, rank] each."""
+    return sum(rank * (layer.in_features + layer.out_features)
+               for name, layer in decoder_linear_layers(model).items() if name.rsplit(".", 1)[-1] in targets)  # fmt: skip
+
+
 def model_shape(
-    role: str, path_or_id: str, trainable: bool, scalar_head: bool, revision: str | None = None
-) -> ModelShape:
-    """`role`'s sizes, built on the meta device from its config (see the module docstring for where it is read)."""
+    role: str, path_or_id: str, trainable: bool, scalar_head: bool, revision: str | None = None,
+    lora_rank: int = 0, lora_target_modules: list[str] | None = None,
+) -> ModelShape:  # fmt: skip
+    """`role`'s sizes, built on the meta device from its config (see the module docstring for where it is read).
+    With `lora_rank` > 0 a trainable model trains only its adapters (and a scalar head)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     try:
@@ -88,6 +119,10 @@ def model_shape(
     params = list(model.parameters())  # a tied embedding is one parameter: counted once
     module_sizes = [sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()]
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    trained_params = None
+    if trainable and lora_rank > 0:
+        head = sum(p.numel() for p in model.score.parameters()) if scalar_head else 0
+        trained_params = lora_params(model, lora_rank, lora_targets(model, lora_target_modules or [])) + head
     num_heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
     return ModelShape(
@@ -106,22 +141,24 @@ def model_shape(
         causal_lm=not scalar_head,
         source=source,
         checkpoint_bytes=4 if str(getattr(config, "dtype", None) or "").endswith("float32") else 2,
+        trained_params=trained_params,
     )
 
 
 def run_model_shapes(args: Args) -> list[ModelShape]:
     """The models a learner rank of this run holds, in the order it loads them: the policy, the reference (with a
-    non-zero --beta), the reward model (with a non-zero --reward_model_multiplier) and PPO's value model."""
+    non-zero --beta and no --lora_rank), the reward model (with a non-zero --reward_model_multiplier) and PPO's value model."""
     model = args.model
     policy = model.model_name_or_path
-    shapes = [model_shape("policy", policy, trainable=True, scalar_head=False, revision=model.model_revision)]
-    if args.ppo.beta != 0:
+    lora = {"lora_rank": model.lora_rank, "lora_target_modules": model.lora_target_modules}
+    shapes = [model_shape("policy", policy, trainable=True, scalar_head=False, revision=model.model_revision, **lora)]
+    if args.ppo.beta != 0 and model.lora_rank == 0:  # with LoRA the reference is the policy, its adapters disabled
         shapes.append(model_shape("reference policy", policy, False, False, model.model_revision))
     if args.reward.reward_model_multiplier != 0 and model.reward_model_path is not None:
         shapes.append(model_shape("reward model", model.reward_model_path, False, True, model.reward_model_revision))
     if args.ppo.algorithm == "ppo":
         value_path = model.value_model_path or model.reward_model_path or policy
-        shapes.append(model_shape("value model", value_path, True, True))
+        shapes.append(model_shape("value model", value_path, True, True, **lora))
     return shapes
 
 

@@ -159,6 +159,12 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("max_tokens_per_micro_batch", args.ppo.max_tokens_per_micro_batch,
          (lambda v: v >= 0, "an integer >= 0 (0: micro-batches of --per_device_train_batch_size padded rows)")),
         ("device_memory_gb", args.dist.device_memory_gb, (lambda v: v is None or POSITIVE[0](v), "a number of GB > 0")),
+        ("lora_rank", args.model.lora_rank, (lambda v: v >= 0, "an integer >= 0 (0: full fine-tuning)")),
+        ("lora_alpha", args.model.lora_alpha, POSITIVE),
+        ("lora_dropout", args.model.lora_dropout,
+         (lambda v: v == 0, "0: the engine samples with the merged weights and no dropout, so dropout in the adapters "
+          "would make the learner's logprobs differ from the rollout's (rollout and training must compute the same "
+          "function)")),
     ]  # fmt: skip
 
 
@@ -200,6 +206,23 @@ def validate_flags(args: Args) -> None:
         raise ConfigError("--resume continues the run in --output_dir and --overwrite_output_dir deletes it; pick one.")
     validate_engine_flags(args.dist)
     validate_deepspeed_flags(args.dist)
+    validate_lora_flags(args)
+
+
+def validate_lora_flags(args: Args) -> None:
+    """LoRA runs on the single-process learner with its own engine (sync, async, in-flight; PPO and GRPO)."""
+    model, dist = args.model, args.dist
+    if model.lora_rank == 0 and model.lora_target_modules:
+        raise ConfigError(
+            f"--lora_target_modules {' '.join(model.lora_target_modules)} names the layers of LoRA adapters, and "
+            "--lora_rank is 0 (full fine-tuning); pass --lora_rank R (e.g. 16), or drop it."
+        )
+    if model.lora_rank > 0 and dist.uses_ray:
+        raise ConfigError(
+            f"--lora_rank {model.lora_rank} is supported on the single-process learner with its in-process engine "
+            "(sync, async and in-flight; PPO and GRPO), not yet with Ray learners, DeepSpeed ZeRO-2/3 or engine actors; "
+            "drop --num_learners_per_node/--deepspeed_stage/--vllm_num_engines/--ray_address, or --lora_rank."
+        )
 
 
 def validate_reward_function(args: Args) -> None:
