@@ -77,7 +77,7 @@ def assert_same_run(output_dir: Path, reference: Path) -> None:
                 if key.startswith("debug/vllm_vs_learner_"):
                     extreme = key.endswith(("_max", "_min"))
                     abs_tol = LOGPROB_GAP_EXTREME_ABS_TOL if extreme else LOGPROB_GAP_ABS_TOL
-                assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=abs_tol), f"step {want['step']} {key}"
+                assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=abs_tol), f"step {want['step']} {key}: {got[key]!r} resumed vs {value!r}"
             else:
                 assert got[key] == value, f"step {want['step']} {key}"
 
