@@ -4,6 +4,7 @@ they arrive in pieces, and every bad tool (raising, hanging, too long) is answer
 import time
 
 import pytest
+import torch
 
 from open_instruct.rl import tools
 from open_instruct.rl.tools import Calculator, Environment, ToolEnvironment, ToolError, run_steps, turn_end
@@ -122,3 +123,82 @@ def test_tool_names_are_checked_before_anything_runs():
     finally:
         del tools.ENVIRONMENTS["echo"]
     assert isinstance(tools.build_environment(["calculator"]), ToolEnvironment)
+
+
+# ---------------------------------------------------------------- tool tokens are not the policy's
+
+
+def completion_with_calls(model_pieces: list[list[int]], tool_pieces: list[list[int]], finish_reason: str = "stop"):
+    """A completion alternating the model's pieces and tools' outputs: model, tool, model, tool, ..."""
+    from open_instruct.generation.vllm_engine import Completion
+
+    token_ids, sampled = [], []
+    for index, piece in enumerate(model_pieces):
+        token_ids += piece
+        sampled += [True] * len(piece)
+        if index < len(tool_pieces):
+            token_ids += tool_pieces[index]
+            sampled += [False] * len(tool_pieces[index])
+    logprobs = [-1.0 if s else None for s in sampled]
+    return Completion(0, token_ids, "", finish_reason, logprobs, [0 if s else None for s in sampled], sampled)
+
+
+EOS, PAD = 2, 0
+
+
+@pytest.mark.parametrize(
+    "model_pieces, tool_pieces, expected_mask",
+    [
+        ([[5, 6, EOS]], [], [1, 1, 1]),  # no call
+        ([[5, 6], [7, EOS]], [[30, 31, 32]], [1, 1, 0, 0, 0, 1, 1]),  # one call
+        ([[5], [6], [7], [8, EOS]], [[30], [31, 32], [33]], [1, 0, 1, 0, 0, 1, 0, 1, 1]),  # several calls
+        ([[5], [6, EOS, 9]], [[30, EOS, 31]], [1, 0, 0, 0, 1, 1]),  # a stop token in a tool's output ends nothing; the sampled one does
+        ([[5, 6]], [[30, 31]], [1, 1, 0, 0]),  # the response ends on a tool's output (--max_tool_calls, budget)
+    ],
+)  # fmt: skip
+def test_the_response_mask_holds_the_models_tokens_and_the_attention_mask_every_token(model_pieces, tool_pieces,
+                                                                                    expected_mask):  # fmt: skip
+    from open_instruct.data.batches import PromptBatch
+    from open_instruct.learner.experience import layout_rollout
+
+    completion = completion_with_calls(model_pieces, tool_pieces)
+    other = completion_with_calls([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]], [])  # a wider row: the first is padded
+    prompts = PromptBatch([[1, 1, 1]], ["x"], ["arithmetic"], ["q"])
+    rollout = layout_rollout(prompts, [completion, other], PAD, [EOS], "cpu")
+    width = rollout.response_mask.shape[1]
+    padded = expected_mask + [0] * (width - len(expected_mask))
+    assert rollout.response_mask[0].int().tolist() == padded
+    real = len(expected_mask)
+    assert rollout.attention_mask[0, rollout.context_length :].tolist() == [1] * real + [0] * (width - real)
+    assert int(rollout.response_length[0]) == real
+    assert rollout.query_response[0, rollout.context_length : rollout.context_length + real].tolist() == (
+        completion.token_ids[:real]
+    )
+
+
+def test_gae_across_tool_outputs_is_the_gae_of_the_policys_tokens_end_to_end():
+    from open_instruct import rl
+
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0, 1, 1, 0], [1, 0, 1, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    reward, value = torch.randn(2, 9, generator=generator), torch.randn(2, 9, generator=generator)
+    absurd = torch.full_like(value, 1e6)
+    advantage, return_ = rl.compute_gae(reward, torch.where(mask, value, absurd), mask, 0.9, 0.8)
+    for row in range(2):
+        kept = mask[row]
+        length = int(kept.sum())
+        compact_adv, compact_ret = rl.compute_gae(
+            reward[row, kept][None], value[row, kept][None], torch.ones(1, length, dtype=torch.bool), 0.9, 0.8
+        )
+        torch.testing.assert_close(advantage[row, kept], compact_adv[0])
+        torch.testing.assert_close(return_[row, kept], compact_ret[0])
+        assert (advantage[row, ~kept] == 0).all() and (return_[row, ~kept] == 0).all()
+
+
+def test_the_score_goes_on_the_last_token_the_policy_sampled_even_before_a_tool_output():
+    from open_instruct import rl
+
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    kl = torch.where(mask, 0.5, 1e6)  # absurd KL on tool tokens and padding: never read
+    reward, _ = rl.per_token_rewards(torch.tensor([1.0, 2.0, 3.0]), kl, mask, beta=0.1)
+    torch.testing.assert_close(reward, torch.tensor([[-0.05, 0.95, 0, 0], [-0.05, 0, 1.95, 0], [-0.05, -0.05, -0.05, 2.95]]))

@@ -270,7 +270,7 @@ class PPOLearner(LearnerState):
             "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
             "objective/rlhf_reward": (non_score_reward.sum(1) + score).mean().item(),
             "objective/scores": score.mean().item(),
-            "val/sequence_lengths": rollout.response_length.float().mean().item(),
+            "val/sequence_lengths": response_mask.sum(1).float().mean().item(),  # the model's tokens, not the tools'
             "val/num_stop_token_ids": float(sum(rollout.stopped)),
             "val/advantage_mean": rl.masked_mean(experience.advantage, response_mask).item(),
             **advantage_metrics,

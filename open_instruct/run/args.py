@@ -389,6 +389,15 @@ def async_steps(gen: "GenerationArgs") -> int:
     return gen.async_steps if gen.async_mode else 0
 
 
+def tool_settings(gen: "GenerationArgs") -> dict | None:
+    """What the engine needs of --tools and its flags (a batch's params["tools"], stored in checkpoints); None without
+    tools."""
+    if not gen.tools:
+        return None
+    return {"names": list(gen.tools), "max_calls": gen.max_tool_calls, "timeout_s": gen.tool_timeout_s,
+            "output_max_tokens": gen.tool_output_max_tokens, "wrapper": gen.tool_output_wrapper}  # fmt: skip
+
+
 def batches_in_engine(gen: "GenerationArgs") -> int:
     """Batches the engine decodes together: the K in flight with --inflight_updates, else one at a time."""
     return async_steps(gen) if gen.inflight_updates and async_steps(gen) > 1 else 1
