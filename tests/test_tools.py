@@ -202,3 +202,28 @@ def test_the_score_goes_on_the_last_token_the_policy_sampled_even_before_a_tool_
     kl = torch.where(mask, 0.5, 1e6)  # absurd KL on tool tokens and padding: never read
     reward, _ = rl.per_token_rewards(torch.tensor([1.0, 2.0, 3.0]), kl, mask, beta=0.1)
     torch.testing.assert_close(reward, torch.tensor([[-0.05, 0.95, 0, 0], [-0.05, 0, 1.95, 0], [-0.05, -0.05, -0.05, 2.95]]))
+
+
+def test_tools_from_the_users_file_and_their_mistakes(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(
+        "from open_instruct.rl import tools\n"
+        "class Reverse(tools.Tool):\n"
+        "    name, start, end = 'reverse', '<reverse>', '</reverse>'\n"
+        "    def __call__(self, text):\n"
+        "        return text[::-1]\n"
+        "class Silent(tools.Tool):\n"
+        "    name, start, end = 'silent', '<s>', ''\n"
+        "def not_a_class():\n"
+        "    pass\n"
+    )
+    assert tools.tool_names_problem([f"{path}:Reverse", "calculator"]) is None
+    env = tools.build_environment([f"{path}:Reverse"], wrapper="[{output}]")
+    assert env.step("<reverse>abc</reverse>") == ("[cba]", 0.0, False)
+    assert "defines no Tool or Environment subclass 'not_a_class'" in tools.tool_names_problem([f"{path}:not_a_class"])
+    assert "is not a file" in tools.tool_names_problem([f"{tmp_path}/none.py:Reverse"])
+    assert "non-empty end strings" in tools.tool_names_problem([f"{path}:Silent"])
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('no')\n")
+    assert "importing" in tools.tool_names_problem([f"{broken}:Reverse"])
+    assert tools.absolute_names(["calculator", "my_tools.py:Reverse"])[1] == f"{tools.os.path.abspath('my_tools.py')}:Reverse"

@@ -20,10 +20,15 @@ the steps and appends the tokens.
 """
 
 import ast
+import os
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from open_instruct.rl.reward_function import import_file
 
 DEFAULT_OUTPUT_WRAPPER = "<output>{output}</output>\n"
 
@@ -211,31 +216,68 @@ def run_steps(calls: list[tuple[Environment, str]], timeout_s: float) -> list[St
 # ---------------------------------------------------------------- the registries
 
 TOOLS: dict[str, Callable[[], Tool]] = {"calculator": Calculator}
-# Users' environments: ENVIRONMENTS["name"] = MyEnvironment (a class taking no arguments), then `--tools name`.
+# Environments registered in code: ENVIRONMENTS["name"] = MyEnvironment (a class taking no arguments).
 ENVIRONMENTS: dict[str, Callable[[], Environment]] = {}
+FILE_USAGE = "give a built-in name, or path/to/file.py:Class for a Tool or Environment subclass of your own"
+
+
+def tool_class(name: str) -> type:
+    """The class a --tools name stands for: a registered tool's or environment's, or `path/to/file.py:Class` imported
+    from the user's own file (trusted code, like --reward_function's). A ValueError in one line otherwise."""
+    if name in TOOLS:
+        return TOOLS[name]
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    path, separator, class_name = name.rpartition(":")
+    if not separator or not path.endswith(".py"):
+        known = ", ".join(sorted(TOOLS) + sorted(ENVIRONMENTS))
+        raise ValueError(f"--tools {name}: unknown; expected names from {known}, or path/to/file.py:Class")
+    if not os.path.isfile(path):
+        raise ValueError(f"--tools {name}: {path} is not a file; {FILE_USAGE}")
+    module_name = "open_instruct_tools_" + re.sub(r"\W", "_", os.path.abspath(path))
+    module = sys.modules.get(module_name) or import_file(name, path, module_name, "--tools", FILE_USAGE)
+    found = getattr(module, class_name, None)
+    if not (isinstance(found, type) and issubclass(found, (Tool, Environment))):
+        raise ValueError(f"--tools {name}: {path} defines no Tool or Environment subclass {class_name!r}; {FILE_USAGE}")
+    return found
 
 
 def tool_names_problem(names: list[str]) -> str | None:
-    """What is wrong with `--tools names`, or None: unknown names, repeats, an environment beside anything else, and
-    tools whose end strings clash."""
-    known = sorted(TOOLS) + sorted(ENVIRONMENTS)
-    unknown = [name for name in names if name not in TOOLS and name not in ENVIRONMENTS]
+    """What is wrong with `--tools names`, or None: unknown names or files, repeats, an environment beside anything
+    else, and tools whose end strings clash."""
+    unknown = [name for name in names if name not in TOOLS and name not in ENVIRONMENTS and ":" not in name]
     if unknown:
-        return f"--tools {' '.join(unknown)}: unknown; expected names from {', '.join(known)}"
+        known = ", ".join(sorted(TOOLS) + sorted(ENVIRONMENTS))
+        return f"--tools {' '.join(unknown)}: unknown; expected names from {known}, or path/to/file.py:Class"
+    try:
+        classes = [tool_class(name) for name in names]
+    except ValueError as error:
+        return str(error)
     if len(set(names)) != len(names):
         return f"--tools {' '.join(names)} names a tool twice; name each once"
-    environments = [name for name in names if name in ENVIRONMENTS]
+    environments = [name for name, found in zip(names, classes) if issubclass(found, Environment)]
     if environments and len(names) > 1:
         return f"--tools {' '.join(names)}: the environment {environments[0]} runs alone; pass it without other names"
-    ends = [TOOLS[name]().end for name in names if name in TOOLS]
+    ends = [found().end for found in classes if issubclass(found, Tool)]
+    end_strings = [found.end_strings if issubclass(found, Environment) else (found.end,) for found in classes]
+    empty = [name for name, strings in zip(names, end_strings) if not strings or not all(strings)]
+    if empty:
+        return f"--tools {' '.join(empty)}: a tool or environment needs non-empty end strings to be called"
     if len(set(ends)) != len(ends):
         return f"--tools {' '.join(names)}: two tools end their calls with the same string; the engine cannot tell them apart"
     return None
 
 
+def absolute_names(names: list[str]) -> list[str]:
+    """The names with each file's path made absolute (engine actors may run in another working directory)."""
+    return [f"{os.path.abspath(name.rpartition(':')[0])}:{name.rpartition(':')[2]}" if ":" in name else name
+            for name in names]  # fmt: skip
+
+
 def build_environment(names: list[str], wrapper: str = DEFAULT_OUTPUT_WRAPPER,
                       cut_output: Callable[[str], tuple[str, bool]] | None = None) -> Environment:  # fmt: skip
     """A fresh environment for one sample of a run with `--tools names` (checked by `tool_names_problem`)."""
-    if len(names) == 1 and names[0] in ENVIRONMENTS:
-        return ENVIRONMENTS[names[0]]()
-    return ToolEnvironment([TOOLS[name]() for name in names], wrapper, cut_output)
+    classes = [tool_class(name) for name in names]
+    if len(classes) == 1 and issubclass(classes[0], Environment):
+        return classes[0]()
+    return ToolEnvironment([found() for found in classes], wrapper, cut_output)

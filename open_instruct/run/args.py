@@ -22,7 +22,7 @@ from transformers import HfArgumentParser
 from open_instruct import MayChangeOnResume
 from open_instruct.data.prompt_dataset import DatasetArgs
 from open_instruct.rl.rewards import RewardConfig
-from open_instruct.rl.tools import DEFAULT_OUTPUT_WRAPPER
+from open_instruct.rl.tools import DEFAULT_OUTPUT_WRAPPER, absolute_names
 
 
 def arg(default, help: str, **kwargs):
@@ -157,9 +157,9 @@ class GenerationArgs:
     stop_strings: list[str] = arg([], "Extra strings that end a response.", nargs="*")
     tools: list[str] = arg(
         [],
-        "Tools the model may call mid-answer (docs/tools.md): names from rl/tools.py's TOOLS (built in: calculator), or "
-        "one environment of its ENVIRONMENTS. The engine runs a call when the text reaches the tool's end string and "
-        "appends its output, which is never trained on. Empty: no tools (single-turn answers).",
+        "Tools the model may call mid-answer (docs/tools.md): built-in names (calculator) or path/to/file.py:Class for "
+        "a Tool of your own, or one Environment. The engine runs a call when the text reaches the tool's end string "
+        "and appends its output, which is never trained on. Empty: no tools (single-turn answers).",
         nargs="*",
     )
     max_tool_calls: int = arg(5, "With --tools: the most calls in one response; a response that calls once more ends there "
@@ -394,7 +394,7 @@ def tool_settings(gen: "GenerationArgs") -> dict | None:
     tools."""
     if not gen.tools:
         return None
-    return {"names": list(gen.tools), "max_calls": gen.max_tool_calls, "timeout_s": gen.tool_timeout_s,
+    return {"names": absolute_names(gen.tools), "max_calls": gen.max_tool_calls, "timeout_s": gen.tool_timeout_s,
             "output_max_tokens": gen.tool_output_max_tokens, "wrapper": gen.tool_output_wrapper}  # fmt: skip
 
 
