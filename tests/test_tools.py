@@ -77,6 +77,9 @@ def test_turn_end_takes_the_earliest_end_string_and_never_one_already_searched()
     assert turn_end(text, ("</y>", "</x>"), 0) == len("a</x>")
     assert turn_end(text, ("</y>", "</x>"), len("a</x>")) == len(text)
     assert turn_end(text, ("</y>", "</x>"), len(text)) is None
+    # An observation ending in "</" and a model turn going on with "x>": the model did not write "</x>".
+    observation_then_turn = "<output>1</" + "x> and on"
+    assert turn_end(observation_then_turn, ("</x>",), len("<output>1</"), turn_start=len("<output>1</")) is None
 
 
 class Hanging(Environment):

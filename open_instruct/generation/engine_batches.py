@@ -209,7 +209,7 @@ class EngineBatches:
             elif id(sample) in self.environments:
                 environment = self.environments[id(sample)]
                 # Searched on the accumulated text: an end string split over two steps or a resubmission is found.
-                end = tools.turn_end(sample.text, environment.end_strings, sample.searched_up_to)
+                end = tools.turn_end(sample.text, environment.end_strings, sample.searched_up_to, sample.turn_start)
                 sample.searched_up_to = len(sample.text) if end is None else end
                 if end is not None:
                     turns.append((output.request_id, sample, end))

@@ -180,7 +180,8 @@ class PPOLearner(LearnerState):
         else:
             metrics.update(agreement_metrics(learner_logprob, rollout.engine_logprob, rollout.response_mask))
         metrics.update({**source_metrics, **tis_metrics, **reward_metrics, **timings})
-        samples = {"score": score.tolist(), "response_length": rollout.response_length.tolist()}
+        # Lengths in the model's tokens (with --tools the response_length also counts the tools' outputs)
+        samples = {"score": score.tolist(), "response_length": rollout.response_mask.sum(1).tolist()}
         self.work = self.experience_work(rollout, learner_logprob is not None)  # perf/*: see run/flops.py
         self.work.seconds = time.perf_counter() - work_start
         return experience, metrics, samples

@@ -162,13 +162,14 @@ class ToolEnvironment(Environment):
 # ---------------------------------------------------------------- finding turns, running steps
 
 
-def turn_end(text: str, end_strings: tuple[str, ...], searched_up_to: int) -> int | None:
+def turn_end(text: str, end_strings: tuple[str, ...], searched_up_to: int, turn_start: int = 0) -> int | None:
     """Where the model's turn ends in `text`: the index just past the first end string that ends after
     `searched_up_to` (the length of the text already searched, so a string split across two decode steps or a
-    resubmission is found once, when its last character arrives). None while no end string is complete."""
+    resubmission is found once, when its last character arrives) and starts at or after `turn_start` (never inside
+    the observation before the turn). None while no end string is complete."""
     found = None
     for end in end_strings:
-        at = text.find(end, max(0, searched_up_to - len(end) + 1))
+        at = text.find(end, max(turn_start, searched_up_to - len(end) + 1))
         if at >= 0 and (found is None or at + len(end) < found):
             found = at + len(end)
     return found
