@@ -144,9 +144,12 @@ class ToolEnvironment(Environment):
         else:
             try:
                 output = str(tool(call))
+            except ToolError as error:
+                self.errors += 1
+                output = f"Error: {error}"
             except Exception as error:  # any failure of a tool is the model's to read, never the run's end
                 self.errors += 1
-                output = f"Error: {error}" if isinstance(error, ToolError) else f"Error: {type(error).__name__}: {error}"
+                output = f"Error: {type(error).__name__}: {error}"
         output, was_cut = self.cut_output(output)
         self.outputs_cut += was_cut
         return self.wrapper.format(output=output), 0.0, False
@@ -206,12 +209,15 @@ def run_steps(calls: list[tuple[Environment, str]], timeout_s: float) -> list[St
     threads = [threading.Thread(target=run, args=(i, env, text), daemon=True) for i, (env, text) in enumerate(calls)]
     for thread in threads:
         thread.start()
+    outcomes = []
     for index, thread in enumerate(threads):
         thread.join(max(0.0, started + timeout_s - time.monotonic()))
-        if thread.is_alive():
+        outcome = results[index]  # read once: a step past its time may still write its late answer here
+        if thread.is_alive() or outcome is None:
             message = f"Error: the call took longer than {timeout_s:g} s and was stopped"
-            results[index] = StepOutcome(message, 0.0, False, timeout_s, timed_out=True)
-    return results  # type: ignore[return-value]
+            outcome = StepOutcome(message, 0.0, False, timeout_s, timed_out=True)
+        outcomes.append(outcome)
+    return outcomes
 
 
 # ---------------------------------------------------------------- the registries
