@@ -54,6 +54,8 @@ HUB_ONLINE = {"HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_fake", "HF_ENDPOINT": "http
 
 CASES = [
     # ---- flag values ----
+    Case("temperature 0", ["--temperature", "0"], "--temperature 0.0 is not valid; expected a number > 0: PPO samples at it"),
+    Case("negative temperature", ["--temperature", "-1"], "--temperature -1.0 is not valid"),
     Case("unknown tool", ["--tools", "calculator", "web_search"], "--tools web_search: unknown; expected names from calculator"),
     Case("tool named twice", ["--tools", "calculator", "calculator"], "names a tool twice"),
     Case("zero tool calls", ["--tools", "calculator", "--max_tool_calls", "0"], "--max_tool_calls 0 is not valid"),
@@ -62,8 +64,6 @@ CASES = [
          "--tool_output_max_tokens 0 is not valid"),
     Case("tool wrapper without output", ["--tools", "calculator", "--tool_output_wrapper", "<o></o>"],
          "--tool_output_wrapper '<o></o>' is not valid; expected a text holding {{output}} once"),
-    Case("temperature 0", ["--temperature", "0"], "--temperature 0.0 is not valid; expected a number > 0: PPO samples at it"),
-    Case("negative temperature", ["--temperature", "-1"], "--temperature -1.0 is not valid"),
     Case("negative learning rate", ["--learning_rate", "-0.001"], "--learning_rate -0.001 is not valid"),
     Case("NaN learning rate", ["--learning_rate", "nan"], "--learning_rate nan is not valid"),
     Case("zero total_episodes", ["--total_episodes", "0"], "--total_episodes 0 is not valid; expected an integer >= 1"),
