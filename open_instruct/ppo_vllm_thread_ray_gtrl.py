@@ -53,6 +53,7 @@ from open_instruct.run.args import (
     batches_in_engine,
     compute_batch_sizes,
     parse_args,
+    tool_settings,
 )
 from open_instruct.run.console import say
 from open_instruct.run.devices import (
@@ -301,7 +302,7 @@ class Run:
         self.batches = BatchCollector(self.rollouts, self.reward_manager, async_steps(self.args.gen),
                                       self.sizes.prompts_per_step, ppo.filter_zero_std_groups,
                                       ppo.filter_max_extra_batches, self.data.stop_token_ids,
-                                      ppo.filter_metric)  # fmt: skip
+                                      ppo.filter_metric, with_tools=bool(self.args.gen.tools))  # fmt: skip
 
 
 def load_data(args: Args) -> RunData:
@@ -448,6 +449,7 @@ def start_generation_thread(args: Args, data: RunData, placement=None, cpu_cores
         eval_samples_per_prompt=args.run.eval_samples_per_prompt,
         batches_in_engine=batches_in_engine(args.gen),
         cpu_cores=cpu_cores,
+        tools=tool_settings(args.gen),
     )
     thread = GenerationThread(settings, timeout_s=args.gen.queue_timeout_s, engine=engines)
     thread.start()

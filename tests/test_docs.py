@@ -28,7 +28,7 @@ EXTERNAL_FLAGS = set(
 NOT_FLAGS_ON_PURPOSE = {"--learn", "--flag"}
 # Files of other projects the pages name (DeepSpeed's checkpoint converter and ZeRO-2 optimizer), and the user's own
 # files of docs/extending.md's example (`--reward_function my_reward.py:fn`, `file.py:function`).
-EXTERNAL_FILES = {"ds_to_universal.py", "stage_1_and_2.py", "my_reward.py", "file.py"}
+EXTERNAL_FILES = {"ds_to_universal.py", "stage_1_and_2.py", "my_reward.py", "file.py", "my_tools.py", "my_env.py"}
 # Dotted names that are no module of ours: dataset row keys, DeepSpeed's and vLLM's own names, and the arguments of
 # an example function in the docs (`ground_truth.strip()`).
 EXTERNAL_DOTTED = {"reward_model", "nccl_common", "data_types", "ground_truth"}

@@ -6,16 +6,24 @@ lengths:
   logprob of every token after it equals a fresh look of the new weights at the whole sequence (prompt logprobs of
   the same engine, now holding only the new weights): the behaviour logprobs are exact token by token;
 - a snapshot of the batches in flight, restored into a fresh engine, continues bit for bit as the engine it was taken
-  from does (exact resume with --inflight_updates).
+  from does (exact resume with --inflight_updates);
+- with tools (rl/tools.py): a call whose end string arrives over two decode steps is answered token in, token out;
+  bad tools, a model calling forever, an in-flight update across a call, and a snapshot holding tool outputs.
 """
 
 import copy
 import gc
+import random
+import string
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+
+from open_instruct.rl import tools
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_prompt_logprobs import prompt_logprobs  # noqa: E402
@@ -39,6 +47,18 @@ def new_engine(model_dir: str):
 
 @pytest.fixture(scope="module")
 def llm(varied_length_model_dir):
+    engine = new_engine(varied_length_model_dir)
+    yield engine
+    del engine
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def second_llm(varied_length_model_dir, llm):
+    """A second engine of the tiny model, which a snapshot is restored into (shared by the restore tests: the engine
+    it was taken from has served other batches too, and what it generates does not depend on them). Created after
+    `llm` and dropped after the module's last test: dropping an engine takes down vLLM's process-wide parallel groups,
+    which `llm` still needs until then."""
     engine = new_engine(varied_length_model_dir)
     yield engine
     del engine
@@ -131,7 +151,226 @@ def test_tokens_carry_their_version_across_an_in_flight_update_and_their_logprob
         load(llm, EngineBatches(llm), initial_weights, version=0)
 
 
-def test_a_snapshot_restored_into_a_fresh_engine_continues_bit_for_bit(llm, varied_length_model_dir, perturbed_weights,
+# ---------------------------------------------------------------- tools (rl/tools.py): token in, token out
+
+
+def tool_params(names: list[str], temperature: float = 0.0, n: int = 1, max_tokens: int = 24, **tool_flags) -> dict:
+    settings = {"names": names, "max_calls": 5, "timeout_s": 5.0, "output_max_tokens": 64, "wrapper": "{output}"}
+    return {**params(n=n, temperature=temperature, max_tokens=max_tokens), "tools": {**settings, **tool_flags}}
+
+
+@contextmanager
+def registered(name: str, factory, registry: str = "TOOLS"):
+    getattr(tools, registry)[name] = factory
+    try:
+        yield
+    finally:
+        del getattr(tools, registry)[name]
+
+
+def generate_alone(llm, prompts, settings: dict, seed: int | None = None) -> list:
+    from open_instruct.generation.engine_batches import EngineBatches
+
+    batches = EngineBatches(llm)
+    batches.admit(0, prompts, settings, sampling_seed=seed)
+    return batches.run_until_complete(0)
+
+
+def observations(completion) -> list[list[int]]:
+    """The runs of tokens the model did not sample (the tools' outputs), in order."""
+    runs, current = [], []
+    for token, sampled in zip(completion.token_ids, completion.sampled or [True] * len(completion.token_ids)):
+        if not sampled:
+            current.append(token)
+        elif current:
+            runs, current = runs + [current], []
+    return runs + ([current] if current else [])
+
+
+@pytest.fixture(scope="module")
+def split_end(llm):
+    """A piece of a sampled answer to PROMPTS[0] (seeded) that spans two tokens (the last character of one and the text
+    of the next): an end string the engine can only see by joining two decode steps. (string, k, seed): the k-th
+    token completes it, and with that seed the sample goes on after a call there (seeds are tried in order)."""
+    tokenizer = llm.get_tokenizer()
+    for seed in range(40):
+        sampled = generate_alone(llm, PROMPTS[:1], params(n=1, max_tokens=24), seed=seed)[0]
+        for k in range(2, len(sampled.token_ids) - 2):
+            before, upto = tokenizer.decode(sampled.token_ids[: k - 1]), tokenizer.decode(sampled.token_ids[:k])
+            # Whole characters only: the detokenizer holds back the text of a token that ends inside a character.
+            if sampled.text.startswith(upto) and len(upto) > len(before) >= 1 and "\ufffd" not in upto:
+                end = sampled.text[len(before) - 1 : len(upto)]
+                if sampled.text.find(end) + len(end) == len(upto):
+                    with registered("marker", marker_tool(end, lambda: " [42] ")):
+                        got = generate_alone(llm, PROMPTS[:1], tool_params(["marker"], temperature=1.0), seed=seed)[0]
+                    if got.sampled is not None and got.sampled.count(True) >= k + 2:  # it wrote more after the output
+                        return end, k, seed, sampled
+                    break
+    pytest.fail("no seed gives an answer with an end string spanning two tokens and more after it")
+
+
+def marker_tool(end: str, answer):
+    class Marker(tools.Tool):
+        name, start = "marker", ""
+
+        def __call__(self, text):
+            return answer()
+
+    Marker.end = end
+    return Marker
+
+
+def assert_logprobs_are_the_engines_on_these_tokens(llm, prompt: list[int], completion, versions=(0,)) -> int:
+    """Every sampled token's engine logprob (of the versions given) equals a fresh look of the engine's weights at the
+    whole sequence, tool outputs included: what the model read is exactly these tokens. Returns how many it checked."""
+    fresh = prompt_logprobs(llm, [prompt + completion.token_ids])[0][len(prompt) - 1 :]
+    checked = [(have, want) for have, want, sampled, version in
+               zip(completion.logprobs, fresh, completion.sampled, completion.versions)
+               if sampled and have is not None and version in versions]  # fmt: skip
+    for have, want in checked:
+        assert have == pytest.approx(want, abs=1e-4)
+    return len(checked)
+
+
+def test_a_tool_call_split_over_two_decode_steps_is_answered_token_in_token_out(llm, split_end):
+    """The call is found when the second piece of its end string arrives; the output's tokens follow the model's
+    tokens as they are (never re-rendered) and carry no logprob and no version; the logprobs of what the model writes
+    next are the engine's given exactly these tokens."""
+    end, k, seed, sampled = split_end
+    tokenizer = llm.get_tokenizer()
+    with registered("marker", marker_tool(end, lambda: " [42] ")):
+        got = generate_alone(llm, PROMPTS[:1], tool_params(["marker"], temperature=1.0), seed=seed)[0]
+    output = tokenizer.encode(" [42] ", add_special_tokens=False)
+    assert got.token_ids[:k] == sampled.token_ids[:k]
+    assert got.token_ids[k : k + len(output)] == output
+    assert got.sampled[: k + len(output)] == [True] * k + [False] * len(output)
+    tool = [i for i, is_sampled in enumerate(got.sampled) if not is_sampled]
+    assert all(got.logprobs[i] is None and got.versions[i] is None for i in tool)
+    assert all(got.versions[i] == 0 for i in range(len(got.token_ids)) if got.sampled[i])
+    assert got.tool_stats["calls"] == len(observations(got)) >= 1
+    assert len(got.token_ids) <= 24  # the budget counts the tool's tokens
+    assert assert_logprobs_are_the_engines_on_these_tokens(llm, PROMPTS[0], got) > k
+
+
+def test_bad_tools_are_answered_with_text_and_counted(llm, split_end):
+    """A tool that raises, one that hangs past --tool_timeout_s, one that returns too much: the model reads an error
+    or a cut output, each counted, and the response goes on; nothing stops generation."""
+    end, k, seed, _ = split_end
+    tokenizer = llm.get_tokenizer()
+
+    def raising():
+        raise KeyError("boom")
+
+    with registered("marker", marker_tool(end, raising)):
+        got = generate_alone(llm, PROMPTS[:1], tool_params(["marker"], temperature=1.0), seed=seed)[0]
+    assert "Error: KeyError: 'boom'" in got.text
+    assert got.tool_stats["errors"] == got.tool_stats["calls"] >= 1
+
+    with registered("marker", marker_tool(end, lambda: time.sleep(3) or "late")):
+        start = time.monotonic()
+        got = generate_alone(llm, PROMPTS[:1], tool_params(["marker"], temperature=1.0, timeout_s=0.3), seed=seed)[0]
+        took = time.monotonic() - start
+    assert got.tool_stats["timeouts"] == got.tool_stats["calls"] >= 1
+    assert "longer than 0.3 s" in got.text and "late" not in got.text
+    assert took < 3 * got.tool_stats["calls"]
+
+    with registered("marker", marker_tool(end, lambda: "word " * 200)):
+        settings = tool_params(["marker"], temperature=1.0, output_max_tokens=4, max_tokens=40)
+        got = generate_alone(llm, PROMPTS[:1], settings, seed=seed)[0]
+    assert got.tool_stats["outputs_cut"] == got.tool_stats["calls"] >= 1
+    assert all(len(run) <= 4 for run in observations(got))
+    assert len(got.token_ids) <= 40
+    assert tokenizer.decode(observations(got)[0]).strip().startswith("word")
+
+
+class EveryLetter(tools.Environment):
+    """An environment whose turn ends at any letter or digit: a model that calls it forever."""
+
+    end_strings = tuple(string.ascii_letters + string.digits)
+
+    def reset(self, row):
+        self.row, self.turns = row, 0
+
+    def step(self, text):
+        time.sleep(random.uniform(0.0, 0.02))  # answers arrive in another order each time: the run must not care
+        self.turns += 1
+        return f"<{self.turns}>", 0.25, False
+
+
+def test_a_model_calling_forever_ends_at_max_tool_calls_and_timing_never_changes_a_run(llm):
+    """Every token ends a turn: a response ends at its second call with --max_tool_calls 1, and two runs whose
+    environments answer in different orders (random delays) generate the same tokens."""
+    with registered("every_letter", EveryLetter, "ENVIRONMENTS"):
+        settings = tool_params(["every_letter"], temperature=1.0, n=2, max_calls=1)
+        first = generate_alone(llm, PROMPTS, settings, seed=3)
+        again = generate_alone(llm, PROMPTS, settings, seed=3)
+    assert [(c.token_ids, c.sampled, c.finish_reason) for c in first] == [
+        (c.token_ids, c.sampled, c.finish_reason) for c in again
+    ]
+    ended = [c for c in first if c.finish_reason == "max_tool_calls"]
+    assert len(ended) >= 2, [c.text for c in first]
+    for c in first:  # a response without a call has no tool stats (and no sampled mask: all its tokens are)
+        stats = c.tool_stats or {"calls": 0, "reward": 0.0}
+        assert stats["calls"] <= 1 and stats["reward"] == 0.25 * stats["calls"]
+    assert all(c.tool_stats["calls"] == 1 for c in ended)
+
+
+def test_an_in_flight_update_across_a_tool_call(llm, split_end, perturbed_weights, initial_weights):
+    """Weights change right after the call: the model's tokens before it carry version 0, the tool's none, the
+    model's after it version 1, and their logprobs are the new policy's given exactly these tokens."""
+    from open_instruct.generation.engine_batches import EngineBatches
+
+    end, k, seed, _ = split_end
+    with registered("marker", marker_tool(end, lambda: " [42] ")):
+        batches = EngineBatches(llm)
+        try:
+            batches.admit(0, PROMPTS[:1], tool_params(["marker"], temperature=1.0), sampling_seed=seed)
+            sample = batches.batches[0][0]
+            while sample.tool_stats["calls"] == 0:
+                batches.step()
+            load(llm, batches, perturbed_weights, version=1)
+            got = batches.run_until_complete(0)[0]
+            after_call = got.sampled.index(True, k)
+            assert got.versions[:after_call] == [0] * k + [None] * (after_call - k)
+            assert all(v == 1 if sampled else v is None
+                       for v, sampled in zip(got.versions[after_call:], got.sampled[after_call:]))  # fmt: skip
+            assert assert_logprobs_are_the_engines_on_these_tokens(llm, PROMPTS[0], got, versions=(1,)) >= 1
+        finally:
+            load(llm, batches, initial_weights, version=0)
+
+
+class TurnLength(EveryLetter):
+    """EveryLetter without state: its answer depends on the turn's text alone (what survives a resume)."""
+
+    def step(self, text):
+        return f"<{len(text)}>", 0.0, False
+
+
+def test_a_snapshot_taken_after_tool_calls_restores_into_a_fresh_engine_bit_for_bit(llm, second_llm):
+    """Resume with tools: the batch's samples hold tool outputs when the snapshot is taken (a call is answered within
+    its step, so none is mid-call); a fresh engine that restores it calls the same tools and ends with the same
+    tokens, logprobs, versions, masks and counts as the engine it was taken from."""
+    from open_instruct.generation.engine_batches import EngineBatches, seed_sampling
+
+    with registered("turn_length", TurnLength, "ENVIRONMENTS"):
+        settings = tool_params(["turn_length"], temperature=1.0, n=2, max_calls=4)
+        batches = EngineBatches(llm)
+        batches.admit(0, PROMPTS, settings, sampling_seed=5)
+        batches.step()  # each sample's first token: a letter ends a turn, so most now hold an output
+        snapshot = copy.deepcopy(batches.partial_batches())
+        seed_sampling(7)  # the sampling noise from here on, as the run's next admission would seed it
+        expected = batches.run_until_complete(0)
+        assert any(s["tool_stats"]["calls"] and not s["finish_reason"] for s in snapshot[0]["samples"])
+        restored = EngineBatches(second_llm)
+        restored.restore(snapshot)
+        seed_sampling(7)
+        got = restored.run_until_complete(0)
+    fields = lambda c: (c.token_ids, c.logprobs, c.versions, c.sampled, c.text, c.finish_reason,  # noqa: E731
+                        {k: v for k, v in (c.tool_stats or {}).items() if k != "seconds"})  # fmt: skip
+    assert [fields(c) for c in got] == [fields(c) for c in expected]
+
+
+def test_a_snapshot_restored_into_a_fresh_engine_continues_bit_for_bit(llm, second_llm, perturbed_weights,
                                                                         initial_weights):  # fmt: skip
     """Two batches in flight (the second admitted later), a snapshot, then an in-flight update and a third batch: the
     engine it was taken from and a fresh engine that restored it generate the same tokens, logprobs and versions."""
@@ -156,14 +395,9 @@ def test_a_snapshot_restored_into_a_fresh_engine_continues_bit_for_bit(llm, vari
         load(llm, batches, initial_weights, version=0)
     assert any(s["token_ids"] and not s["finish_reason"] for batch in snapshot for s in batch["samples"])
 
-    fresh = new_engine(varied_length_model_dir)
-    try:
-        restored = EngineBatches(fresh)
-        restored.restore(snapshot)
-        got = after_snapshot(restored, fresh)
-    finally:
-        del fresh
-        gc.collect()
+    restored = EngineBatches(second_llm)
+    restored.restore(snapshot)
+    got = after_snapshot(restored, second_llm)
     for want_batch, got_batch in zip(expected, got):
         assert [(c.token_ids, c.logprobs, c.versions, c.text, c.finish_reason) for c in got_batch] == [
             (c.token_ids, c.logprobs, c.versions, c.text, c.finish_reason) for c in want_batch

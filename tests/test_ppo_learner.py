@@ -25,7 +25,7 @@ from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.learner.ppo import PPOLearner
 from open_instruct.data.tokenizer import stop_token_ids_for
 from open_instruct.generation.vllm_engine import Completion
-from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout
+from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step
 
 
 def build_learner(model_dir: str, *flags: str) -> tuple[PPOLearner, RewardManager]:
@@ -318,3 +318,59 @@ def test_the_steps_work_counts_every_pass_the_learner_ran(tiny_model_dir, rollou
     assert metrics["perf/padding_fraction"] == pytest.approx(1 - int(mask.sum()) / mask.numel())
     assert metrics["perf/tokens_per_second"] == pytest.approx(int(mask.sum()) / learner.work.seconds)
     assert 0 < metrics["perf/learner_flops_utilization"] < 1
+
+
+TOOL_OUTPUT = [1000, 1001, 1002]  # token ids none of the fixed responses holds: they mark a tool's output
+
+
+def with_tool_outputs(completions: list[Completion]) -> list[Completion]:
+    """The fixed responses with tools' outputs inserted: none in row 1, one in most rows, three in row 0."""
+    calls_by_row = {0: [1, 2, 3], 1: []}
+    result = []
+    for row, c in enumerate(completions):
+        assert not set(TOOL_OUTPUT) & set(c.token_ids)
+        token_ids, sampled = list(c.token_ids), [True] * len(c.token_ids)
+        for at in reversed(calls_by_row.get(row, [2])):
+            token_ids[at:at] = TOOL_OUTPUT
+            sampled[at:at] = [False] * len(TOOL_OUTPUT)
+        result.append(Completion(c.prompt_index, token_ids, c.text, c.finish_reason, sampled=sampled))
+    return result
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_absurd_logprobs_and_values_on_tool_tokens_change_nothing(tiny_model_dir, rollout, monkeypatch, algorithm):
+    """Every model output on a tool's tokens (old, new and reference logprobs, entropy, values) replaced by absurd
+    numbers: the update, the losses and the metrics are those of the clean run to the last bit, so no loss, KL,
+    entropy, value loss or advantage reads them (a multiplication by a 0 mask would turn them into NaN)."""
+    prompts, completions = rollout
+    completions = with_tool_outputs(completions)
+    flags = ("--algorithm", "grpo") if algorithm == "grpo" else ()
+
+    def one_step():
+        learner, reward_manager = build_learner(tiny_model_dir, *flags)
+        metrics = one_ppo_step(learner, prompts, completions, reward_manager)
+        models_trained = [learner.policy] + ([learner.value_model] if learner.value_model is not None else [])
+        return metrics, [p.detach().clone() for m in models_trained for p in learner.backend.hf_model(m).parameters()]
+
+    clean_metrics, clean_params = one_step()
+    real_logprobs, real_values = models.response_logprobs, models.response_values
+
+    def absurd_logprobs(model, query_response, attention_mask, context_length, *args, **kwargs):
+        logprob, entropy = real_logprobs(model, query_response, attention_mask, context_length, *args, **kwargs)
+        tool = torch.isin(query_response[:, context_length:], torch.tensor(TOOL_OUTPUT))
+        # new (with gradients) 1e4, old -1e4: an exp(2e4) = inf ratio, times a 0 mask, would be NaN
+        logprob = torch.where(tool, 1e4 if torch.is_grad_enabled() else -1e4, logprob)
+        return logprob, (torch.where(tool, 1e4, entropy) if entropy is not None else None)
+
+    def absurd_values(model, query_response, attention_mask, context_length):
+        value = real_values(model, query_response, attention_mask, context_length)
+        tool = torch.isin(query_response[:, context_length:], torch.tensor(TOOL_OUTPUT))
+        return torch.where(tool, -1e6 if torch.is_grad_enabled() else 1e6, value)
+
+    monkeypatch.setattr(models, "response_logprobs", absurd_logprobs)
+    monkeypatch.setattr(models, "response_values", absurd_values)
+    metrics, params = one_step()
+    compared = [key for key in clean_metrics if not is_timing(key)]
+    assert {"loss/policy_avg", "policy/entropy_avg", "objective/entropy", "val/sequence_lengths"} <= set(compared)
+    assert {key: metrics[key] for key in compared} == {key: clean_metrics[key] for key in compared}
+    assert all(torch.equal(got, want) for got, want in zip(params, clean_params))

@@ -23,6 +23,14 @@ batches in flight (`partial_batches`) is a read: it changes nothing, so a checkp
 `restore` puts them back into a fresh engine as requests whose prompt is the original prompt plus the tokens so far,
 exactly as an in-flight update resubmits them. A stop string split across such a resubmission is not seen by vLLM
 (it matches within one request's output), so --stop_strings and --inflight_updates are refused together.
+
+With --tools (a batch's `params["tools"]`) each sample has an environment (rl/tools.py), and the engine looks for its
+end strings in the sample's accumulated text after every step, in Python, so one split over two steps or over a
+resubmission is found. A sample that reaches one leaves the engine; the turns found at one step are answered together
+before the next step (a run depends on weights and prompts, not on how fast a tool answers); each answer is tokenised
+once and appended with `sampled` False, no logprob and no version, and the sample is resubmitted as prompt plus tokens
+so far, the path above. No sample waits on a tool between two steps, so a snapshot never holds one mid-call; a
+restored sample gets a fresh environment (built-in tools are stateless).
 """
 
 import itertools
@@ -30,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from open_instruct.generation import vllm_engine
+from open_instruct.rl import tools
 
 
 def seed_sampling(seed: int | None) -> None:
@@ -44,6 +53,9 @@ def seed_sampling(seed: int | None) -> None:
         torch.manual_seed(seed)
 
 
+TOOL_STATS = ("calls", "errors", "timeouts", "outputs_cut", "seconds", "reward")
+
+
 @dataclass
 class Sample:
     """One response being generated: its prompt, what it has generated so far, and the version of each token."""
@@ -54,10 +66,16 @@ class Sample:
     max_tokens: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # the policy version that generated each token
+    versions: list[int | None] = field(default_factory=list)  # the policy version of each token; None: a tool's
+    sampled: list[bool] = field(default_factory=list)  # whether the model sampled each token (False: a tool's output)
     text: str = ""
-    finish_reason: str | None = None  # set when it finished: "stop" or "length"
+    finish_reason: str | None = None  # set when it finished: "stop", "length" or "max_tool_calls"
     stop_reason: int | str | None = None
+    # With --tools: where the model's current turn starts in `text`, how much of the text was searched for the
+    # environment's end strings, and what its calls did (Completion.tool_stats).
+    turn_start: int = 0
+    searched_up_to: int = 0
+    tool_stats: dict = field(default_factory=lambda: dict.fromkeys(TOOL_STATS, 0))
 
     @property
     def done(self) -> bool:
@@ -70,7 +88,18 @@ class Sample:
         else:
             self.logprobs += [step[token].logprob for step, token in zip(logprobs, token_ids)]
         self.versions += [version] * len(token_ids)
+        self.sampled += [True] * len(token_ids)
         self.text += text
+
+    def add_observation(self, token_ids: list[int], text: str) -> None:
+        """An environment's answer (a tool's output): tokens the policy did not sample, so no logprob and no version;
+        the model's next turn starts after it."""
+        self.token_ids += token_ids
+        self.logprobs += [None] * len(token_ids)
+        self.versions += [None] * len(token_ids)
+        self.sampled += [False] * len(token_ids)
+        self.text += text
+        self.turn_start = self.searched_up_to = len(self.text)
 
     def finish(self, finish_reason: str, stop_reason, version: int) -> None:
         """A response that stopped on a stop token keeps it as its last token (vLLM leaves stop token ids out of the
@@ -80,13 +109,21 @@ class Sample:
                 self.token_ids.append(stop_reason)
                 self.logprobs.append(None)
                 self.versions.append(version)
+                self.sampled.append(True)
         self.finish_reason, self.stop_reason = finish_reason, stop_reason
 
     def completion(self, with_logprobs: bool) -> vllm_engine.Completion:
+        with_tools = not all(self.sampled) or self.tool_stats["calls"] > 0
         return vllm_engine.Completion(
             self.prompt_index, list(self.token_ids), self.text, self.finish_reason,
             list(self.logprobs) if with_logprobs else None, list(self.versions),
+            list(self.sampled) if with_tools else None, dict(self.tool_stats) if with_tools else None,
         )  # fmt: skip
+
+
+def observation_tokens(tokenizer, text: str) -> list[int]:
+    """An observation's tokens, once: as plain text, so a tool printing "<|im_end|>" cannot insert the stop token."""
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
 class EngineBatches:
@@ -101,6 +138,8 @@ class EngineBatches:
         self.running: dict[str, Sample] = {}  # vLLM request id -> the sample it generates
         self.request_ids = itertools.count()
         self.steps = 0  # engine steps taken (the benchmark's engine work counter)
+        # With --tools (a batch's params["tools"]): each sample's environment, by id(sample).
+        self.environments: dict[int, tools.Environment] = {}
 
     @property
     def admitted(self) -> list[int]:
@@ -122,7 +161,22 @@ class EngineBatches:
 
     def _add(self, batch_id: int, samples: list[Sample], params: dict) -> None:
         self.batches[batch_id], self.params[batch_id] = samples, params
+        if params.get("tools"):
+            for sample in samples:
+                self.environments[id(sample)] = self._environment(sample, params["tools"])
         self._submit(samples, params)
+
+    def _environment(self, sample: Sample, settings: dict) -> tools.Environment:
+        """A fresh environment for `sample`; a tool's output is cut to its token budget by the engine's tokenizer."""
+        tokenizer, budget = self.llm.get_tokenizer(), settings["output_max_tokens"]
+
+        def cut_output(text: str) -> tuple[str, bool]:
+            ids = observation_tokens(tokenizer, text)
+            return (text, False) if len(ids) <= budget else (tokenizer.decode(ids[:budget]), True)
+
+        environment = tools.build_environment(settings["names"], settings["wrapper"], cut_output)
+        environment.reset({"prompt_token_ids": sample.prompt_token_ids, "prompt_index": sample.prompt_index})
+        return environment
 
     def _submit(self, samples: list[Sample], params: dict) -> None:
         """Each unfinished sample as a request whose prompt is its prompt plus the tokens it has so far."""
@@ -132,7 +186,8 @@ class EngineBatches:
             if sample.done:
                 continue
             left = sample.max_tokens - len(sample.token_ids)
-            sampling = vllm_engine.sampling_params(**{**params, "n": 1, "max_tokens": left})
+            settings = {key: value for key, value in params.items() if key != "tools"}
+            sampling = vllm_engine.sampling_params(**{**settings, "n": 1, "max_tokens": left})
             sampling.output_kind = RequestOutputKind.DELTA  # each step's new tokens, tagged with the version of the step
             request_id = str(next(self.request_ids))
             prompt = {"prompt_token_ids": sample.prompt_token_ids + sample.token_ids}
@@ -140,7 +195,10 @@ class EngineBatches:
             self.running[request_id] = sample
 
     def step(self) -> None:
-        """One engine step: every running request advances (a prefill chunk or one token)."""
+        """One engine step: every running request advances (a prefill chunk or one token). A sample whose text now
+        ends a turn of its environment (a tool call's end string) is taken out of the engine, and the turns found at
+        this step are answered before the next one (`_answer_turns`)."""
+        turns = []
         for output in self.llm.llm_engine.step():
             sample = self.running[output.request_id]
             piece = output.outputs[0]
@@ -148,7 +206,56 @@ class EngineBatches:
             if output.finished:
                 sample.finish(piece.finish_reason, piece.stop_reason, self.policy_version)
                 del self.running[output.request_id]
+            elif id(sample) in self.environments:
+                environment = self.environments[id(sample)]
+                # Searched on the accumulated text: an end string split over two steps or a resubmission is found.
+                end = tools.turn_end(sample.text, environment.end_strings, sample.searched_up_to, sample.turn_start)
+                sample.searched_up_to = len(sample.text) if end is None else end
+                if end is not None:
+                    turns.append((output.request_id, sample, end))
+        if turns:
+            self.llm.llm_engine.abort_request([request_id for request_id, _, _ in turns])
+            for request_id, _, _ in turns:
+                del self.running[request_id]
+            self._answer_turns([(sample, end) for _, sample, end in turns])
         self.steps += 1
+
+    def _answer_turns(self, turns: list[tuple[Sample, int]]) -> None:
+        """Each sample's environment steps on its turn's text (all together, under --tool_timeout_s); in the samples'
+        order, its observation is tokenised once and appended, and the sample goes back into the engine as its prompt
+        plus every token so far (or ends: its environment is done, its budget is spent, or it called once too often)."""
+        calls, answered = [], []
+        for sample, end in turns:
+            settings = self.params[sample.batch_id]["tools"]
+            if sample.tool_stats["calls"] >= settings["max_calls"]:
+                sample.finish("max_tool_calls", None, self.policy_version)
+                continue
+            calls.append((self.environments[id(sample)], sample.text[sample.turn_start : end]))
+            answered.append(sample)
+        timeout_s = max((self.params[s.batch_id]["tools"]["timeout_s"] for s in answered), default=0.0)
+        tokenizer = self.llm.get_tokenizer()
+        errors_before = [environment.errors for environment, _ in calls]
+        for sample, outcome, errors in zip(answered, tools.run_steps(calls, timeout_s), errors_before):
+            environment, stats = self.environments[id(sample)], sample.tool_stats
+            stats["calls"] += 1
+            stats["errors"] += outcome.error or (not outcome.timed_out and environment.errors > errors)
+            stats["timeouts"] += outcome.timed_out
+            stats["outputs_cut"] = getattr(environment, "outputs_cut", 0)
+            stats["seconds"] += outcome.seconds
+            stats["reward"] += outcome.reward
+            observation_ids = observation_tokens(tokenizer, outcome.observation)
+            left = sample.max_tokens - len(sample.token_ids)
+            if len(observation_ids) > left:  # the response budget counts the tools' tokens too
+                observation_ids = observation_ids[:left]
+                sample.add_observation(observation_ids, tokenizer.decode(observation_ids))
+            else:
+                sample.add_observation(observation_ids, outcome.observation)
+            if outcome.done:
+                sample.finish("stop", None, self.policy_version)
+            elif len(sample.token_ids) >= sample.max_tokens:
+                sample.finish("length", None, self.policy_version)
+            else:
+                self._submit([sample], self.params[sample.batch_id])
 
     def run_until_complete(self, batch_id: int, between_steps=None) -> list[vllm_engine.Completion]:
         """Step until every sample of `batch_id` has finished (the other batches advance with it); its completions in
@@ -160,6 +267,8 @@ class EngineBatches:
                 between_steps()
             self.step()
         del self.batches[batch_id]
+        for sample in samples:
+            self.environments.pop(id(sample), None)
         with_logprobs = self.params.pop(batch_id).get("with_logprobs", False)
         return [sample.completion(with_logprobs) for sample in samples]
 

@@ -28,7 +28,9 @@ def eval_metrics(rollout: Rollout, eval_prompts: PromptBatch, reward_manager: Re
     """
     completions = rollout.completions
     result = {
-        "eval/sequence_lengths": sum(len(c.token_ids) for c in completions) / len(completions),
+        # The model's tokens (a tool's output is not part of its answer's length)
+        "eval/sequence_lengths": sum(len(c.token_ids) if c.sampled is None else c.sampled.count(True)
+                                     for c in completions) / len(completions),  # fmt: skip
         "eval/policy_version": rollout.policy_version,
         "time/eval_generation": rollout.timings.get("eval_generation", 0.0),
     }

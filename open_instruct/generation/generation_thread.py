@@ -112,6 +112,8 @@ class GenerationSettings:
     eval_samples_per_prompt: int = 0  # sampled eval at the training temperature, besides greedy
     batches_in_engine: int = 1  # batches decoded together: --async_steps with --inflight_updates, else 1
     cpu_cores: list[int] | None = None  # --vllm_cpu_cores: the cores this thread (its engine) runs on; None: all
+    # --tools: {"names", "max_calls", "timeout_s", "output_max_tokens", "wrapper"} (tool_settings); None: no tools
+    tools: dict | None = None
 
 
 class InProcessEngine:
@@ -290,7 +292,8 @@ class GenerationThread(threading.Thread):
         settings = self.settings
         # No per-request vLLM seed: the engine's seeded generator must advance, or every step replays one stream.
         return dict(n=n, temperature=temperature, with_logprobs=with_logprobs, max_tokens=settings.response_length,
-                    stop_token_ids=settings.stop_token_ids, stop_strings=settings.stop_strings)  # fmt: skip
+                    stop_token_ids=settings.stop_token_ids, stop_strings=settings.stop_strings,
+                    tools=settings.tools)  # fmt: skip
 
     def _admit(self, engine, request: GenerationRequest) -> None:
         """The request's weights into the engine (an in-flight update when batches are in it), its eval, its batch."""

@@ -387,6 +387,7 @@ def check_staleness(rollout: Rollout, learner_version: int, max_lag: int) -> dic
         learner_version - version
         for completion in rollout.completions
         for version in (completion.versions or [rollout.policy_version] * len(completion.token_ids))
+        if version is not None  # a tool's token: no policy generated it
     ]
     if not lags:
         return {}

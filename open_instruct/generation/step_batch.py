@@ -16,7 +16,7 @@ unbiased sample of the policy (the chosen groups are biased toward half right); 
 `objective/overlong_penalty` describe the chosen batch, whose scores they are part of.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -50,6 +50,9 @@ class BatchCollector:
     max_extra_batches: int  # --filter_max_extra_batches
     stop_token_ids: list[int]
     filter_metric: str = "correct"  # --filter_metric: what must differ within a kept group
+    # --tools: the batch is scored here (its tools/* metrics need each response's verdict), and the learner gets the
+    # scores (rl.PrecomputedScores) rather than computing them twice
+    with_tools: bool = False
 
     def collect(self, learner_version: int, steps_left: int) -> StepBatch:
         """The batch of the learner at `learner_version` with `steps_left` steps to go (this one included). A wait
@@ -67,8 +70,12 @@ class BatchCollector:
         request, rollout = self.rollouts.receive()
         requests.append(request)
         staleness = check_staleness(rollout, learner_version, self.max_lag)
-        if not self.zero_std_filter:
+        if not self.zero_std_filter and not self.with_tools:
             return StepBatch(request.prompts, rollout, requests, self.reward_manager, staleness)
+        if not self.zero_std_filter:
+            scored = score(self.reward_manager, request.prompts, rollout.completions, self.stop_token_ids)
+            return StepBatch(request.prompts, rollout, requests, PrecomputedScores(scored.scores, scored.metrics),
+                             {**staleness, **tool_metrics(rollout.completions, scored.correct.tolist())})  # fmt: skip
         groups = GroupFilter(self.groups_per_step, self.max_extra_batches, self.filter_metric)
         received, reward_metrics, scoring_seconds = [rollout], None, 0.0
         while True:
@@ -89,8 +96,9 @@ class BatchCollector:
         overlong = self.reward_manager.overlong([length for group in chosen for length in group.lengths])
         trained = self.reward_manager.length_metrics([c.finish_reason == "stop" for c in completions], overlong)
         reward_metrics = {**reward_metrics, "time/reward": scoring_seconds}
+        tools = tool_metrics(completions, [c for group in chosen for c in group.correct]) if self.with_tools else {}
         return StepBatch(prompts, joined, requests, PrecomputedScores(scores, {**reward_metrics, **trained}),
-                         {**check_staleness(joined, learner_version, self.max_lag), **filter_metrics})  # fmt: skip
+                         {**check_staleness(joined, learner_version, self.max_lag), **filter_metrics, **tools})  # fmt: skip
 
 
 @dataclass
@@ -107,14 +115,39 @@ def score(reward_manager: RewardManager, prompts: PromptBatch, completions: list
           stop_token_ids: list[int]) -> Scored:  # fmt: skip
     """Each response's score as the learner computes it: its length counts up to its first stop token (the PPO detail
     "truncate at the stop token", learner/experience.layout_rollout)."""
-    lengths = [next((i + 1 for i, token in enumerate(c.token_ids) if token in stop_token_ids), len(c.token_ids))
-               for c in completions]  # fmt: skip
+    lengths = [next((i + 1 for i, token in enumerate(c.token_ids)
+                     if token in stop_token_ids and (c.sampled is None or c.sampled[i])), len(c.token_ids))
+               for c in completions]  # a stop token in a tool's output does not end the response; fmt: skip
     scores, correct, metrics = reward_manager.score_and_correct(
         [c.text for c in completions], [prompts.ground_truths[c.prompt_index] for c in completions],
         [prompts.verifier_names[c.prompt_index] for c in completions], [c.finish_reason == "stop" for c in completions],
         None, lengths,
     )  # fmt: skip
+    # An Environment's own reward (rl/tools.py) adds to the verifier's score.
+    scores = scores + torch.tensor([(c.tool_stats or {}).get("reward", 0.0) for c in completions])
     return Scored(scores, correct, lengths, metrics)
+
+
+def tool_metrics(completions: list[Completion], correct: list[float]) -> dict[str, float]:
+    """The tools/* metrics of a batch (--tools): calls per response; calls answered with an error, cut at
+    --tool_timeout_s, and outputs cut to --tool_output_max_tokens; the seconds the calls took, summed over the responses
+    (they run together, so the engine waited less); the share of the response tokens that are tools' outputs; and the
+    share of correct answers (the verifiers' verdicts) whose response called a tool."""
+    stats = [c.tool_stats or {} for c in completions]
+    calls = [s.get("calls", 0) for s in stats]
+    tool_tokens = sum(c.sampled.count(False) for c in completions if c.sampled is not None)
+    all_tokens = max(1, sum(len(c.token_ids) for c in completions))
+    correct_total = sum(correct)
+    correct_with_tool = sum(verdict for verdict, n in zip(correct, calls) if n > 0)
+    return {
+        "tools/calls_per_sample": sum(calls) / max(1, len(completions)),
+        "tools/errors": float(sum(s.get("errors", 0) for s in stats)),
+        "tools/timeouts": float(sum(s.get("timeouts", 0) for s in stats)),
+        "tools/outputs_cut": float(sum(s.get("outputs_cut", 0) for s in stats)),
+        "tools/time": float(sum(s.get("seconds", 0.0) for s in stats)),
+        "tools/token_fraction": tool_tokens / all_tokens,
+        "tools/correct_with_tool": correct_with_tool / correct_total if correct_total > 0 else 0.0,
+    }
 
 
 def join_rollouts(rollouts: list[Rollout], completions: list[Completion]) -> Rollout:
@@ -165,7 +198,7 @@ def join_groups(groups: list[Group]) -> tuple[PromptBatch, list[Completion], tor
     prompts = PromptBatch([g.token_ids for g in groups], [g.ground_truth for g in groups],
                           [g.verifier_name for g in groups], [g.text for g in groups])  # fmt: skip
     completions = [
-        Completion(index, c.token_ids, c.text, c.finish_reason, c.logprobs, c.versions)
+        replace(c, prompt_index=index)
         for index, group in enumerate(groups)
         for c in group.completions
     ]

@@ -74,12 +74,19 @@ class Completion:
     prompt_index: int
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop": hit a stop token/string; "length": ran out of response_length
+    # "stop": hit a stop token/string (or its environment ended it); "length": ran out of response_length;
+    # "max_tool_calls": called a tool once more than --max_tool_calls allows (unstopped, like "length")
+    finish_reason: str
     # The engine's logprob of each token in `token_ids` under logits / temperature (what it sampled from);
     # None for a token the engine gave none for. The list is None when logprobs were not asked for (greedy eval).
     logprobs: list[float | None] | None = None
-    # The policy version whose weights generated each token (engine_batches.py); None where not tracked.
-    versions: list[int] | None = None
+    # The policy version whose weights generated each token (engine_batches.py), None for a tool's token; the list is
+    # None where not tracked.
+    versions: list[int | None] | None = None
+    # With --tools: whether the model sampled each token (False: a tool's output, appended by the engine); None: all
+    # sampled. `tool_stats`: the response's calls, errors, timeouts, outputs_cut, seconds and environment reward.
+    sampled: list[bool] | None = None
+    tool_stats: dict | None = None
 
 
 class ExplainedReloadWarnings(logging.Filter):

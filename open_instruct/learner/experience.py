@@ -7,6 +7,11 @@ Layout of every learner batch (the PPO detail "left-pad the prompts"):
 
 so the response always starts at column `context_length`, and the logits that predict response
 token j sit at column `context_length - 1 + j`.
+
+With --tools a response also holds tool outputs the engine appended (docs/tools.md): the model reads them, so they are
+in `attention_mask`, but it never sampled them, so `response_mask` (the tokens every loss, KL, entropy, value, GAE,
+logprob check, length and token count is taken over) leaves them out. A stop token inside a tool's output does not
+end the response: only a sampled one does.
 """
 
 import time
@@ -28,8 +33,10 @@ class RolloutTensors:
     query_response: torch.Tensor  # [batch, context_length + response_len], left-padded queries
     attention_mask: torch.Tensor  # [batch, context_length + response_len]
     context_length: int
-    response_mask: torch.Tensor  # [batch, response_len]: real tokens, up to and including the first stop token
-    response_length: torch.Tensor  # [batch]
+    # [batch, response_len]: the tokens the policy sampled, up to and including the first stop token (tool outputs:
+    # False)
+    response_mask: torch.Tensor
+    response_length: torch.Tensor  # [batch]: every token of the response, the tools' included (the budget they share)
     engine_logprob: torch.Tensor  # [batch, response_len]: the engine's logprob of each sampled token, NaN where none
     stopped: list[bool]  # the response ended on a stop token or string (else it ran out of --response_length)
 
@@ -50,20 +57,33 @@ def layout_rollout(
     raw_response = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
     for row, completion in enumerate(completions):
         raw_response[row, : len(completion.token_ids)] = torch.tensor(completion.token_ids)
-    # PPO detail: truncate at the first stop token; the mask comes from lengths (pad may equal eos).
-    response, stop_length = rl.truncate_response(raw_response, stop_token_ids, pad_token_id)
+    sampled = sampled_by_the_model(completions, width)
+    # PPO detail: truncate at the first stop token the model sampled (a tool's output may hold one: -1 hides it); the
+    # mask comes from lengths (pad may equal eos).
+    _, stop_length = rl.truncate_response(raw_response.masked_fill(~sampled, -1), stop_token_ids, pad_token_id)
     response_length = torch.minimum(stop_length, generated_length)
-    response_mask = rl.response_mask_from_lengths(response_length, width)
+    real_mask = rl.response_mask_from_lengths(response_length, width)
+    response = torch.where(real_mask, raw_response, pad_token_id)
     return RolloutTensors(
         query_response=torch.cat([query, response], dim=1).to(device),
-        attention_mask=torch.cat([query_mask, response_mask.long()], dim=1).to(device),
+        attention_mask=torch.cat([query_mask, real_mask.long()], dim=1).to(device),
         context_length=query.shape[1],
-        response_mask=response_mask.to(device),
+        response_mask=(real_mask & sampled).to(device),
         response_length=response_length.to(device),
         # Positions past the stop token (truncation) are padding: the engine's logprobs there are never read.
         engine_logprob=engine_logprobs(completions, width).to(device),
         stopped=[c.finish_reason == "stop" for c in completions],
     )
+
+
+def sampled_by_the_model(completions: list[Completion], width: int) -> torch.Tensor:
+    """[batch, width]: True where the model sampled the token, False on a tool's output (Completion.sampled); True on
+    padding (the lengths mask it)."""
+    sampled = torch.ones((len(completions), width), dtype=torch.bool)
+    for row, completion in enumerate(completions):
+        if completion.sampled is not None:
+            sampled[row, : len(completion.sampled)] = torch.tensor(completion.sampled[:width], dtype=torch.bool)
+    return sampled
 
 
 def old_logprobs(

@@ -197,7 +197,8 @@ class PPOLearner(LearnerState):
         else:
             metrics.update(agreement_metrics(learner_logprob, rollout.engine_logprob, rollout.response_mask))
         metrics.update({**source_metrics, **tis_metrics, **reward_metrics, **timings})
-        samples = {"score": score.tolist(), "response_length": rollout.response_length.tolist()}
+        # Lengths in the model's tokens (with --tools the response_length also counts the tools' outputs)
+        samples = {"score": score.tolist(), "response_length": rollout.response_mask.sum(1).tolist()}
         self.work = self.experience_work(rollout, learner_logprob is not None)  # perf/*: see run/flops.py
         self.work.seconds = time.perf_counter() - work_start
         return experience, metrics, samples
@@ -287,7 +288,7 @@ class PPOLearner(LearnerState):
             "objective/non_score_reward": non_score_reward.sum(1).mean().item(),
             "objective/rlhf_reward": (non_score_reward.sum(1) + score).mean().item(),
             "objective/scores": score.mean().item(),
-            "val/sequence_lengths": rollout.response_length.float().mean().item(),
+            "val/sequence_lengths": response_mask.sum(1).float().mean().item(),  # the model's tokens, not the tools'
             "val/num_stop_token_ids": float(sum(rollout.stopped)),
             "val/advantage_mean": rl.masked_mean(experience.advantage, response_mask).item(),
             **advantage_metrics,

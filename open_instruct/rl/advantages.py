@@ -39,20 +39,21 @@ def per_token_rewards(
     score: [batch]; kl, response_mask: [batch, response_len]. Returns (reward, non_score_reward), both
     [batch, response_len] and 0 on padding.
 
-    The score goes on the LAST REAL token (index response_length - 1): that is the last action the policy
-    took, the one that completed the text the score judges. open-instruct places it one position later when
+    The score goes on the LAST REAL token (the mask's last True): that is the last action the policy
+    took, the one that completed the text the score judges (a tool's output after it is not the policy's). open-instruct places it one position later when
     there is room, but that position is padding: its value and logprob carry no meaning and it is masked out
     of GAE and the losses, so a score placed there would be lost or would depend on garbage.
     """
-    response_length = response_mask.bool().sum(dim=1)  # [batch]
-    if bool((response_length == 0).any()):
-        empty_rows = torch.nonzero(response_length == 0).flatten().tolist()
+    mask = response_mask.bool()
+    if bool((~mask.any(dim=1)).any()):
+        empty_rows = torch.nonzero(~mask.any(dim=1)).flatten().tolist()
         raise ValueError(
             f"per_token_rewards got response rows {empty_rows} with no valid token; every response needs at "
             f"least one token to carry its score (build the mask with truncate_response/response_mask_from_lengths)."
         )
     non_score_reward = zero_padding(-beta * kl, response_mask)
-    last_index = (response_length - 1).unsqueeze(1)  # [batch, 1]
+    # The last True of each row (a mask with holes, tool outputs, included): argmax finds the first of the flipped row.
+    last_index = (mask.size(1) - 1 - mask.flip(1).int().argmax(dim=1)).unsqueeze(1)  # [batch, 1]
     reward = non_score_reward.scatter_add(1, last_index, score.to(non_score_reward.dtype).unsqueeze(1))
     return reward, non_score_reward
 
@@ -66,18 +67,24 @@ def compute_gae(
     episode ends there), so delta_t = r_t + gamma * V_{t+1} - V_t with V = 0 beyond the response, and
     A_t = delta_t + gamma * lam * A_{t+1}. Returns (advantage, return_), both [batch, response_len],
     with return_ = advantage + value on real tokens and 0 on padding.
+
+    Positions the mask leaves out inside a response (a tool's output, which the policy did not choose) are skipped:
+    the next value and advantage are carried back across them unchanged, so the GAE is the one over the policy's
+    own tokens laid end to end (as verl does for multi-turn rollouts), and their rewards and values are never read.
     """
     mask = response_mask.bool()
     reward = zero_padding(reward, mask)
     value = zero_padding(value, mask)  # a zero value on padding is the bootstrap 0 at the end of each response
     response_len = reward.size(1)
-    next_advantage = torch.zeros_like(reward[:, 0])  # [batch]
+    next_advantage = torch.zeros_like(reward[:, 0])  # [batch]: of the next policy token
+    next_value = torch.zeros_like(value[:, 0])  # [batch]: of the next policy token; 0 after the last
     advantage_reversed = []
     for t in reversed(range(response_len)):
-        next_value = value[:, t + 1] if t + 1 < response_len else torch.zeros_like(value[:, t])
         delta = reward[:, t] + gamma * next_value - value[:, t]
-        next_advantage = zero_padding(delta + gamma * lam * next_advantage, mask[:, t])
-        advantage_reversed.append(next_advantage)
+        advantage = delta + gamma * lam * next_advantage
+        next_advantage = torch.where(mask[:, t], advantage, next_advantage)
+        next_value = torch.where(mask[:, t], value[:, t], next_value)
+        advantage_reversed.append(zero_padding(advantage, mask[:, t]))
     advantage = torch.stack(advantage_reversed[::-1], dim=1)  # [batch, response_len]
     return_ = advantage + value  # both are already 0 on padding
     return advantage, return_

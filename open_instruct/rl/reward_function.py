@@ -65,10 +65,11 @@ def load_reward_function(spec: str) -> Callable[[str, str], float]:
     return function
 
 
-def import_file(spec: str, path: str, module_name: str):
+def import_file(spec: str, path: str, module_name: str, flag: str = "--reward_function", usage: str = USAGE):
+    """The user's file `path` as the module `module_name`; a ValueError in one line, naming `flag`, when it fails."""
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"--reward_function {spec!r}: {path} is not a Python file (give a .py file); {USAGE}.")
+        raise ValueError(f"{flag} {spec!r}: {path} is not a Python file (give a .py file); {usage}.")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # as an import would: dataclasses and pickle in the file look their module up
     try:
@@ -76,7 +77,7 @@ def import_file(spec: str, path: str, module_name: str):
     except Exception as error:  # noqa: BLE001 - the user's file: whatever it raises, said in one line
         del sys.modules[module_name]
         message = " ".join(str(error).split())
-        raise ValueError(f"--reward_function {spec!r}: importing {path} failed: {type(error).__name__}: {message}") from error
+        raise ValueError(f"{flag} {spec!r}: importing {path} failed: {type(error).__name__}: {message}") from error
     return module
 
 

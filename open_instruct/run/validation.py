@@ -21,6 +21,7 @@ import torch
 from open_instruct.rl.reward_function import load_reward_function
 from open_instruct.rl.rewards import CODE_VERIFIER, code_limits
 from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, VERIFIER_ALIASES, VERIFIERS, resolve_verifier_name
+from open_instruct.rl.tools import tool_names_problem
 from open_instruct.run.args import (
     Args,
     BatchSizes,
@@ -195,6 +196,7 @@ def validate_flags(args: Args) -> None:
         )
     validate_reward_function(args)
     validate_async_flags(args)
+    validate_tool_flags(args)
     if (args.ppo.truncated_importance_sampling_ratio_cap or 0) > 0 and args.ppo.old_logprobs_from == "vllm":
         raise ConfigError(
             "--truncated_importance_sampling_ratio_cap weights tokens by pi_learner_old / pi_vllm, which is 1 with "
@@ -222,6 +224,34 @@ def validate_lora_flags(args: Args) -> None:
             f"--lora_rank {model.lora_rank} is supported on the single-process learner with its in-process engine "
             "(sync, async and in-flight; PPO and GRPO), not yet with Ray learners, DeepSpeed ZeRO-2/3 or engine actors; "
             "drop --num_learners_per_node/--deepspeed_stage/--vllm_num_engines/--ray_address, or --lora_rank."
+        )
+
+
+def validate_tool_flags(args: Args) -> None:
+    """--tools and the flags that shape a call: known names, limits that can be met, a wrapper that holds the output."""
+    gen = args.gen
+    if not gen.tools:
+        return
+    problem = tool_names_problem(gen.tools)
+    if problem is not None:
+        raise ConfigError(f"{problem}.")
+    rules = [
+        ("max_tool_calls", gen.max_tool_calls, AT_LEAST_1),
+        ("tool_timeout_s", gen.tool_timeout_s, POSITIVE),
+        ("tool_output_max_tokens", gen.tool_output_max_tokens, AT_LEAST_1),
+    ]
+    for flag, value, (is_valid, expected) in rules:
+        if not is_valid(value):
+            raise ConfigError(f"--{flag} {value!r} is not valid; expected {expected}.")
+    wrapper = gen.tool_output_wrapper
+    try:
+        wraps = wrapper.count("{output}") == 1 and wrapper.format(output="") is not None
+    except (KeyError, IndexError, ValueError):
+        wraps = False
+    if not wraps:
+        raise ConfigError(
+            f"--tool_output_wrapper {wrapper!r} is not valid; expected a text holding {{output}} once and no other "
+            "braces (write a literal brace as {{ or }})."
         )
 
 

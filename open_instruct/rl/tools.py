@@ -1,0 +1,321 @@
+"""Tools and environments the model talks to between its decode turns (multi-turn rollouts, issue 34).
+
+Two shapes, both found by name in a registry (as the verifiers are):
+
+- a `Tool` is stateless: a name, the `start` and `end` strings that delimit a call in the model's text, and
+  `__call__(text) -> text`. It signals a failed call by raising (`ToolError` for a message meant for the model);
+  the model then reads the error as the tool's output.
+- an `Environment` is one sample's stateful task: `reset(row)` when the sample starts, then `step(model_text)` each
+  time the model's text reaches one of its `end_strings`, which answers `(observation, reward, done)`. The
+  observation's tokens are appended to the sample (they are never trained on), `reward` is added to the sample's
+  score, and `done` ends the sample.
+
+`ToolEnvironment` is the environment `--tools NAME ...` builds: each turn, the last call of the tool whose end string
+ended the turn runs, and its output (cut to --tool_output_max_tokens, wrapped by --tool_output_wrapper) is the
+observation. `run_steps` runs the turns found at one decode step together, each under the same time limit, and
+answers in the samples' order whatever the timing (a run depends on its weights and prompts, not on a tool's speed).
+
+Nothing here knows about tokens or engines: the engine (generation/engine_batches.py) finds the end strings, asks for
+the steps and appends the tokens.
+"""
+
+import ast
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from open_instruct.rl.reward_function import import_file
+from open_instruct.sandbox import ISOLATED, Limits, Sandbox, SandboxUnavailable
+from open_instruct.sandbox.isolation import OUTPUT_LIMIT, TIMEOUT
+
+DEFAULT_OUTPUT_WRAPPER = "<output>{output}</output>\n"
+
+
+class ToolError(Exception):
+    """A tool's failure meant for the model: its message is what the model reads as the output."""
+
+
+class Tool:
+    """A stateless tool: `tool(call_text) -> output_text`. Subclasses set `name`, `start` and `end`."""
+
+    name: str = ""
+    start: str = ""  # opens a call in the model's text, e.g. "<calculator>"
+    end: str = ""  # closes it: the engine parks the sample when its text reaches this string
+
+    def __call__(self, text: str) -> str:
+        raise NotImplementedError
+
+
+class Environment:
+    """One sample's multi-turn task. `end_strings`: the strings that end a model turn. `errors` counts the turns it
+    answered with an error (the tools/errors metric); an environment that has none leaves it at 0."""
+
+    end_strings: tuple[str, ...] = ()
+    errors: int = 0
+
+    def reset(self, row: dict) -> None:
+        """A new sample starts. `row`: what the engine knows of it (`prompt_token_ids`, `prompt_index`)."""
+
+    def step(self, model_text: str) -> tuple[str, float, bool]:
+        """The model's text since the last observation, ending with one of `end_strings`: the observation to append,
+        a reward added to the sample's score, and whether the sample ends here."""
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------- the calculator
+
+
+class Calculator(Tool):
+    """Integer arithmetic: `+ - * //` and parentheses, e.g. `<calculator>(12 + 7) * 3</calculator>` -> `57`.
+
+    The expression is parsed with `ast` and only integer literals, these four operators and unary minus are
+    evaluated: nothing is ever passed to `eval`, so a model's text cannot run code here.
+    """
+
+    name, start, end = "calculator", "<calculator>", "</calculator>"
+    MAX_CHARS = 200  # longer "expressions" are not arithmetic: refused before parsing
+    MAX_DIGITS = 100  # a result past this is refused (repeated multiplication could grow it without bound)
+    OPERATORS = {
+        ast.Add: lambda a, b: a + b,
+        ast.Sub: lambda a, b: a - b,
+        ast.Mult: lambda a, b: a * b,
+        ast.FloorDiv: lambda a, b: a // b,
+    }
+
+    def __call__(self, text: str) -> str:
+        expression = text.strip()
+        if len(expression) > self.MAX_CHARS:
+            raise ToolError(f"expression longer than {self.MAX_CHARS} characters")
+        try:
+            tree = ast.parse(expression, mode="eval")
+        except SyntaxError:
+            raise ToolError(f"cannot parse {expression!r}; use integers, + - * // and parentheses") from None
+        return str(self.evaluate(tree.body))
+
+    def evaluate(self, node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            value = node.value
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            value = -self.evaluate(node.operand)
+        elif isinstance(node, ast.BinOp) and type(node.op) in self.OPERATORS:
+            left, right = self.evaluate(node.left), self.evaluate(node.right)
+            if isinstance(node.op, ast.FloorDiv) and right == 0:
+                raise ToolError("division by zero")
+            value = self.OPERATORS[type(node.op)](left, right)
+        else:
+            raise ToolError(f"{ast.unparse(node)!r} is not allowed; use integers, + - * // and parentheses")
+        if len(str(abs(value))) > self.MAX_DIGITS:
+            raise ToolError(f"result longer than {self.MAX_DIGITS} digits")
+        return value
+
+
+# ---------------------------------------------------------------- tools as an environment
+
+
+def last_call(text: str, tool: Tool) -> str | None:
+    """The text of the last call of `tool` in `text` (which ends with its end string); None when no start precedes it."""
+    body = text[: text.rfind(tool.end)]
+    opened = body.rfind(tool.start)
+    return None if opened < 0 else body[opened + len(tool.start) :]
+
+
+class ToolEnvironment(Environment):
+    """The environment of `--tools NAME ...`: stateless tools, no reward, never done (the model ends the sample).
+
+    `cut_output(text) -> (text, was_cut)` cuts a tool's output to its token budget (the engine's tokenizer does it);
+    `wrapper` holds `{output}`, e.g. "<output>{output}</output>\\n"."""
+
+    def __init__(self, tools: list[Tool], wrapper: str = DEFAULT_OUTPUT_WRAPPER,
+                 cut_output: Callable[[str], tuple[str, bool]] | None = None):  # fmt: skip
+        self.tools, self.wrapper = tools, wrapper
+        self.cut_output = cut_output or (lambda text: (text, False))
+        self.end_strings = tuple(tool.end for tool in tools)
+        self.errors = 0
+        self.outputs_cut = 0
+
+    def step(self, model_text: str) -> tuple[str, float, bool]:
+        tool = self.tool_ending(model_text)
+        call = last_call(model_text, tool)
+        if call is None:
+            self.errors += 1
+            output = f"Error: {tool.end} without {tool.start} before it"
+        else:
+            try:
+                output = str(tool(call))
+            except ToolError as error:
+                self.errors += 1
+                output = f"Error: {error}"
+            except Exception as error:  # any failure of a tool is the model's to read, never the run's end
+                self.errors += 1
+                output = f"Error: {type(error).__name__}: {error}"
+        output, was_cut = self.cut_output(output)
+        self.outputs_cut += was_cut
+        return self.wrapper.format(output=output), 0.0, False
+
+    def tool_ending(self, text: str) -> Tool:
+        """The tool whose end string ends `text` (the longest, when one end string ends with another)."""
+        ending = [tool for tool in self.tools if text.endswith(tool.end)]
+        if not ending:
+            raise ValueError(f"a turn must end with one of {self.end_strings}; got ...{text[-40:]!r}")
+        return max(ending, key=lambda tool: len(tool.end))
+
+
+# ---------------------------------------------------------------- finding turns, running steps
+
+
+def turn_end(text: str, end_strings: tuple[str, ...], searched_up_to: int, turn_start: int = 0) -> int | None:
+    """Where the model's turn ends in `text`: the index just past the first end string that ends after
+    `searched_up_to` (the length of the text already searched, so a string split across two decode steps or a
+    resubmission is found once, when its last character arrives) and starts at or after `turn_start` (never inside
+    the observation before the turn). None while no end string is complete."""
+    found = None
+    for end in end_strings:
+        at = text.find(end, max(turn_start, searched_up_to - len(end) + 1))
+        if at >= 0 and (found is None or at + len(end) < found):
+            found = at + len(end)
+    return found
+
+
+@dataclass
+class StepOutcome:
+    """What one environment step gave: the observation, reward, done, and how it went."""
+
+    observation: str
+    reward: float
+    done: bool
+    seconds: float
+    error: bool = False  # the environment raised (its turn then reads the error)
+    timed_out: bool = False  # it ran past the time limit (the call is cut: its later answer is dropped)
+
+
+def run_steps(calls: list[tuple[Environment, str]], timeout_s: float) -> list[StepOutcome]:
+    """`env.step(text)` for each (env, text), all at once, each given `timeout_s` seconds; outcomes in the calls'
+    order. A step past its time is left running on its own (daemon) thread and answered with a timeout message, so a
+    hanging tool cannot stop generation."""
+    results: list[StepOutcome | None] = [None] * len(calls)
+    started = time.monotonic()
+
+    def run(index: int, env: Environment, text: str) -> None:
+        begin = time.monotonic()
+        try:
+            observation, reward, done = env.step(text)
+            results[index] = StepOutcome(str(observation), float(reward), bool(done), time.monotonic() - begin)
+        except Exception as error:
+            message = f"Error: {type(error).__name__}: {error}"
+            results[index] = StepOutcome(message, 0.0, False, time.monotonic() - begin, error=True)
+
+    threads = [threading.Thread(target=run, args=(i, env, text), daemon=True) for i, (env, text) in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    outcomes = []
+    for index, thread in enumerate(threads):
+        thread.join(max(0.0, started + timeout_s - time.monotonic()))
+        outcome = results[index]  # read once: a step past its time may still write its late answer here
+        if thread.is_alive() or outcome is None:
+            message = f"Error: the call took longer than {timeout_s:g} s and was stopped"
+            outcome = StepOutcome(message, 0.0, False, timeout_s, timed_out=True)
+        outcomes.append(outcome)
+    return outcomes
+
+
+# ---------------------------------------------------------------- Python, in the code sandbox
+
+
+class PythonTool(Tool):
+    """`<python>print(12345 * 6789)</python>` -> what the program prints. The program is the model's: it runs in the
+    code sandbox (open_instruct/sandbox: no network, a read-only root, an unprivileged user, limits, the whole process
+    tree killed at its wall time), never in the trainer's processes. A program that fails answers with its last error
+    line, as a Python user would read it."""
+
+    name, start, end = "python", "<python>", "</python>"
+    LIMITS = Limits(wall_time_s=4.0, max_output_bytes=1 << 14)
+
+    def __init__(self):
+        self.sandbox = Sandbox(ISOLATED, self.LIMITS)  # SandboxUnavailable (one line) where it cannot isolate
+
+    def __call__(self, text: str) -> str:
+        result = self.sandbox.run_python(text)
+        if result.verdict == TIMEOUT:
+            raise ToolError(f"the program ran past its {self.LIMITS.wall_time_s:g} s limit")
+        if result.verdict == OUTPUT_LIMIT:
+            raise ToolError(f"the program printed more than {self.LIMITS.max_output_bytes} bytes")
+        if not result.ok:
+            raise ToolError((result.stderr.strip().splitlines() or [result.verdict])[-1])
+        return result.stdout
+
+
+# ---------------------------------------------------------------- the registries
+
+TOOLS: dict[str, Callable[[], Tool]] = {"calculator": Calculator, "python": PythonTool}
+# Environments registered in code: ENVIRONMENTS["name"] = MyEnvironment (a class taking no arguments).
+ENVIRONMENTS: dict[str, Callable[[], Environment]] = {}
+FILE_USAGE = "give a built-in name, or path/to/file.py:Class for a Tool or Environment subclass of your own"
+
+
+def tool_class(name: str) -> type:
+    """The class a --tools name stands for: a registered tool's or environment's, or `path/to/file.py:Class` imported
+    from the user's own file (trusted code, like --reward_function's). A ValueError in one line otherwise."""
+    if name in TOOLS:
+        return TOOLS[name]
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    path, separator, class_name = name.rpartition(":")
+    if not separator or not path.endswith(".py"):
+        known = ", ".join(sorted(TOOLS) + sorted(ENVIRONMENTS))
+        raise ValueError(f"--tools {name}: unknown; expected names from {known}, or path/to/file.py:Class")
+    if not os.path.isfile(path):
+        raise ValueError(f"--tools {name}: {path} is not a file; {FILE_USAGE}")
+    module_name = "open_instruct_tools_" + re.sub(r"\W", "_", os.path.abspath(path))
+    module = sys.modules.get(module_name) or import_file(name, path, module_name, "--tools", FILE_USAGE)
+    found = getattr(module, class_name, None)
+    if not (isinstance(found, type) and issubclass(found, (Tool, Environment))):
+        raise ValueError(f"--tools {name}: {path} defines no Tool or Environment subclass {class_name!r}; {FILE_USAGE}")
+    return found
+
+
+def tool_names_problem(names: list[str]) -> str | None:
+    """What is wrong with `--tools names`, or None: unknown names or files, repeats, an environment beside anything
+    else, and tools whose end strings clash."""
+    unknown = [name for name in names if name not in TOOLS and name not in ENVIRONMENTS and ":" not in name]
+    if unknown:
+        known = ", ".join(sorted(TOOLS) + sorted(ENVIRONMENTS))
+        return f"--tools {' '.join(unknown)}: unknown; expected names from {known}, or path/to/file.py:Class"
+    try:
+        classes = [tool_class(name) for name in names]
+    except ValueError as error:
+        return str(error)
+    if len(set(names)) != len(names):
+        return f"--tools {' '.join(names)} names a tool twice; name each once"
+    environments = [name for name, found in zip(names, classes) if issubclass(found, Environment)]
+    if environments and len(names) > 1:
+        return f"--tools {' '.join(names)}: the environment {environments[0]} runs alone; pass it without other names"
+    try:
+        ends = [found().end for found in classes if issubclass(found, Tool)]
+    except SandboxUnavailable as error:  # the python tool where the sandbox cannot isolate
+        return f"--tools {' '.join(names)}: {error}"
+    end_strings = [found.end_strings if issubclass(found, Environment) else (found.end,) for found in classes]
+    empty = [name for name, strings in zip(names, end_strings) if not strings or not all(strings)]
+    if empty:
+        return f"--tools {' '.join(empty)}: a tool or environment needs non-empty end strings to be called"
+    if len(set(ends)) != len(ends):
+        return f"--tools {' '.join(names)}: two tools end their calls with the same string; the engine cannot tell them apart"
+    return None
+
+
+def absolute_names(names: list[str]) -> list[str]:
+    """The names with each file's path made absolute (engine actors may run in another working directory)."""
+    return [f"{os.path.abspath(name.rpartition(':')[0])}:{name.rpartition(':')[2]}" if ":" in name else name
+            for name in names]  # fmt: skip
+
+
+def build_environment(names: list[str], wrapper: str = DEFAULT_OUTPUT_WRAPPER,
+                      cut_output: Callable[[str], tuple[str, bool]] | None = None) -> Environment:  # fmt: skip
+    """A fresh environment for one sample of a run with `--tools names` (checked by `tool_names_problem`)."""
+    classes = [tool_class(name) for name in names]
+    if len(classes) == 1 and issubclass(classes[0], Environment):
+        return classes[0]()
+    return ToolEnvironment([found() for found in classes], wrapper, cut_output)
