@@ -39,7 +39,8 @@ def save_checkpoint(run, step: int, wait_s: float | None = None) -> checkpoint.S
         # engine actors: the run's count goes on (an in-process engine is never restarted)
         "engine_restarts": run.generator.engine.restarts if run.generator.engine is not None else 0,
         **run.rollouts.state_dict(learner_version=step, wait_s=wait_s,
-                                  inflight_updates=batches_in_engine(run.args.gen) > 1),
+                                  inflight_updates=batches_in_engine(run.args.gen) > 1,
+                                  steps_left=run.sizes.num_training_steps - step),
     }
     saved = checkpoint.save_checkpoint(
         run.args.run.output_dir, step, run.learner, trainer_state, run.args, run.args.run.keep_last_n

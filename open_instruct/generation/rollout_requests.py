@@ -259,7 +259,8 @@ class RolloutRequests:
         the checkpoint of the step before stores them, and the resumed step trains on them."""
         self.in_flight.extendleft(reversed(requests))
 
-    def state_dict(self, learner_version: int, wait_s: float | None = None, inflight_updates: bool = False) -> dict:
+    def state_dict(self, learner_version: int, wait_s: float | None = None, inflight_updates: bool = False,
+                   steps_left: int | None = None) -> dict:
         """The prompt order, the evals done, the request count that seeds vLLM's sampling, and the requests in flight
         with the rollouts that came back (`learner_version`: the policy the checkpoint holds).
 
@@ -267,22 +268,33 @@ class RolloutRequests:
         `wait_s` seconds in all (a preemption's budget; None: as long as it takes). A request of the checkpoint's own
         policy is not waited for: on resume the same weights generate it again with the same seed, the same batch.
         With --inflight_updates the engine holds several batches: the oldest is waited for, and the others are stored
-        as the engine holds them at that moment (their tokens so far), to be continued on resume."""
+        as the engine holds them at that moment (their tokens so far), to be continued on resume. `steps_left`: the
+        steps after the checkpoint's (None: as many as there are requests in flight)."""
         give_up = None if wait_s is None else time.monotonic() + wait_s
 
         def left() -> float | None:
             return None if give_up is None else max(0.0, give_up - time.monotonic())
 
+        # When the learner sends no more batches (END), the engine decodes those it holds to the end with the weights it
+        # has, admitting nothing (no newer weights, no re-seeded noise): a resumed engine, which gets the checkpoint's
+        # weights, could not continue them as this one does. So they are all waited for, and the checkpoint holds their
+        # rollouts. If the next step's `top_up` would send END, it is sent now: the engine waits for the learner's next
+        # word where it stands either way, so the run generates what it would have.
+        if inflight_updates and steps_left is not None and len(self.in_flight) >= min(self.depth, steps_left):
+            self.top_up(learner_version, steps_left)  # sends nothing but END
+        ended = inflight_updates and self.end_sent
         waiting = True
         for request in self.in_flight:  # rollouts come back in request order: stop waiting at the first one skipped
-            if not waiting or request.policy_version == learner_version:
+            if not waiting:
+                break
+            if request.policy_version == learner_version and not ended:
                 waiting = False
                 continue
             request.receive(self.generator, left())
             if request.run_eval and request.rollout is not None:
                 request.receive_eval(self.generator, left())
             waiting = request.complete
-            if inflight_updates:  # the next ones cannot complete before the learner's next request
+            if inflight_updates and not ended:  # the next ones cannot complete before the learner's next request
                 break
         if inflight_updates and any(not request.complete for request in self.in_flight):
             # At rest (the oldest came back): the engine waits for the next request, a point the rule fixes. Else at once.
