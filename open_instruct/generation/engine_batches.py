@@ -308,3 +308,12 @@ class EngineBatches:
         whose prompt is its prompt plus its tokens so far."""
         for batch in partial_batches:
             self._add(batch["batch_id"], [Sample(**sample) for sample in batch["samples"]], batch["params"])
+
+
+def generate_batch(llm, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None) -> list:
+    """`params["n"]` completions of each prompt, grouped by prompt, decoded as training decodes them (with
+    `params["tools"]`, tool calls answered and appended): one batch through a fresh `EngineBatches`. For evaluation and
+    probes on a saved model."""
+    batches = EngineBatches(llm)
+    batches.admit(0, prompt_token_ids, params, sampling_seed)
+    return batches.run_until_complete(0)
