@@ -6,7 +6,7 @@
 - A tiny random-weight Llama with the same tokenizer, for tests that need a real model and a real
   engine but not a trained one.
 - The arithmetic task (see `arithmetic_task.py`), the mixed-length word problems (`word_problems.py`) and the tool-use
-  task (`tool_arithmetic.py`), written as parquet splits; a dataset mixer names them `embedded_arithmetic`,
+  task (`arithmetic_task.py` too), written as parquet splits; a dataset mixer names them `embedded_arithmetic`,
   `embedded_word_problems` and `embedded_tool_arithmetic`.
 
 Everything lands under `$OPEN_INSTRUCT_CACHE` (default `~/.cache/open_instruct`). Each folder is
@@ -149,7 +149,7 @@ def word_problems_data_path(seed: int = 0) -> str:
 
 def tool_arithmetic_data_path(seed: int = 0) -> str:
     """The embedded tool-use task (4-digit questions for the calculator) as `{dir}/train.parquet` and `test.parquet`."""
-    from open_instruct.data.tool_arithmetic import write_tool_arithmetic_dataset
+    from open_instruct.data.arithmetic_task import write_tool_arithmetic_dataset
 
     return build_once(
         os.path.join(cache_dir(), "data", f"tool-arithmetic-seed{seed}"),

@@ -1,5 +1,5 @@
 """How often the base model writes a well-formed calculator call at step 0, for several prompt designs: the probe behind
-the tool-use demo's prompt (open_instruct/data/tool_arithmetic.py, docs/tools.md "A CPU demo").
+the tool-use demo's prompt (open_instruct/data/arithmetic_task.py, docs/tools.md "A CPU demo").
 
     python scripts/benchmark/tool_call_probe.py                         # every design, 16 test questions x 8 samples
     python scripts/benchmark/tool_call_probe.py --designs fewshot --questions 64 --json probe.json
@@ -15,24 +15,23 @@ import argparse
 import json
 import time
 
-from open_instruct.data import tool_arithmetic
-from open_instruct.data.arithmetic_task import PROMPT_TEMPLATE
+from open_instruct.data import arithmetic_task
 from open_instruct.data.embedded import resolve_model_path
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.engine_batches import generate_batch
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine
 from open_instruct.rl.verifiers import arithmetic
 
-PROTOCOL = tool_arithmetic.SYSTEM_PROMPT
-EXAMPLE = f"For example: {tool_arithmetic.EXAMPLE_QUESTION}\n{tool_arithmetic.EXAMPLE_ANSWER}"
+PROTOCOL = arithmetic_task.TOOL_SYSTEM_PROMPT
+EXAMPLE = f"For example: {arithmetic_task.TOOL_EXAMPLE_QUESTION}\n{arithmetic_task.TOOL_EXAMPLE_ANSWER}"
 
 
 def design_messages(design: str, question: str, a: str, op: str, b: str) -> list[dict]:
     """The prompt turns of each design (the assistant prefix of `*_prefix` designs is added after rendering)."""
-    example_turn = [{"role": "user", "content": tool_arithmetic.EXAMPLE_QUESTION},
-                    {"role": "assistant", "content": tool_arithmetic.EXAMPLE_ANSWER}]  # fmt: skip
+    example_turn = [{"role": "user", "content": arithmetic_task.TOOL_EXAMPLE_QUESTION},
+                    {"role": "assistant", "content": arithmetic_task.TOOL_EXAMPLE_ANSWER}]  # fmt: skip
     if design == "plain":
-        return [{"role": "user", "content": PROMPT_TEMPLATE.format(a=a, op=op, b=b)}]
+        return [{"role": "user", "content": arithmetic_task.PROMPT_TEMPLATE.format(a=a, op=op, b=b)}]
     if design == "stated":  # the protocol in words, in the user turn, no example
         return [{"role": "user", "content": f"{PROTOCOL}\n\n{question}"}]
     if design == "stated_example":  # protocol and worked example inline in the user turn
@@ -40,7 +39,7 @@ def design_messages(design: str, question: str, a: str, op: str, b: str) -> list
     if design == "fewshot_no_system":  # the worked example as a previous turn, no protocol in words
         return [*example_turn, {"role": "user", "content": question}]
     if design in ("fewshot", "fewshot_prefix"):  # the task's design: system protocol + example turn (+ prefix)
-        return tool_arithmetic.prompt_messages(question)
+        return arithmetic_task.tool_prompt_messages(question)
     raise ValueError(f"unknown design {design!r}")
 
 
@@ -60,7 +59,7 @@ def main() -> None:
     options = parser.parse_args()
     path = resolve_model_path(options.model)
     tokenizer = load_tokenizer(path)
-    rows = tool_arithmetic.make_tool_arithmetic_rows()["test"][: options.questions]
+    rows = arithmetic_task.make_tool_arithmetic_rows()["test"][: options.questions]
     llm = create_engine(EngineConfig(path, max_model_len=512, seed=0))
     tool_settings = {"names": ["calculator"], "max_calls": 3, "timeout_s": 5.0, "output_max_tokens": 64,
                      "wrapper": "<output>{output}</output>\n"}  # fmt: skip
