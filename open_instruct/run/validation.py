@@ -300,12 +300,6 @@ def validate_async_flags(args: Args) -> None:
                 "--truncated_importance_sampling_ratio_cap 0 to train without a correction."
             )
     if batches_in_engine(gen) > 1:
-        if gen.stop_strings:
-            raise ConfigError(
-                f"--stop_strings {gen.stop_strings} with --inflight_updates: a response resubmitted at a weight update "
-                "could hide a stop string split across the update from vLLM; use stop tokens (--stop_token), or drop "
-                "--inflight_updates."
-            )
         if dist.max_engine_restarts > 0:
             raise ConfigError(
                 f"--max_engine_restarts {dist.max_engine_restarts} with --inflight_updates: a dead engine's half "
