@@ -65,9 +65,8 @@ def test_evaluate_with_tools_answers_the_calls_and_grades_the_text_with_their_ou
     result = json.loads(output.read_text())["results"][0]
     assert (result["greedy_test_responses"], result["sampled_test_responses"]) == (20, 40)
     for mode in ("greedy", "sampled"):
-        for split in ("train", "test"):
-            assert result[f"{mode}_{split}_tool_calls"] == 1.0
-            assert result[f"{mode}_{split}"] == 1.0
+        for split in ("train", "test"):  # a response that called the tool holds its marker, and only such a response
+            assert result[f"{mode}_{split}"] == result[f"{mode}_{split}_tool_calls"] > 0.5
     assert "greedy_test_tool_calls" in process.stdout
 
 
