@@ -65,8 +65,9 @@ def test_evaluate_with_tools_answers_the_calls_and_grades_the_text_with_their_ou
     result = json.loads(output.read_text())["results"][0]
     assert (result["greedy_test_responses"], result["sampled_test_responses"]) == (20, 40)
     for mode in ("greedy", "sampled"):
-        for split in ("train", "test"):  # a response that called the tool holds its marker, and only such a response
-            assert result[f"{mode}_{split}"] == result[f"{mode}_{split}_tool_calls"] > 0.5
+        for split in ("train", "test"):  # only a response that called the tool holds its marker (unless the response
+            # budget cut the marker short)
+            assert 0.5 < result[f"{mode}_{split}"] <= result[f"{mode}_{split}_tool_calls"]
     assert "greedy_test_tool_calls" in process.stdout
 
 
