@@ -64,7 +64,6 @@ def test_evaluate_with_tools_answers_the_calls_and_grades_the_text_with_their_ou
     assert process.returncode == 0, process.stderr[-3000:]
     result = json.loads(output.read_text())["results"][0]
     assert (result["greedy_test_responses"], result["sampled_test_responses"]) == (20, 40)
-    print({key: value for key, value in result.items() if key != "path"})
     for mode in ("greedy", "sampled"):
         for split in ("train", "test"):  # only a response that called the tool holds its marker (unless the response
             # budget cut the marker short)
