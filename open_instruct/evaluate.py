@@ -3,6 +3,8 @@
     python -m open_instruct.evaluate output/ppo_arithmetic_debug/model embedded      # trained vs base model
     python -m open_instruct.evaluate MODEL --dataset_mixer_list data/test.jsonl 1.0 --temperature 1.0 --samples 16
     python -m open_instruct.evaluate MODEL --dataset_mixer_list data/test.jsonl 1.0 --reward_function my_reward.py:fn
+    python -m open_instruct.evaluate MODEL embedded --dataset_mixer_list embedded_tool_arithmetic 16 \
+        --dataset_mixer_eval_list embedded_tool_arithmetic 1.0 --tools calculator --response_length 64
 
 For each model: the greedy correct rate (one response per prompt at temperature 0) and the sampled correct rate
 (`--samples` responses per prompt at `--temperature`), graded by each row's verifier, or as the trainer's reward
@@ -13,6 +15,10 @@ with `--output_json`, writes the results.
 
 The engine is built from the saved folder alone, in `--dtype` (auto: the learner's dtype, fp32 on CPUs), so the
 numbers are those of what was saved or pushed, not of the weights a training run still holds in memory.
+
+With `--tools` (and the trainer's other tool flags, same names and defaults) the responses are decoded as training
+decodes them: each call is answered and its output appended (generation/engine_batches.py), the whole text is graded,
+and `{mode}_{split}_tool_calls` reports the share of responses that called a tool at least once.
 """
 
 import gc
@@ -20,18 +26,21 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 
 from transformers import HfArgumentParser
 
 from open_instruct.data.batches import PromptBatch, prompt_batch
-from open_instruct.data.embedded import resolve_model_path
+from open_instruct.data.embedded import resolve_dataset_name, resolve_model_path
 from open_instruct.data.prompt_dataset import DatasetArgs, build_prompt_datasets
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
-from open_instruct.generation.evaluation import verifiable_correct_rate
+from open_instruct.generation.engine_batches import generate_batch
+from open_instruct.generation.evaluation import tool_call_rate, verifiable_correct_rate
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine, generate, sampling_params
 from open_instruct.run import console
 from open_instruct.rl.rewards import RewardConfig, RewardManager
+from open_instruct.run.args import ConfigError, GenerationArgs, tool_settings
+from open_instruct.run.validation import validate_tool_flags
 
 
 @dataclass
@@ -48,6 +57,21 @@ class EvalArgs:
     output_json: str | None = field(default=None, metadata={"help": "Write the results here as JSON."})
 
 
+TOOL_FLAGS = ("tools", "max_tool_calls", "tool_timeout_s", "tool_output_max_tokens", "tool_output_wrapper")
+# The trainer's tool flags, taken from its GenerationArgs (one definition: same names, defaults and help).
+ToolArgs = make_dataclass("ToolArgs", [
+    (f.name, f.type, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+    for f in fields(GenerationArgs) if f.name in TOOL_FLAGS
+])  # fmt: skip
+
+
+def eval_tool_settings(tool_args) -> dict | None:
+    """The engine's tool settings for these flags (None without --tools); a mistake is a ConfigError in one line."""
+    gen = GenerationArgs(**{name: getattr(tool_args, name) for name in TOOL_FLAGS})
+    validate_tool_flags(gen)
+    return tool_settings(gen)
+
+
 def eval_prompts(data_args: DatasetArgs, tokenizer) -> dict[str, PromptBatch]:
     """Named prompt sets: the train mix of `data_args` and, when given, its eval mix as 'test'."""
     train, evaluation = build_prompt_datasets(data_args, tokenizer)
@@ -57,9 +81,10 @@ def eval_prompts(data_args: DatasetArgs, tokenizer) -> dict[str, PromptBatch]:
     return sets
 
 
-def evaluate_model(model: str, args: EvalArgs, data_args: DatasetArgs, reward: RewardConfig | None = None) -> dict:
+def evaluate_model(model: str, args: EvalArgs, data_args: DatasetArgs, reward: RewardConfig | None = None,
+                   tools: dict | None = None) -> dict:  # fmt: skip
     """`reward`: how responses are graded, as the trainer's flags say (`--reward_function`, ...); default: each row's
-    verifier."""
+    verifier. `tools`: the engine's tool settings (eval_tool_settings), None for single-turn answers."""
     path = resolve_model_path(model)
     tokenizer = load_tokenizer(path)
     prompt_sets = eval_prompts(data_args, tokenizer)
@@ -70,13 +95,16 @@ def evaluate_model(model: str, args: EvalArgs, data_args: DatasetArgs, reward: R
     modes = {"greedy": (1, 0.0)} | ({"sampled": (args.samples, args.temperature)} if args.samples > 0 else {})
     result = {"model": model, "path": path}
     for mode, (n, temperature) in modes.items():
-        params = sampling_params(
-            n=n, temperature=temperature, max_tokens=args.response_length, stop_token_ids=stop_token_ids
-        )
+        settings = dict(n=n, temperature=temperature, max_tokens=args.response_length, stop_token_ids=stop_token_ids)
         for name, prompts in prompt_sets.items():
             start = time.time()
-            completions = generate(llm, prompts.token_ids, params)
+            if tools is None:
+                completions = generate(llm, prompts.token_ids, sampling_params(**settings))
+            else:  # decoded step by step, each call answered, as in training
+                completions = generate_batch(llm, prompts.token_ids, {**settings, "tools": tools}, args.seed)
             result[f"{mode}_{name}"] = verifiable_correct_rate(completions, prompts, reward_manager)
+            if tools is not None:
+                result[f"{mode}_{name}_tool_calls"] = tool_call_rate(completions)
             result[f"{mode}_{name}_responses"] = len(completions)
             print(f"[eval] {model}: {mode} on {name} ({len(completions)} responses) in {time.time() - start:.1f}s")
         if "test" in prompt_sets:  # both splits together, from their responses: no second generation
@@ -102,14 +130,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     models = list(itertools.takewhile(lambda word: not word.startswith("--"), argv))
     if models:  # `evaluate A B --flag ...`: the leading words are the models
         argv = ["--models", *models, *argv[len(models) :]]
-    parser = HfArgumentParser((EvalArgs, DatasetArgs, RewardConfig))
-    args, data_args, reward = parser.parse_args_into_dataclasses(args=argv)
+    parser = HfArgumentParser((EvalArgs, ToolArgs, DatasetArgs, RewardConfig))
+    args, tool_args, data_args, reward = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        tools = eval_tool_settings(tool_args)
+    except ConfigError as error:  # before any model loads, as the trainer does
+        console.say(f"error: {error}", error=True)
+        sys.exit(2)
     if not data_args.dataset_mixer_list:  # the embedded task: both splits, i.e. every question
         from open_instruct.data.embedded import arithmetic_data_path
 
         data_args.dataset_mixer_list = [arithmetic_data_path(), "1.0"]
         data_args.dataset_mixer_eval_list = data_args.dataset_mixer_eval_list or [arithmetic_data_path(), "1.0"]
-    results = [evaluate_model(model, args, data_args, reward) for model in args.models]
+    for mixer in (data_args.dataset_mixer_list, data_args.dataset_mixer_eval_list):
+        mixer[::2] = [resolve_dataset_name(name) for name in mixer[::2]]  # embedded_* names: the built-in tasks
+    results = [evaluate_model(model, args, data_args, reward, tools) for model in args.models]
     print(format_table(results))
     if args.output_json:
         with open(args.output_json, "w") as f:

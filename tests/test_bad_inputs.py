@@ -131,8 +131,6 @@ CASES = [
     Case("stale PPO ratio against the engine", ["--async_steps", "2", "--old_logprobs_from", "vllm"],
          "--async_steps 2 trains on data up to 2 policy versions old, and --old_logprobs_from vllm would take PPO's "
          "ratio against that stale policy"),  # fmt: skip
-    Case("stop strings with in-flight updates", ["--async_steps", "2", "--inflight_updates", "true", "--stop_strings",
-         "###"], "--stop_strings ['###'] with --inflight_updates"),  # fmt: skip
     Case("engine restarts with in-flight updates", ["--async_steps", "2", "--inflight_updates", "true",
          "--vllm_num_engines", "2", "--max_engine_restarts", "1"],
          "--max_engine_restarts 1 with --inflight_updates"),  # fmt: skip

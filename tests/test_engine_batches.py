@@ -8,7 +8,8 @@ lengths:
 - a snapshot of the batches in flight, restored into a fresh engine, continues bit for bit as the engine it was taken
   from does (exact resume with --inflight_updates);
 - with tools (rl/tools.py): a call whose end string arrives over two decode steps is answered token in, token out;
-  bad tools, a model calling forever, an in-flight update across a call, and a snapshot holding tool outputs.
+  bad tools, a model calling forever, an in-flight update across a call, and a snapshot holding tool outputs;
+- a stop string split across an in-flight update (found in Python, on the accumulated text) ends the response there.
 """
 
 import copy
@@ -169,11 +170,9 @@ def registered(name: str, factory, registry: str = "TOOLS"):
 
 
 def generate_alone(llm, prompts, settings: dict, seed: int | None = None) -> list:
-    from open_instruct.generation.engine_batches import EngineBatches
+    from open_instruct.generation.engine_batches import generate_batch
 
-    batches = EngineBatches(llm)
-    batches.admit(0, prompts, settings, sampling_seed=seed)
-    return batches.run_until_complete(0)
+    return generate_batch(llm, prompts, settings, seed)
 
 
 def observations(completion) -> list[list[int]]:
@@ -337,6 +336,29 @@ def test_an_in_flight_update_across_a_tool_call(llm, split_end, perturbed_weight
             assert assert_logprobs_are_the_engines_on_these_tokens(llm, PROMPTS[0], got, versions=(1,)) >= 1
         finally:
             load(llm, batches, initial_weights, version=0)
+
+
+def test_a_stop_string_split_across_an_in_flight_update_ends_the_response_there(llm, split_end, initial_weights):
+    """--stop_strings with --inflight_updates: a stop string whose first character was generated before a weight update
+    and whose last arrives after the resubmission (prompt + tokens so far: a new vLLM request, whose own output holds
+    only the second piece) ends the response there, as a stop string ends a response that never left the engine: text
+    cut just after it, tokens as sampled, finish reason stop."""
+    from open_instruct.generation.engine_batches import EngineBatches
+
+    end, k, seed, sampled = split_end
+    settings = params(n=1) | {"stop_strings": [end]}
+    expected = (sampled.token_ids[:k], llm.get_tokenizer().decode(sampled.token_ids[:k]), "stop")
+    alone = generate_alone(llm, PROMPTS[:1], settings, seed=seed)[0]
+    assert (alone.token_ids, alone.text, alone.finish_reason) == expected
+    batches = EngineBatches(llm)
+    batches.admit(0, PROMPTS[:1], settings, sampling_seed=seed)
+    sample = batches.batches[0][0]
+    while len(sample.token_ids) < k - 1:
+        batches.step()
+    load(llm, batches, initial_weights, version=1)  # the same weights: the resubmitted request samples the same token
+    got = batches.run_until_complete(0)[0]
+    assert (got.token_ids, got.text, got.finish_reason) == expected
+    assert got.versions == [0] * (k - 1) + [1]
 
 
 class TurnLength(EveryLetter):

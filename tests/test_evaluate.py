@@ -6,9 +6,8 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.e2e]
 
-
+@pytest.mark.e2e
 def test_evaluate_reports_greedy_and_sampled_rates_per_split_for_each_model(tiny_model_dir, tmp_path):
     """Graded by the --reward_function a run trained with: here one that accepts every response, while the rows'
     arithmetic verifier accepts few of the tiny model's random-weight answers, so every rate being 1 shows the
@@ -30,3 +29,59 @@ def test_evaluate_reports_greedy_and_sampled_rates_per_split_for_each_model(tiny
         assert result["sampled_all_responses"] == 2 * 81
         assert all(result[f"{mode}_{split}"] == 1.0 for mode in ("greedy", "sampled") for split in ("train", "test", "all"))
     assert "| model | greedy_train |" in process.stdout
+
+
+ANSWER_AT_EVERY_LETTER = '''
+import string
+
+from open_instruct.rl import tools
+
+
+class AnswerAtEveryLetter(tools.Environment):
+    """The tiny model never writes a real call: a turn ends at every printable character, answered with a marker."""
+
+    end_strings = tuple(string.printable)
+
+    def step(self, text):
+        return " [tool said 7] ", 0.0, False
+'''
+
+
+@pytest.mark.e2e
+def test_evaluate_with_tools_answers_the_calls_and_grades_the_text_with_their_outputs(tiny_model_dir, tmp_path):
+    """`--tools`: the fresh engine answers each call as training does, the grader reads the outputs (a reward function
+    that accepts only a response holding the tool's marker gives 1) and the tool-call rate is reported."""
+    output = tmp_path / "eval.json"
+    (tmp_path / "answer.py").write_text(ANSWER_AT_EVERY_LETTER)
+    (tmp_path / "marked.py").write_text("def has_output(response, ground_truth):\n"
+                                        "    return float('[tool said 7]' in response)\n")  # fmt: skip
+    command = [
+        sys.executable, "-m", "open_instruct.evaluate", tiny_model_dir, "--samples", "2", "--response_length", "12",
+        "--tools", "answer.py:AnswerAtEveryLetter", "--max_tool_calls", "2", "--output_json", str(output),
+        "--reward_function", "marked.py:has_output",
+    ]  # fmt: skip
+    process = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert process.returncode == 0, process.stderr[-3000:]
+    result = json.loads(output.read_text())["results"][0]
+    assert (result["greedy_test_responses"], result["sampled_test_responses"]) == (20, 40)
+    for mode in ("greedy", "sampled"):
+        for split in ("train", "test"):  # only a response that called the tool holds its marker (unless the response
+            # budget cut the marker short)
+            assert result[f"{mode}_{split}"] <= result[f"{mode}_{split}_tool_calls"]
+    # Sampled at temperature 1, the random model writes text at once: nearly every response calls and is graded right.
+    assert result["sampled_test"] > 0.5 and result["sampled_train"] > 0.5
+    assert "greedy_test_tool_calls" in process.stdout
+
+
+@pytest.mark.parametrize("flags, complaint", [
+    (["--tools", "calculater"], "--tools calculater: unknown"),
+    (["--tools", "calculator", "--max_tool_calls", "0"], "--max_tool_calls 0 is not valid"),
+])  # fmt: skip
+def test_evaluate_refuses_bad_tool_flags_in_one_line_before_any_model_loads(flags, complaint, capsys):
+    from open_instruct.evaluate import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["/no/such/model", *flags])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and complaint in error and "\n" not in error

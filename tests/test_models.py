@@ -213,7 +213,8 @@ def test_a_bf16_cpu_learner_against_the_fp32_engines_logprobs_is_warned_about():
     assert engine_dtype_mismatch(bf16_engine, torch.bfloat16, cpu) is None
 
 
-@pytest.mark.parametrize("name", ["ppo_arithmetic_cpu.yaml", "grpo_arithmetic_cpu.yaml", "ppo_word_problems_cpu.yaml"])
+@pytest.mark.parametrize("name", ["ppo_arithmetic_cpu.yaml", "grpo_arithmetic_cpu.yaml", "ppo_word_problems_cpu.yaml",
+                                  "grpo_tools_cpu.yaml", "ppo_tools_cpu.yaml"])  # fmt: skip
 def test_cpu_recipes_with_engine_logprobs_compute_in_the_engines_dtype(name):
     """A CPU recipe whose PPO ratio divides by the fp32 engine's logprobs pins an fp32 learner, whatever the CPU's
     bf16 probe would pick (docs/speed.md, "Learner dtype": bf16 collapsed in 2 of 3 seeds)."""

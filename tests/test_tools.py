@@ -258,3 +258,24 @@ def test_tools_from_the_users_file_and_their_mistakes(tmp_path):
     broken.write_text("raise RuntimeError('no')\n")
     assert "importing" in tools.tool_names_problem([f"{broken}:Reverse"])
     assert tools.absolute_names(["calculator", "my_tools.py:Reverse"])[1] == f"{tools.os.path.abspath('my_tools.py')}:Reverse"
+
+
+def test_the_eval_reports_the_share_of_responses_that_called_a_tool_only_in_a_run_with_tools():
+    from open_instruct.data.batches import PromptBatch
+    from open_instruct.generation.evaluation import eval_metrics
+    from open_instruct.generation.generation_thread import Rollout
+    from open_instruct.generation.vllm_engine import Completion
+    from open_instruct.rl.rewards import RewardConfig, RewardManager
+
+    prompts = PromptBatch([[1, 2]], ["12"], ["arithmetic"], ["What is 3 * 4?"])
+    called = dict.fromkeys(("calls", "errors", "timeouts", "outputs_cut", "seconds", "reward"), 0) | {"calls": 1}
+    no_call = dict(called, calls=0)
+    greedy = [Completion(0, [5, 6, 7], "<c>3 * 4</c><o>12</o>", "stop", sampled=[True, False, True], tool_stats=called),
+              Completion(0, [5], "13", "stop", sampled=None, tool_stats=no_call)]  # fmt: skip
+    sampled = [Completion(0, [5], "12", "stop", sampled=None, tool_stats=no_call)] * 3 + greedy[:1]
+    metrics, _ = eval_metrics(Rollout(0, greedy, sampled_completions=sampled), prompts, RewardManager(RewardConfig()))
+    assert (metrics["eval/tool_call_rate"], metrics["eval/sampled_tool_call_rate"]) == (0.5, 0.25)
+    assert metrics["eval/correct_rate"] == 0.5 and metrics["eval/sequence_lengths"] == 1.5  # 2 + 1 model tokens
+    plain = [Completion(0, [5], "12", "stop")]
+    metrics, _ = eval_metrics(Rollout(0, plain, sampled_completions=plain), prompts, RewardManager(RewardConfig()))
+    assert "eval/tool_call_rate" not in metrics and "eval/sampled_tool_call_rate" not in metrics

@@ -5,8 +5,9 @@
   directory, which transformers and vLLM both load.
 - A tiny random-weight Llama with the same tokenizer, for tests that need a real model and a real
   engine but not a trained one.
-- The arithmetic task (see `arithmetic_task.py`) and the mixed-length word problems (`word_problems.py`), written
-  as parquet splits; a dataset mixer names them `embedded_arithmetic` and `embedded_word_problems`.
+- The arithmetic task (see `arithmetic_task.py`), the mixed-length word problems (`word_problems.py`) and the tool-use
+  task (`arithmetic_task.py` too), written as parquet splits; a dataset mixer names them `embedded_arithmetic`,
+  `embedded_word_problems` and `embedded_tool_arithmetic`.
 
 Everything lands under `$OPEN_INSTRUCT_CACHE` (default `~/.cache/open_instruct`). Each folder is
 built in a temporary directory and renamed into place, under a file lock, so concurrent runs and
@@ -146,8 +147,20 @@ def word_problems_data_path(seed: int = 0) -> str:
     )
 
 
+def tool_arithmetic_data_path(seed: int = 0) -> str:
+    """The embedded tool-use task (4-digit questions for the calculator) as `{dir}/train.parquet` and `test.parquet`."""
+    from open_instruct.data.arithmetic_task import write_tool_arithmetic_dataset
+
+    return build_once(
+        os.path.join(cache_dir(), "data", f"tool-arithmetic-seed{seed}"),
+        lambda out: write_tool_arithmetic_dataset(out, seed=seed),
+        marker="test.parquet",
+    )
+
+
 # Names a dataset mixer (--dataset_mixer_list, --dataset_mixer_eval_list) may give for an embedded task.
-EMBEDDED_DATASETS = {"embedded_arithmetic": arithmetic_data_path, "embedded_word_problems": word_problems_data_path}
+EMBEDDED_DATASETS = {"embedded_arithmetic": arithmetic_data_path, "embedded_word_problems": word_problems_data_path,
+                     "embedded_tool_arithmetic": tool_arithmetic_data_path}  # fmt: skip
 
 
 def resolve_dataset_name(name: str) -> str:

@@ -21,8 +21,10 @@ What it generates depends only on the sequence of admissions, weight updates and
 (generation_thread.GenerationThread) decides when each happens by a rule of the rollout's progress. A snapshot of the
 batches in flight (`partial_batches`) is a read: it changes nothing, so a checkpoint does not perturb the run, and
 `restore` puts them back into a fresh engine as requests whose prompt is the original prompt plus the tokens so far,
-exactly as an in-flight update resubmits them. A stop string split across such a resubmission is not seen by vLLM
-(it matches within one request's output), so --stop_strings and --inflight_updates are refused together.
+exactly as an in-flight update resubmits them. Stop strings (--stop_strings) are looked for here, in Python, on each
+sample's accumulated text, not by vLLM: vLLM matches them within one request's output, and would miss one split across
+such a resubmission. As vLLM does (with the stop string kept in the output), a sample ends at the step whose text
+completes one, its text cut just after it, its tokens kept whole.
 
 With --tools (a batch's `params["tools"]`) each sample has an environment (rl/tools.py), and the engine looks for its
 end strings in the sample's accumulated text after every step, in Python, so one split over two steps or over a
@@ -75,6 +77,7 @@ class Sample:
     # environment's end strings, and what its calls did (Completion.tool_stats).
     turn_start: int = 0
     searched_up_to: int = 0
+    stop_searched_up_to: int = 0  # how much of `text` was searched for the stop strings
     tool_stats: dict = field(default_factory=lambda: dict.fromkeys(TOOL_STATS, 0))
 
     @property
@@ -99,7 +102,7 @@ class Sample:
         self.versions += [None] * len(token_ids)
         self.sampled += [False] * len(token_ids)
         self.text += text
-        self.turn_start = self.searched_up_to = len(self.text)
+        self.turn_start = self.searched_up_to = self.stop_searched_up_to = len(self.text)
 
     def finish(self, finish_reason: str, stop_reason, version: int) -> None:
         """A response that stopped on a stop token keeps it as its last token (vLLM leaves stop token ids out of the
@@ -187,7 +190,8 @@ class EngineBatches:
                 continue
             left = sample.max_tokens - len(sample.token_ids)
             settings = {key: value for key, value in params.items() if key != "tools"}
-            sampling = vllm_engine.sampling_params(**{**settings, "n": 1, "max_tokens": left})
+            # Stop strings are found here, on the accumulated text (`_stop_string_end`), never by vLLM.
+            sampling = vllm_engine.sampling_params(**{**settings, "n": 1, "max_tokens": left, "stop_strings": None})
             sampling.output_kind = RequestOutputKind.DELTA  # each step's new tokens, tagged with the version of the step
             request_id = str(next(self.request_ids))
             prompt = {"prompt_token_ids": sample.prompt_token_ids + sample.token_ids}
@@ -198,12 +202,18 @@ class EngineBatches:
         """One engine step: every running request advances (a prefill chunk or one token). A sample whose text now
         ends a turn of its environment (a tool call's end string) is taken out of the engine, and the turns found at
         this step are answered before the next one (`_answer_turns`)."""
-        turns = []
+        turns, stopped = [], []
         for output in self.llm.llm_engine.step():
             sample = self.running[output.request_id]
             piece = output.outputs[0]
             sample.add(list(piece.token_ids), piece.logprobs, piece.text, self.policy_version)
-            if output.finished:
+            stop_string = self._stop_string_end(sample)
+            if stop_string is not None:  # as vLLM's own stop strings: the text ends with it, whatever ended the request
+                sample.finish("stop", stop_string, self.policy_version)
+                del self.running[output.request_id]
+                if not output.finished:
+                    stopped.append(output.request_id)
+            elif output.finished:
                 sample.finish(piece.finish_reason, piece.stop_reason, self.policy_version)
                 del self.running[output.request_id]
             elif id(sample) in self.environments:
@@ -213,12 +223,28 @@ class EngineBatches:
                 sample.searched_up_to = len(sample.text) if end is None else end
                 if end is not None:
                     turns.append((output.request_id, sample, end))
+        if stopped:
+            self.llm.llm_engine.abort_request(stopped)
         if turns:
             self.llm.llm_engine.abort_request([request_id for request_id, _, _ in turns])
             for request_id, _, _ in turns:
                 del self.running[request_id]
             self._answer_turns([(sample, end) for _, sample, end in turns])
         self.steps += 1
+
+    def _stop_string_end(self, sample: Sample) -> str | None:
+        """The stop string the sample's text now completes (its text is then cut just after it), or None. Searched from
+        where the last search ended, so a string split over two steps or a resubmission is found when it completes,
+        and never inside a tool's output."""
+        stop_strings = tuple(self.params[sample.batch_id].get("stop_strings") or ())
+        if not stop_strings:
+            return None
+        end = tools.turn_end(sample.text, stop_strings, sample.stop_searched_up_to, sample.turn_start)
+        sample.stop_searched_up_to = len(sample.text)
+        if end is None:
+            return None
+        sample.text = sample.text[:end]
+        return next(stop for stop in stop_strings if sample.text.endswith(stop))
 
     def _answer_turns(self, turns: list[tuple[Sample, int]]) -> None:
         """Each sample's environment steps on its turn's text (all together, under --tool_timeout_s); in the samples'
@@ -308,3 +334,12 @@ class EngineBatches:
         whose prompt is its prompt plus its tokens so far."""
         for batch in partial_batches:
             self._add(batch["batch_id"], [Sample(**sample) for sample in batch["samples"]], batch["params"])
+
+
+def generate_batch(llm, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None) -> list:
+    """`params["n"]` completions of each prompt, grouped by prompt, decoded as training decodes them (with
+    `params["tools"]`, tool calls answered and appended): one batch through a fresh `EngineBatches`. For evaluation and
+    probes on a saved model."""
+    batches = EngineBatches(llm)
+    batches.admit(0, prompt_token_ids, params, sampling_seed)
+    return batches.run_until_complete(0)

@@ -20,6 +20,11 @@ def verifiable_correct_rate(completions, prompts: PromptBatch, reward_manager: R
     return metrics["objective/verifiable_correct_rate"]
 
 
+def tool_call_rate(completions) -> float:
+    """The share of responses that called a tool at least once (0 for responses generated without tools)."""
+    return sum(bool(c.tool_stats and c.tool_stats["calls"] > 0) for c in completions) / max(1, len(completions))
+
+
 def eval_metrics(rollout: Rollout, eval_prompts: PromptBatch, reward_manager: RewardManager) -> tuple[dict, list[dict]]:
     """Eval: greedy and sampled correct rates on the eval rows that have a ground truth, greedy length.
 
@@ -34,6 +39,10 @@ def eval_metrics(rollout: Rollout, eval_prompts: PromptBatch, reward_manager: Re
         "eval/policy_version": rollout.policy_version,
         "time/eval_generation": rollout.timings.get("eval_generation", 0.0),
     }
+    if any(c.tool_stats is not None for c in completions + rollout.sampled_completions):  # a run with --tools
+        result["eval/tool_call_rate"] = tool_call_rate(completions)
+        if rollout.sampled_completions:
+            result["eval/sampled_tool_call_rate"] = tool_call_rate(rollout.sampled_completions)
     by_key = {"eval/correct_rate": completions, "eval/sampled_correct_rate": rollout.sampled_completions}
     for key, eval_completions in by_key.items():
         correct_rate = verifiable_correct_rate(eval_completions, eval_prompts, reward_manager)

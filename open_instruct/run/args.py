@@ -488,7 +488,7 @@ def yaml_to_cli(path: str) -> list[str]:
     return argv
 
 
-EMBEDDED_DATASET_NAMES = ("embedded_arithmetic", "embedded_word_problems")  # data/embedded.py builds them
+EMBEDDED_DATASET_NAMES = ("embedded_arithmetic", "embedded_word_problems", "embedded_tool_arithmetic")  # data/embedded.py
 
 
 def mixer_eval_list(args: "Args") -> list:

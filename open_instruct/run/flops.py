@@ -27,6 +27,7 @@ import torch
 TIMED_METRICS = frozenset({
     "perf/tokens_per_second", "perf/learner_flops_utilization", "perf/learner_tflops",
     "perf/engine_idle_fraction", "perf/learner_idle_fraction",
+    "tools/time",  # seconds spent in tool calls (--tools)
 })  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from open_instruct.run.args import (
     Args,
     BatchSizes,
     ConfigError,
+    GenerationArgs,
     async_steps,
     batches_in_engine,
     needs_off_policy_correction,
@@ -196,7 +197,7 @@ def validate_flags(args: Args) -> None:
         )
     validate_reward_function(args)
     validate_async_flags(args)
-    validate_tool_flags(args)
+    validate_tool_flags(args.gen)
     if (args.ppo.truncated_importance_sampling_ratio_cap or 0) > 0 and args.ppo.old_logprobs_from == "vllm":
         raise ConfigError(
             "--truncated_importance_sampling_ratio_cap weights tokens by pi_learner_old / pi_vllm, which is 1 with "
@@ -227,9 +228,9 @@ def validate_lora_flags(args: Args) -> None:
         )
 
 
-def validate_tool_flags(args: Args) -> None:
-    """--tools and the flags that shape a call: known names, limits that can be met, a wrapper that holds the output."""
-    gen = args.gen
+def validate_tool_flags(gen: GenerationArgs) -> None:
+    """--tools and the flags that shape a call: known names, limits that can be met, a wrapper that holds the output
+    (the trainer's, and `open_instruct.evaluate`'s)."""
     if not gen.tools:
         return
     problem = tool_names_problem(gen.tools)
@@ -299,12 +300,6 @@ def validate_async_flags(args: Args) -> None:
                 "--truncated_importance_sampling_ratio_cap 0 to train without a correction."
             )
     if batches_in_engine(gen) > 1:
-        if gen.stop_strings:
-            raise ConfigError(
-                f"--stop_strings {gen.stop_strings} with --inflight_updates: a response resubmitted at a weight update "
-                "could hide a stop string split across the update from vLLM; use stop tokens (--stop_token), or drop "
-                "--inflight_updates."
-            )
         if dist.max_engine_restarts > 0:
             raise ConfigError(
                 f"--max_engine_restarts {dist.max_engine_restarts} with --inflight_updates: a dead engine's half "

@@ -1,0 +1,18 @@
+"""A tool-calling environment for runs of the tiny model, which never writes a real call: its turn ends at every letter
+or digit it writes, so its responses call as often as --max_tool_calls lets them. Passed by path:
+`--tools tests/support/tool_environments.py:EveryLetter`."""
+
+import string
+
+from open_instruct.rl import tools
+
+
+class EveryLetter(tools.Environment):
+    end_strings = tuple(string.ascii_letters + string.digits)
+
+    def reset(self, row):
+        self.turns = 0
+
+    def step(self, text):
+        self.turns += 1
+        return f" [{self.turns}]", 0.0, False
