@@ -182,7 +182,7 @@ def test_a_second_run_on_a_locked_output_dir_is_refused(interrupted):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(reference, interrupted):
+def test_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(interrupted, reference):
     """Slow: the uninterrupted `reference` run of 8 steps is made for it (one start beside `interrupted`'s)."""
     assert interrupted.step_at_kill >= 5
     assert interrupted.checkpoints_at_kill[-1] == "step_4"  # the kill came after the checkpoint of step 4
@@ -205,7 +205,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(refer
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_checkpoints_hold_what_the_engine_held_and_the_resumed_engine_continues_it(mode_flags, reference, interrupted):
+def test_checkpoints_hold_what_the_engine_held_and_the_resumed_engine_continues_it(mode_flags, interrupted, reference):
     """Default mode: batches are generated one at a time by one policy, one version behind; a checkpoint holds whole
     rollouts. With --async_steps 2 --inflight_updates the resume above is exact although the checkpoints held batches
     half generated (responses with tokens, unfinished) and responses mixed tokens of two policy versions.
