@@ -3,7 +3,8 @@ on the real trainer (tiny model, real vLLM engine, a few steps). Runs are subpro
 
 - `same_command_twice`: on a fresh $OPEN_INSTRUCT_CACHE, a run (it builds the tiny model), a start with
   --overwrite_output_dir whose model folder is broken (it must leave the first run's files byte-identical), and the
-  first command again (it must give the very same run, and replace the first one).
+  first command again (it must give the very same run, and replace the first one). The command is the stalled
+  run's below (sync mode, 2 steps), so that same run is also the uninterrupted reference of the stall test.
 - A full disk (a small tmpfs as output_dir, tests/small_disk.py): a checkpoint that does not fit stops the run with
   one line and keeps the newest complete checkpoint; a final model that does not fit goes to --fallback_save_dir.
 - Two SIGTERMs sent together to the process group (GNU timeout, SLURM): one preemption, a checkpoint, exit 143.
@@ -61,6 +62,14 @@ def report_line(name: str, line: str) -> None:
     print(f"[line] {name}: {line}")
 
 
+# Sync mode, 2 steps: the generation of step 2's batch stalls (tests/inject_fault.py generation_stalls), so SIGTERM
+# finds the learner waiting for a rollout that never comes. The batch is the checkpoint's own policy's, so the resumed
+# run generates it again exactly (async mode would generate an older policy's batch with the newer one, and warn).
+STALL_PREEMPTION_S = 20  # the step waits 10 s of it (preemption.WAIT_SHARE), the checkpoint has the rest
+STALLED_RUN = TINY_RUN + ["--total_episodes", "16", "--async_mode", "false", *FP32_LEARNER,
+                          "--preemption_timeout_s", str(STALL_PREEMPTION_S)]  # fmt: skip
+
+
 # ---- overwrite and reproducibility: the same command twice on a fresh cache ----------------------------------------
 
 
@@ -85,8 +94,8 @@ def same_command_twice(smollm2_dir, tmp_path_factory) -> TwoRuns:
     shutil.copytree(smollm2_dir, cache / "models" / Path(smollm2_dir).name)  # no tiny model: the first run builds it
     env = {"OPEN_INSTRUCT_CACHE": str(cache)}
     output_dir = workdir / "output"
-    command = TRAINER + TINY_RUN + ["--total_episodes", "16", *FP32_LEARNER, "--output_dir", str(output_dir),
-                                   "--overwrite_output_dir", "true"]  # fmt: skip
+    # The stalled run's flags: the second run is also the uninterrupted reference its resume must equal.
+    command = TRAINER + STALLED_RUN + ["--output_dir", str(output_dir), "--overwrite_output_dir", "true"]
     seconds = {}
 
     start = time.time()
@@ -181,35 +190,51 @@ def test_a_checkpoint_that_does_not_fit_stops_the_run_and_keeps_the_newest_compl
     assert summary["status"] == "failed" and summary["last_checkpoint"] == str(output_dir / "checkpoints" / "step_1")
 
 
-# What the trainer checks at start, before any model loads: the data and the models' folders, then the disk.
+# What the trainer checks at start, before any model loads: the data and the models' folders, then the disk. One
+# process (one import of the trainer, ~5 s) answers for every case: argv[1] is a JSON list of [output_dir, save_freq].
 CHECKPOINT_SPACE_AT_START = """
+import json
 import sys
 from open_instruct.ppo_vllm_thread_ray_gtrl import load_data
 from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.trainer_outputs import checkpoint_space_problem
-args = parse_args(sys.argv[1:])
-print("problem:", checkpoint_space_problem(args, compute_batch_sizes(args), load_data(args)))
+for index, (output_dir, save_freq) in enumerate(json.loads(sys.argv[1])):
+    args = parse_args(sys.argv[2:] + ["--save_freq", save_freq, "--output_dir", output_dir])
+    print(f"problem {index}:", checkpoint_space_problem(args, compute_batch_sizes(args), load_data(args)))
 """
-
-
-@pytest.mark.parametrize("disk_mb, save_freq, expected", [
+DISK_CASES = [
     (12, "1", r"{out} has 0\.01\d+ GB free, less than the ~0\.1[5-7]\d* GB a checkpoint needs: the run would stop at "
               r"its first checkpoint \(--save_freq 1\); free space there, or pass --save_freq -1 \(no checkpoints\)"),
     (260, "1", "None"),  # the disk that holds one checkpoint (test above)
     (12, "-1", "None"),  # no checkpoints
-])  # fmt: skip
-def test_a_disk_that_cannot_hold_one_checkpoint_is_named_at_start(tmp_path, disk_mb, save_freq, expected):
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoint_space_at_start(tmp_path_factory) -> tuple[list[str], list[str]]:
+    """Each DISK_CASES case's output_dir (a small disk of its size, each its own) and what the start said there."""
+    small_disk_or_skip()
+    folder = tmp_path_factory.mktemp("disks")
+    output_dirs = [str(folder / f"case_{index}_{disk_mb}mb") for index, (disk_mb, _, _) in enumerate(DISK_CASES)]
+    cases = [[output_dir, save_freq] for output_dir, (_, save_freq, _) in zip(output_dirs, DISK_CASES)]
+    command = [sys.executable, "-c", CHECKPOINT_SPACE_AT_START, json.dumps(cases), *TINY_RUN, "--total_episodes", "16"]
+    for output_dir, (disk_mb, _, _) in zip(output_dirs, DISK_CASES):
+        os.mkdir(output_dir)
+        command = on_small_disk(output_dir, disk_mb, command)  # nested: each mount in its own namespace, all seen
+    process, _ = run_command(command, cwd=Path(__file__).parent.parent)
+    assert process.returncode == 0, last_lines(process.stderr)
+    said = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in process.stdout.splitlines()
+            if line.startswith("problem ")}  # fmt: skip
+    return output_dirs, [said[f"problem {index}"] for index in range(len(DISK_CASES))]
+
+
+@pytest.mark.parametrize("case", range(len(DISK_CASES)), ids=[f"{mb}-{freq}" for mb, freq, _ in DISK_CASES])
+def test_a_disk_that_cannot_hold_one_checkpoint_is_named_at_start(checkpoint_space_at_start, case):
     """The tiny PPO run's checkpoint (policy, value model, both Adam states) is ~0.16 GB: on a 12 MB disk the run would
     train until its first --save_freq step and stop there, so the start says so, as it does for the final model."""
-    small_disk_or_skip()
-    output_dir = tmp_path / "output"
-    output_dir.mkdir()
-    command = [sys.executable, "-c", CHECKPOINT_SPACE_AT_START, *TINY_RUN, "--total_episodes", "16", "--save_freq",
-               save_freq, "--output_dir", str(output_dir)]  # fmt: skip
-    process, _ = run_command(on_small_disk(str(output_dir), disk_mb, command), cwd=Path(__file__).parent.parent)
-    assert process.returncode == 0, last_lines(process.stderr)
-    problem = next(line for line in process.stdout.splitlines() if line.startswith("problem: "))
-    assert re.fullmatch(expected.format(out=re.escape(str(output_dir))), problem.removeprefix("problem: ")), problem
+    output_dirs, problems = checkpoint_space_at_start
+    expected = DISK_CASES[case][2]
+    assert re.fullmatch(expected.format(out=re.escape(output_dirs[case])), problems[case]), problems[case]
 
 
 def test_a_final_model_that_does_not_fit_goes_to_the_fallback_folder(tmp_path):
@@ -276,14 +301,6 @@ def test_two_sigterms_to_the_process_group_give_one_checkpoint_and_exit_143(tmp_
 
 # ---- a preemption while the step waits on a generation that cannot finish in time --------------------------------
 
-# Sync mode, 2 steps: the generation of step 2's batch stalls (tests/inject_fault.py generation_stalls), so SIGTERM
-# finds the learner waiting for a rollout that never comes. The batch is the checkpoint's own policy's, so the resumed
-# run generates it again exactly (async mode would generate an older policy's batch with the newer one, and warn).
-STALL_PREEMPTION_S = 20  # the step waits 10 s of it (preemption.WAIT_SHARE), the checkpoint has the rest
-STALLED_RUN = TINY_RUN + ["--total_episodes", "16", "--async_mode", "false", *FP32_LEARNER,
-                          "--preemption_timeout_s", str(STALL_PREEMPTION_S)]  # fmt: skip
-
-
 def start_stalled_run(tmp_path: Path, output_dir: Path) -> subprocess.Popen:
     """The stalled run, once the learner waits on the stalled generation (step 1 logged)."""
     command = [sys.executable, str(TESTS_DIR / "inject_fault.py"), "generation_stalls", *STALLED_RUN,
@@ -299,11 +316,8 @@ def start_stalled_run(tmp_path: Path, output_dir: Path) -> subprocess.Popen:
     return process
 
 
-def test_sigterm_while_generation_stalls_checkpoints_the_last_step_and_resumes_exactly(tmp_path):
-    reference = tmp_path / "reference"
-    process, _ = run_command(TRAINER + STALLED_RUN + ["--output_dir", str(reference)], cwd=tmp_path)
-    assert process.returncode == 0, last_lines(process.stderr)
-
+def test_sigterm_while_generation_stalls_checkpoints_the_last_step_and_resumes_exactly(tmp_path, same_command_twice):
+    reference = same_command_twice.second  # STALLED_RUN's flags, uninterrupted (the tiny model built the same way)
     output_dir = tmp_path / "output"
     stalled = start_stalled_run(tmp_path, output_dir)
     sent = time.time()
