@@ -48,6 +48,7 @@ class LoraSettings:
         return cls(model_args.lora_rank, model_args.lora_alpha, tuple(model_args.lora_target_modules))
 
 
+@torch.no_grad()  # a weight for the engine or a file: no autograd graph through the adapters
 def merged_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
     """`W + s B A` in fp32, out of place: `base` W [out, in], `lora_a` A [rank, in], `lora_b` B [out, rank]. One
     addmm, which writes only its result: `W + s * (B @ A)` makes three [out, in] temporaries and measured 12x slower
