@@ -201,8 +201,10 @@ def lora_step_save_and_resume(rank: int, port: int, results, model_dir: str, sta
     def engine_weights() -> dict:  # what learner rank 0 streams to the engines (weight_sender.WeightSender)
         return dict(learner.backend.iter_named_weights(learner.policy, torch.float32))
 
-    in_optimizer = {id(p) for trainer in learner.trainers for g in trainer.engine.optimizer.param_groups
-                    for p in g["params"]}  # fmt: skip
+    # The module parameters DeepSpeed's ZeRO optimizer steps (its param_groups hold its own flat fp32 partitions).
+    zero_groups = [getattr(trainer.engine.optimizer, "bit16_groups" if stage == 2 else "fp16_groups")
+                   for trainer in learner.trainers]  # fmt: skip
+    in_optimizer = {id(p) for groups in zero_groups for group in groups for p in group}
     trained = {id(p) for model in (learner.policy, learner.value_model)
                for p in learner.backend.hf_model(model).parameters() if p.requires_grad}  # fmt: skip
     metrics = one_ppo_step(learner, *rollout, reward)
