@@ -206,9 +206,22 @@ class DeepSpeedBackend:
         self.check_finite(trainer.engine, role)
         os.makedirs(folder, exist_ok=True)
         # With LoRA the frozen base is left out (a resumed run reloads it from --model_name_or_path): the checkpoint
-        # holds the adapters (and a value model's score head) and their optimizer state alone.
-        trainer.engine.save_checkpoint(folder, tag=ENGINE_TAG, save_latest=False,
-                                       exclude_frozen_parameters=has_frozen(trainer.engine))  # fmt: skip
+        # holds the adapters (and a value model's score head) and their optimizer state alone. DeepSpeed's
+        # exclude_frozen_parameters drops each frozen parameter under one name only: a tied LM head's second name
+        # (the whole embedding) would stay, so the module's state drops every name of a frozen parameter.
+        module = trainer.engine.module
+        frozen = {name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad}
+
+        def drop_frozen(_, state: dict, prefix: str, __) -> None:
+            for name in frozen:
+                state.pop(prefix + name, None)
+
+        hook = module.register_state_dict_post_hook(drop_frozen)
+        try:
+            trainer.engine.save_checkpoint(folder, tag=ENGINE_TAG, save_latest=False,
+                                           exclude_frozen_parameters=bool(frozen))  # fmt: skip
+        finally:
+            hook.remove()
         written = os.path.join(folder, ENGINE_TAG)
         # Each rank's files name it (zero_pp_rank_<r>_...); the others (the replicated states of ZeRO-0/2, DeepSpeed's
         # own notes) come from rank 0.

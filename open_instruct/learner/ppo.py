@@ -584,9 +584,10 @@ def engine_dtype_mismatch(args, compute_dtype: torch.dtype, device: torch.device
 
 def weight_norm(model, backend) -> float:
     """The global L2 norm of a model's weights (the divergence guard's yardstick). Under ZeRO-3 each rank holds only
-    its partition of every tensor: each sums the squares of its own share and the ranks add them up (a collective:
-    every rank calls it)."""
-    squares, partitioned = torch.zeros((), dtype=torch.float64), False
+    its partition of a partitioned tensor: each sums the squares of its own share and the ranks add them up (a
+    collective: every rank calls it); a tensor every rank holds whole (LoRA's adapters before DeepSpeed partitions
+    them) counts once."""
+    sharded, whole, partitioned = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64), False
     with torch.no_grad():
         for param in backend.hf_model(model).parameters():
             if hasattr(param, "ds_tensor"):
@@ -594,9 +595,9 @@ def weight_norm(model, backend) -> float:
                 share = param.ds_tensor.reshape(-1)
                 start = backend.rank * share.numel()  # a rank's flat range; the last one ends in padding
                 share = share[: max(0, min(share.numel(), param.ds_numel - start))]
+                sharded += torch.linalg.vector_norm(share, dtype=torch.float32).double().cpu() ** 2  # no copy of share
             else:
-                share = param
-            squares += torch.linalg.vector_norm(share, dtype=torch.float32).double().cpu() ** 2  # no copy of share
+                whole += torch.linalg.vector_norm(param, dtype=torch.float32).double().cpu() ** 2
     if partitioned:
-        squares = backend.all_sum(squares)
-    return float(squares.sqrt())
+        sharded = backend.all_sum(sharded)
+    return float((sharded + whole).sqrt())
