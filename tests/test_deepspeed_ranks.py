@@ -185,9 +185,11 @@ def test_zero3_padding_is_not_checked_for_nan_before_a_save_but_every_real_weigh
 
 # ---- LoRA on DeepSpeed ranks: the single-process step, the merged weights, the save and the checkpoint -----------------
 
-# Rank 4 on every linear layer, a KL reference (the policy with its adapters disabled), a learning rate far above a
-# real run's so that one step moves every adapted layer visibly.
-LORA_STEP_FLAGS = ["--lora_rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2", "--beta", "0.05"]
+# Rank 80 on every linear layer: most adapter matrices (80 x 128 and larger) are above ZeRO-3's persistence threshold
+# (10000 elements, configs/ds_configs/zero3_train.json), so ZeRO-3 partitions them as it does an 8B model's, and the
+# merge must gather them. A KL reference (the policy with its adapters disabled), a learning rate far above a real
+# run's so that one step moves every adapted layer visibly.
+LORA_STEP_FLAGS = ["--lora_rank", "80", "--lora_alpha", "160", "--learning_rate", "1e-3", "--beta", "0.05"]
 
 
 def lora_step_save_and_resume(rank: int, port: int, results, model_dir: str, stage: int, workdir: str) -> None:
@@ -287,9 +289,9 @@ def test_two_lora_ranks_take_the_single_process_lora_step_and_save_and_checkpoin
     checkpoint = tmp_path / "checkpoint"
     files = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
     full = 12 * sum(t.numel() for t in initial.values())  # a full fine-tuning checkpoint: weights and 2 moments, fp32
-    assert files < full / 10, (files, full)
+    assert files < full / 5, (files, full)  # the adapters' 0.66M parameters; the frozen base alone is 26 MB
     module_states = list((checkpoint / "policy" / "engine").glob("*model_states.pt"))  # ZeRO-3: one per rank
     assert module_states and all("lora_" in name for path in module_states
                                  for name in torch.load(path, weights_only=False)["module"]), "the base was saved"
     assert repeated and moved, "the step after reading the checkpoint back differs from the step after writing it"
-    print(f"\nZeRO-{stage} LoRA r4 checkpoint {files / 1e6:.2f} MB (2 ranks); full fine-tuning ~{full / 1e6:.0f} MB")
+    print(f"\nZeRO-{stage} LoRA r80 checkpoint {files / 1e6:.2f} MB (2 ranks); full fine-tuning ~{full / 1e6:.0f} MB")
