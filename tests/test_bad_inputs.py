@@ -98,8 +98,6 @@ CASES = [
     # ---- LoRA (docs/lora.md) ----
     Case("lora dropout", ["--lora_rank", "8", "--lora_dropout", "0.1"],
          "--lora_dropout 0.1 is not valid; expected 0: the engine samples with the merged weights and no dropout"),
-    Case("lora with Ray learners", ["--lora_rank", "8", "--deepspeed_stage", "2"],
-         "--lora_rank 8 is supported on the single-process learner with its in-process engine"),
     Case("lora unknown target", ["--lora_rank", "8", "--lora_target_modules", "q_proj", "c_attn"],
          "--lora_target_modules c_attn: no linear layer of the LlamaForCausalLM decoder has that name; expected some "
          "of down_proj gate_proj k_proj o_proj q_proj up_proj v_proj"),

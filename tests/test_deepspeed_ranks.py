@@ -181,3 +181,117 @@ def test_zero3_padding_is_not_checked_for_nan_before_a_save_but_every_real_weigh
     assert (tmp_path / "engine" / "engine").is_dir()  # NaN in the padding alone: the checkpoint was written
     for rank in range(2):
         assert results[rank][1] == f"the policy's weight bias holds NaN or inf on rank {rank}; refusing to save it"
+
+
+# ---- LoRA on DeepSpeed ranks: the single-process step, the merged weights, the save and the checkpoint -----------------
+
+# Rank 80 on every linear layer: most adapter matrices (80 x 128 and larger) are above ZeRO-3's persistence threshold
+# (10000 elements, configs/ds_configs/zero3_train.json), so ZeRO-3 partitions them as it does an 8B model's, and the
+# merge must gather them. A KL reference (the policy with its adapters disabled), a learning rate far above a real
+# run's so that one step moves every adapted layer visibly.
+LORA_STEP_FLAGS = ["--lora_rank", "80", "--lora_alpha", "160", "--learning_rate", "1e-3", "--beta", "0.05"]
+
+
+def lora_step_save_and_resume(rank: int, port: int, results, model_dir: str, stage: int, workdir: str) -> None:
+    import os
+
+    from open_instruct.rl.rewards import RewardManager
+
+    learner, tokenizer = learner_on_rank(rank, port, model_dir, stage, *LORA_STEP_FLAGS)
+    rollout, reward = fixed_rollout(tokenizer), RewardManager(learner.args.reward)
+
+    def engine_weights() -> dict:  # what learner rank 0 streams to the engines (weight_sender.WeightSender)
+        return dict(learner.backend.iter_named_weights(learner.policy, torch.float32))
+
+    # The module parameters DeepSpeed's ZeRO optimizer steps (its param_groups hold its own flat fp32 partitions).
+    zero_groups = [getattr(trainer.engine.optimizer, "bit16_groups" if stage == 2 else "fp16_groups")
+                   for trainer in learner.trainers]  # fmt: skip
+    in_optimizer = {id(p) for groups in zero_groups for group in groups for p in group}
+    trained = {id(p) for model in (learner.policy, learner.value_model)
+               for p in learner.backend.hf_model(model).parameters() if p.requires_grad}  # fmt: skip
+    metrics = one_ppo_step(learner, *rollout, reward)
+    stepped = engine_weights()
+    shapes = learner.backend.weight_shapes(learner.policy)
+    saved = learner.save(os.path.join(workdir, "model"))
+    checkpoint = os.path.join(workdir, "checkpoint")
+    os.makedirs(checkpoint, exist_ok=True)
+    written = learner.write_checkpoint(checkpoint)
+    one_ppo_step(learner, *rollout, reward)
+    second = engine_weights()
+    learner.read_checkpoint(checkpoint)  # back to step 1: the adapters, their AdamW state, the shuffle order
+    one_ppo_step(learner, *rollout, reward)
+    second_again = engine_weights()
+    repeated = rank != 0 or all(torch.equal(second[name], second_again[name]) for name in second)
+    moved = rank != 0 or any(not torch.equal(second[name], stepped[name]) for name in second)
+    results[rank] = (metrics, stepped if rank == 0 else None, shapes, saved, written, in_optimizer == trained,
+                     repeated, moved)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single_process_lora_step(tiny_model_dir):
+    """The reference: the single-process LoRA learner's first step on the fixed rollout, and its merged weights."""
+    from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
+    from open_instruct.learner.ppo import PPOLearner
+    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.run.args import compute_batch_sizes, parse_args
+
+    args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, *LORA_STEP_FLAGS])
+    tokenizer = load_tokenizer(tiny_model_dir)
+    torch.manual_seed(args.run.seed)
+    single = PPOLearner(args, compute_batch_sizes(args), tokenizer, tiny_model_dir, stop_token_ids_for(tokenizer, "eos"))
+    initial = dict(single.weights_for_engine())
+    metrics = one_ppo_step(single, *fixed_rollout(tokenizer), RewardManager(args.reward))
+    return initial, dict(single.weights_for_engine()), metrics
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_lora_ranks_take_the_single_process_lora_step_and_save_and_checkpoint_the_adapters(
+    stage, single_process_lora_step, tiny_model_dir, tmp_path
+):
+    """2 DeepSpeed ranks with --lora_rank: the optimizer holds the adapters (and the value model's score head) alone;
+    one PPO step gives the single-process metrics and merged weights (what rank 0 streams to the engines, computed
+    layer by layer from the gathered base under ZeRO-3); the saved folder holds those merged weights in fp32 and the
+    adapters in peft's format; the checkpoint holds the trained state alone, and reading it back repeats the next
+    step bit for bit."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from open_instruct.learner import lora
+    from open_instruct.run.flops import is_timing
+
+    initial, expected, expected_metrics = single_process_lora_step
+    results = run_two_ranks(lora_step_save_and_resume, tiny_model_dir, stage, str(tmp_path))
+    metrics, weights, shapes, saved, written, optimizer_holds_trained, repeated, moved = results[0]
+    assert optimizer_holds_trained and results[1][5], "DeepSpeed's optimizer holds more than the adapters and the head"
+    assert results[1][3] is None and saved.dtype == "float32"
+    differing = {key: (metrics[key], want) for key, want in expected_metrics.items()
+                 if not is_timing(key) and metrics[key] != pytest.approx(want, abs=1e-4, rel=1e-4)}  # fmt: skip
+    assert metrics.keys() == expected_metrics.keys() and not differing, f"ZeRO-{stage} vs single process: {differing}"
+    assert expected_metrics["objective/kl"] == 0.0  # the reference (adapters disabled) is the step-0 policy
+    # The engine gets the base model's names and shapes, the merged weights equal the single process's.
+    assert [name for name, _ in shapes] == list(expected) == list(weights)
+    assert all(shape == tuple(expected[name].shape) for name, shape in shapes)
+    for name, want in expected.items():
+        merged = name.rsplit(".", 2)[-2] in {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+        moved_by = (want - initial[name]).abs().max().item()
+        assert (moved_by > 1e-4) if merged else moved_by == 0, f"{name} moved by {moved_by}"
+        torch.testing.assert_close(weights[name], want, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+    model_dir = tmp_path / "model"
+    on_disk = load_file(str(model_dir / "model.safetensors"))
+    assert all(torch.equal(on_disk[name], weights[name]) for name in on_disk) and set(on_disk) <= set(weights)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with_adapter = PeftModel.from_pretrained(base, str(model_dir / lora.ADAPTER_FOLDER)).merge_and_unload()
+    for name, param in with_adapter.named_parameters():  # peft's merge, in place in fp32: rounding apart
+        torch.testing.assert_close(param.detach(), on_disk.get(name, weights[name]), atol=1e-6, rtol=0)
+
+    checkpoint = tmp_path / "checkpoint"
+    files = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
+    full = 12 * sum(t.numel() for t in initial.values())  # a full fine-tuning checkpoint: weights and 2 moments, fp32
+    assert files < full / 5, (files, full)  # the adapters' 0.66M parameters; the frozen base alone is 26 MB
+    module_states = list((checkpoint / "policy" / "engine").glob("*model_states.pt"))  # ZeRO-3: one per rank
+    assert module_states and all("lora_" in name for path in module_states
+                                 for name in torch.load(path, weights_only=False)["module"]), "the base was saved"
+    assert repeated and moved, "the step after reading the checkpoint back differs from the step after writing it"
+    print(f"\nZeRO-{stage} LoRA r80 checkpoint {files / 1e6:.2f} MB (2 ranks); full fine-tuning ~{full / 1e6:.0f} MB")

@@ -108,15 +108,18 @@ GREEDY = dict(n=1, temperature=0.0, max_tokens=12, stop_token_ids=[])
 @pytest.mark.e2e
 @pytest.mark.ray
 @needs_loopback_namespace
+@pytest.mark.parametrize("lora", [[], ["--lora_rank", "4", "--lora_alpha", "32"]], ids=["full", "lora"])
 def test_zero3_pair_broadcasts_to_two_engines_in_buckets_and_they_hold_the_learners_weights(
-    ray_cluster, engines, tiny_model_dir, tmp_path
+    lora, ray_cluster, engines, tiny_model_dir, tmp_path
 ):
+    """With --lora_rank the ranks send the merged `W + s B A` under the base's names, each adapted layer computed from
+    its gathered base and adapters (lora.engine_weights), and the engines load a plain model."""
     from open_instruct.generation.engine_actors import connect_engines
     from open_instruct.learner.ray_group import LearnerGroup
 
     flags = ["--num_learners_per_node", "1", "1", "--deepspeed_stage", "3", "--ray_address", ray_cluster.address,
              "--vllm_num_engines", "2", "--vllm_sync_bucket_mb", "0.25", "--learning_rate", "1e-2",
-             "--output_dir", str(tmp_path / "output")]  # fmt: skip
+             "--output_dir", str(tmp_path / "output"), *lora]  # fmt: skip
     args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, *flags])
     tokenizer = load_tokenizer(tiny_model_dir)
     prompts = prompt_ids(tiny_model_dir, 3)

@@ -9,7 +9,9 @@ what it left as a user would (transformers without peft, peft on the base, a fre
 import copy
 import json
 import os
-import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ from open_instruct.run.memory_plan import plan_memory
 from open_instruct.run.model_shapes import run_model_shapes
 from open_instruct.run.tracking import read_metrics
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step
-from tests.support.resume_runs import assert_same_run
+from tests.support.resume_runs import assert_same_run, log_of, offline_env, wait_for_step
 from tests.support.trainer_runs import (
     FP32_LEARNER,
     SMALL_RUN,
@@ -35,6 +37,7 @@ from tests.support.trainer_runs import (
     TRAINER,
     Run,
     fresh_engine_greedy,
+    last_lines,
     run_to_completion,
 )
 
@@ -339,10 +342,23 @@ def test_lora_run_engine_agrees_with_learner_and_a_fresh_engine_on_the_saved_mod
 
 
 @pytest.mark.e2e
-def test_lora_run_resumed_from_step_1_repeats_step_2_and_the_final_model(lora_run, tiny_model_dir, eval_file, tmp_path):
+def test_lora_run_killed_9_after_its_first_checkpoint_and_resumed_equals_the_uninterrupted_run(
+    lora_run, tiny_model_dir, eval_file, tmp_path
+):
+    """The run of `lora_run` again, killed with SIGKILL as soon as its step-1 checkpoint (the adapters, their AdamW
+    state; not the base) is complete, then `--resume`d: every logged step and the final model equal the uninterrupted
+    run's."""
     output_dir = tmp_path / "output"
-    shutil.copytree(lora_run, output_dir, ignore=shutil.ignore_patterns(".run.lock"))
-    step_1 = str(output_dir / "checkpoints" / "step_1")
-    command = lora_command(tiny_model_dir, eval_file, output_dir, "--resume", step_1)
-    run_to_completion(command, cwd=tmp_path)
+    command = lora_command(tiny_model_dir, eval_file, output_dir)
+    with open(tmp_path / "killed.log", "w") as log:
+        process = subprocess.Popen(command, cwd=tmp_path, env=offline_env(), stdout=log, stderr=subprocess.STDOUT)
+    process.log_path = tmp_path / "killed.log"
+    checkpoint = output_dir / "checkpoints" / "step_1"
+    wait_for_step(process, output_dir, 1)
+    while not checkpoint.is_dir() and process.poll() is None:
+        time.sleep(0.05)
+    process.kill()
+    assert process.wait() == -signal.SIGKILL, f"the run ended before the kill:\n{last_lines(log_of(process))}"
+    assert all("lora_" in name for name in torch.load(checkpoint / "learner.pt", weights_only=False)["policy"])
+    run_to_completion(command + ["--resume"], cwd=tmp_path)
     assert_same_run(output_dir, lora_run)

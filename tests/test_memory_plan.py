@@ -306,6 +306,36 @@ def test_cli_plans_the_8b_recipe_offline_from_the_shipped_configs():
     assert f"{spare} GB (" in header and "to spare" in header, spare
 
 
+RECIPE_8B_LORA_1NODE = REPO / "configs" / "train_configs" / "ppo_tulu3_8b_lora_1node.yaml"
+
+
+def plan_of(recipe: Path, *flags: str):
+    """The plan the trainer prints at start for `recipe` (and flags) on its 80 GB learner GPUs."""
+    args = parse_args([str(recipe), *flags])
+    return plan_memory(args, run_model_shapes(args), "gpu", args.dist.device_memory_gb * 1e9)
+
+
+def test_the_8b_lora_recipe_fits_one_node_where_full_fine_tuning_does_not():
+    """configs/train_configs/ppo_tulu3_8b_lora_1node.yaml: 4 learner ranks and 4 engines on one 8-GPU node. With LoRA
+    a rank holds 1/4 of the frozen bf16 bases and the adapters' optimizer state; full fine-tuning on the same 4 ranks
+    needs AdamW moments and masters of the whole models, and is refused."""
+    args = parse_args([str(RECIPE_8B_LORA_1NODE)])
+    assert args.dist.num_learners + args.dist.vllm_num_engines * args.dist.vllm_tensor_parallel_size == 8
+    lora = plan_of(RECIPE_8B_LORA_1NODE)
+    capacity = args.dist.device_memory_gb * 1e9
+    lora.check(capacity, "an 80 GB GPU")  # accepted
+    assert not [item.name for item in lora.items if item.name.startswith("reference policy")]
+    full = plan_of(RECIPE_8B_LORA_1NODE, "--lora_rank", "0")
+    with pytest.raises(ConfigError, match="the biggest item is policy AdamW moments"):
+        full.check(capacity, "an 80 GB GPU")
+    # The recipe's header states the plan: it must change when the plan does.
+    header = RECIPE_8B_LORA_1NODE.read_text().split("\nmodel_name_or_path")[0]
+    assert f"at load {lora.at_load / 1e9:.1f} GB; steady state {lora.steady / 1e9:.1f} GB" in header
+    assert f"{(capacity - lora.peak) / 1e9:.1f} GB ({1 - lora.peak / capacity:.0%}) to spare" in header
+    full_2 = plan_of(RECIPE_8B_LORA_1NODE, "--lora_rank", "0", "--per_device_train_batch_size", "2")
+    assert f"does not fit: {full_2.peak / 1e9:.1f} GB at micro-batch 2 ({full.peak / 1e9:.1f} at 4)" in header
+
+
 def test_cli_refuses_the_8b_recipe_without_gradient_checkpointing():
     process = run_cli(str(RECIPE_8B), "--gradient_checkpointing", "false")
     assert process.returncode == 2

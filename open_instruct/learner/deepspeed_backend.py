@@ -23,7 +23,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param
 from torch import nn
 
-from open_instruct.learner import models, saving
+from open_instruct.learner import lora, models, saving
 from open_instruct.learner.single_process import OptimizerSettings, adamw, lr_scheduler
 from open_instruct.run import devices
 from open_instruct.run.checkpoint import NonFiniteError, fsync_files
@@ -205,7 +205,23 @@ class DeepSpeedBackend:
         wrote, fsynced (DeepSpeed does not fsync). Refuses to write non-finite weights."""
         self.check_finite(trainer.engine, role)
         os.makedirs(folder, exist_ok=True)
-        trainer.engine.save_checkpoint(folder, tag=ENGINE_TAG, save_latest=False)
+        # With LoRA the frozen base is left out (a resumed run reloads it from --model_name_or_path): the checkpoint
+        # holds the adapters (and a value model's score head) and their optimizer state alone. DeepSpeed's
+        # exclude_frozen_parameters drops each frozen parameter under one name only: a tied LM head's second name
+        # (the whole embedding) would stay, so the module's state drops every name of a frozen parameter.
+        module = trainer.engine.module
+        frozen = {name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad}
+
+        def drop_frozen(_, state: dict, prefix: str, __) -> None:
+            for name in frozen:
+                state.pop(prefix + name, None)
+
+        hook = module.register_state_dict_post_hook(drop_frozen)
+        try:
+            trainer.engine.save_checkpoint(folder, tag=ENGINE_TAG, save_latest=False,
+                                           exclude_frozen_parameters=bool(frozen))  # fmt: skip
+        finally:
+            hook.remove()
         written = os.path.join(folder, ENGINE_TAG)
         # Each rank's files name it (zero_pp_rank_<r>_...); the others (the replicated states of ZeRO-0/2, DeepSpeed's
         # own notes) come from rank 0.
@@ -224,18 +240,21 @@ class DeepSpeedBackend:
     def load_engine_checkpoint(self, trainer: DeepSpeedTrainer, folder: str) -> None:
         """Restore what `save_engine_checkpoint` wrote into this run's engine (same rank count and stage)."""
         path, _ = trainer.engine.load_checkpoint(
-            folder, tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True
-        )
+            folder, tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True,
+            load_module_strict=not has_frozen(trainer.engine),  # a LoRA checkpoint holds no frozen weights
+        )  # fmt: skip
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {os.path.join(folder, ENGINE_TAG)}")
 
     def engine_checkpoint_bytes(self, trainers: list[DeepSpeedTrainer]) -> int:
         """About what this rank writes: its share of the fp32 masters and two AdamW moments (12 bytes a weight), and,
         at ZeRO-0/2, on rank 0, the module weights in their dtype (at ZeRO-3 they are the masters' partitions: measured,
-        the tiny model's 6.59M weights at 2 ranks wrote 39.5 MB of optimizer state per rank and 13 KB of module state)."""
+        the tiny model's 6.59M weights at 2 ranks wrote 39.5 MB of optimizer state per rank and 13 KB of module state).
+        The trained weights only: a LoRA checkpoint leaves the frozen base out."""
         total = 0
         for trainer in trainers:
-            numel = sum(getattr(p, "ds_numel", p.numel()) for p in unwrap(trainer.engine).parameters())
+            trained = [p for p in unwrap(trainer.engine).parameters() if p.requires_grad]
+            numel = sum(getattr(p, "ds_numel", p.numel()) for p in trained)
             weight_bytes = 2 if self.bf16 else 4
             if self.stage == 0:
                 total += numel * (weight_bytes + 8) if self.rank == 0 else 0
@@ -274,40 +293,72 @@ class DeepSpeedBackend:
     def iter_named_weights(
         self, model: nn.Module, dtype: torch.dtype, every_rank: bool = False
     ) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """(name, copy in `dtype`) of each parameter as the engine computes with it, in order; the tensor is None on ranks other than 0 unless
-        `every_rank` (a CUDA IPC transfer: each rank shares its own copy). Under ZeRO-3 every rank must run the
-        iterator to the end: each step gathers a parameter (or, with --gather_whole_model, the first step gathers
-        all of them)."""
+        """(name, copy in `dtype`) of each weight as the engine computes with it, in order (with LoRA adapters the
+        merged `W + s B A` under the base's names, lora.engine_weights); the tensor is None on ranks other than 0
+        unless `every_rank` (a CUDA IPC transfer: each rank shares its own copy). Under ZeRO-3 every rank must run the
+        iterator to the end: each step gathers a weight's parameters (an adapted layer's base and adapters together,
+        so at most one layer is whole at a time), or, with --gather_whole_model, the first step gathers all of them."""
         module = unwrap(model)
         keep = every_rank or self.rank == 0
-        if self.stage != 3:
-            for name, param in module.named_parameters():
-                yield name, param.detach().to(dtype=dtype, copy=True) if keep else None
-            return
-        named_params = list(module.named_parameters())
-        groups = [named_params] if self.gather_whole_model else [[item] for item in named_params]
-        for group in groups:
-            with deepspeed.zero.GatheredParameters([param for _, param in group]):
-                for name, param in group:
-                    yield name, param.detach().to(dtype=dtype, copy=True) if keep else None
+        weights = lora.engine_weights(module)
+        whole = self.stage == 3 and self.gather_whole_model
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=whole):
+            for weight in weights:
+                with deepspeed.zero.GatheredParameters(weight.params, enabled=self.stage == 3 and not whole):
+                    yield weight.name, weight.value(dtype, copy=True) if keep else None
 
     def weight_shapes(self, model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-        """The parameters' full shapes (ZeRO-3 keeps a partition; `ds_shape` is the whole)."""
-        return [(name, tuple(getattr(p, "ds_shape", p.shape))) for name, p in unwrap(model).named_parameters()]
+        """The weights' full shapes (ZeRO-3 keeps a partition), in `iter_named_weights`' order and names."""
+        return [(weight.name, weight.shape) for weight in lora.engine_weights(unwrap(model))]
+
+    def full_master(self, param: nn.Parameter) -> torch.Tensor:
+        """A trained parameter's whole fp32 master at ZeRO-2/3 (a collective at ZeRO-3), else the parameter."""
+        if self.stage in (2, 3) and param.requires_grad:
+            return safe_get_full_fp32_param(param)
+        return param
 
     def iter_master_weights(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The trained weights with the checkpoint's names (each shared tensor once), one at a time, on the CPU of rank
         0 (None elsewhere): at ZeRO-2/3 the optimizer's fp32 masters, gathered (a collective per tensor: every rank
-        runs the iterator to the end), so a bf16 engine's save holds what it trained, not its bf16 copies."""
-        for name, tensor in saving.unique_state_items(unwrap(model)):
-            if self.stage in (2, 3) and isinstance(tensor, nn.Parameter) and tensor.requires_grad:
-                full = safe_get_full_fp32_param(tensor)
+        runs the iterator to the end), so a bf16 engine's save holds what it trained, not its bf16 copies. With LoRA
+        adapters: the merged weights under the base's names, from the frozen base and the adapters' masters, in fp32."""
+        module = unwrap(model)
+        if lora.is_adapted(module):
+            named = lora.merged_weights(module, torch.float32, gathered=self.gathered, read=self.full_master, copy=True)
+        else:
+            named = self.iter_state_masters(module)
+        for name, full in named:
+            yield name, (full.to("cpu", copy=True) if self.rank == 0 else None)
+
+    def iter_state_masters(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in saving.unique_state_items(module):
+            if isinstance(tensor, nn.Parameter) and tensor.requires_grad:
+                full = self.full_master(tensor)
             elif self.stage == 3 and hasattr(tensor, "ds_id"):  # a frozen partitioned parameter
                 with deepspeed.zero.GatheredParameters([tensor]):
                     full = tensor.detach().clone()
             else:
                 full = tensor.detach()
-            yield name, (full.to("cpu", copy=True) if self.rank == 0 else None)
+            yield name, full
+
+    def trained_masters(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The trained parameters (LoRA: the adapters) by name, whole, fp32, on the CPU of rank 0 (None elsewhere; a
+        collective per parameter at ZeRO-3)."""
+        trained = {}
+        for name, param in unwrap(model).named_parameters():
+            if param.requires_grad:
+                full = self.full_master(param)
+                trained[name] = full.detach().to("cpu", copy=True)
+        return trained if self.rank == 0 else None
+
+    def gathered(self, params: list[nn.Parameter]):
+        """A context in which `params` are whole on every rank (ZeRO-3 gathers them; elsewhere they are)."""
+        return deepspeed.zero.GatheredParameters(params, enabled=self.stage == 3)
+
+
+def has_frozen(model: nn.Module) -> bool:
+    """Whether some of `model`'s weights do not train (LoRA's frozen base)."""
+    return any(not param.requires_grad for param in model.parameters())
 
 
 def unwrap(model: nn.Module) -> nn.Module:

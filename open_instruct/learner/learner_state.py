@@ -51,6 +51,7 @@ class LearnerState:
             return
         rank_state = torch.load(os.path.join(folder, f"rank_{self.backend.rank}.pt"), weights_only=False)
         self.check_same_algorithm(rank_state["trains_value_model"])
+        self.check_same_lora(rank_state)
         for role, trainer in self.named_trainers:
             self.backend.load_engine_checkpoint(trainer, os.path.join(folder, role))
         self.restore_rank_state(rank_state)
@@ -67,6 +68,7 @@ class LearnerState:
             "torch_rng": torch.get_rng_state(),
             "compute_dtype": devices.dtype_name(self.compute_dtype),
             "trains_value_model": self.value_model is not None,
+            "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
         }
 
     def check_same_algorithm(self, checkpoint_has_value_model: bool) -> None:
@@ -97,8 +99,6 @@ class LearnerState:
         state = {"policy": self.model_state(self.policy)}
         if self.value_model is not None:
             state["value_model"] = self.model_state(self.value_model)
-        if self.lora is not None:
-            state["lora"] = dataclasses.asdict(self.lora)
         return {
             **state,
             "optimizers": [trainer.optimizer.state_dict() for trainer in self.trainers],

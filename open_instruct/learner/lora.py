@@ -48,6 +48,7 @@ class LoraSettings:
         return cls(model_args.lora_rank, model_args.lora_alpha, tuple(model_args.lora_target_modules))
 
 
+@torch.no_grad()  # a weight for the engine or a file: no autograd graph through the adapters
 def merged_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
     """`W + s B A` in fp32, out of place: `base` W [out, in], `lora_a` A [rank, in], `lora_b` B [out, rank]. One
     addmm, which writes only its result: `W + s * (B @ A)` makes three [out, in] temporaries and measured 12x slower
@@ -83,10 +84,14 @@ def add_adapters(hf_model: nn.Module, settings: LoraSettings, seed: int, train_h
     return peft_model
 
 
-def save_adapter(peft_model: PeftModel, model_folder: str) -> None:
+def save_adapter(peft_model: PeftModel, trained: dict[str, torch.Tensor], model_folder: str) -> None:
     """The adapters in peft's format in `model_folder`/adapter (adapter_config.json naming the base, and
-    adapter_model.safetensors): `PeftModel.from_pretrained(base, "<model>/adapter")` loads them."""
-    peft_model.save_pretrained(os.path.join(model_folder, ADAPTER_FOLDER))
+    adapter_model.safetensors): `PeftModel.from_pretrained(base, "<model>/adapter")` loads them. `trained`: the
+    trained weights by the HF model's names, whole (DeepSpeed: the gathered fp32 masters; the module's own may be
+    partitions or bf16 copies)."""
+    prefix = "base_model.model."  # peft's names of the wrapped HF model's parameters
+    state = {prefix + name: tensor for name, tensor in trained.items() if "lora_" in name}
+    peft_model.save_pretrained(os.path.join(model_folder, ADAPTER_FOLDER), state_dict=state)
 
 
 def lora_layers(model: nn.Module) -> list[LoraLayer]:
@@ -111,13 +116,35 @@ def trained_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: param for name, param in model.named_parameters() if param.requires_grad}
 
 
-def merged_named_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, bool]]:
+@dataclass
+class EngineWeight:
+    """One tensor of the weights the engine and a saved folder get, under the base model's HF name: an adapted layer's
+    weight is merged from its frozen base W and its adapters (`params` = [W, A, B], `layer` the adapted layer); any
+    other is `params[0]` as it is. Under ZeRO-3 `params` are what must be gathered together to compute it."""
+
+    name: str
+    params: list[nn.Parameter]
+    layer: LoraLayer | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self.params[0], "ds_shape", self.params[0].shape))  # ZeRO-3 holds a partition
+
+    def value(self, dtype: torch.dtype, read=lambda param: param, copy: bool = False) -> torch.Tensor:
+        """The tensor in `dtype`: merged afresh (`merged_weight`), or the frozen tensor itself unless `copy` or `dtype`
+        differs. `read(param)` gives a parameter's values (DeepSpeed: a trained one's fp32 master for a save)."""
+        if self.layer is None:
+            return read(self.params[0]).detach().to(dtype=dtype, copy=copy)
+        base, lora_a, lora_b = (read(param) for param in self.params)
+        return merged_weight(base, lora_a, lora_b, self.layer.scaling[ADAPTER]).to(dtype)
+
+
+def engine_weights(model: nn.Module) -> list[EngineWeight]:
     """The adapted model's weights under the base model's HF names (what the engine and a saved folder expect), in the
-    model's parameter order, each shared tensor once: (name, tensor in `dtype`, whether it is merged). An adapted
-    layer's weight is `merged_weight` of its frozen base (a fresh tensor); any other weight is the frozen tensor itself,
-    not a copy (it never changes), unless `dtype` differs."""
+    model's parameter order, each shared tensor once."""
     seen: set[int] = set()
     adapted: list[str] = []  # the adapted layers' names: their own submodules (base_layer, lora_A, ...) are not weights
+    weights = []
     for module_name, module in model.named_modules():
         if any(module_name.startswith(f"{name}.") for name in adapted):
             continue
@@ -125,22 +152,39 @@ def merged_named_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple
             adapted.append(module_name)
             base = module.get_base_layer()
             seen.update({id(base.weight), id(base.bias)})
-            merged = merged_weight(base.weight, module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight,
-                                   module.scaling[ADAPTER])  # fmt: skip
-            yield f"{module_name}.weight", merged.to(dtype), True
+            pair = [module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight]
+            weights.append(EngineWeight(f"{module_name}.weight", [base.weight, *pair], module))
             if base.bias is not None:
-                yield f"{module_name}.bias", base.bias.detach().to(dtype), False
+                weights.append(EngineWeight(f"{module_name}.bias", [base.bias]))
             continue
         for name, param in module.named_parameters(recurse=False):
             if id(param) not in seen:
                 seen.add(id(param))
-                yield f"{module_name}.{name}" if module_name else name, param.detach().to(dtype), False
+                weights.append(EngineWeight(f"{module_name}.{name}" if module_name else name, [param]))
+    return weights
 
 
-def merged_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_named_weights(
+    model: nn.Module, dtype: torch.dtype, gathered=None, read=lambda param: param, copy: bool = False
+) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor in `dtype`, whether it is merged) of each of `engine_weights`, computed one at a time: an adapted
+    layer's weight is `merged_weight` of its frozen base (a fresh tensor); any other weight is the frozen tensor itself,
+    not a copy (it never changes), unless `copy` or `dtype` differs. `gathered(params)`: a context in which the
+    params are whole (DeepSpeed ZeRO-3 gathers each weight's params, so at most one layer is whole at a time; then
+    `copy`, as the gathered memory is given back when the context ends)."""
+    for weight in engine_weights(model):
+        with gathered(weight.params) if gathered is not None else contextlib.nullcontext():
+            yield weight.name, weight.value(dtype, read, copy), weight.layer is not None
+
+
+def merged_weights(model: nn.Module, dtype: torch.dtype, **how) -> Iterator[tuple[str, torch.Tensor]]:
     """`merged_named_weights` as (name, tensor) pairs: what the engine loads, and what a saved folder holds."""
-    for name, tensor, _ in merged_named_weights(model, dtype):
+    for name, tensor, _ in merged_named_weights(model, dtype, **how):
         yield name, tensor
+
+
+def is_adapted(model: nn.Module) -> bool:
+    return any(isinstance(module, LoraLayer) for module in model.modules())
 
 
 class AdaptersDisabled:

@@ -96,11 +96,10 @@ class PPOLearner(LearnerState):
             self.adapters["policy"] = lora.add_adapters(policy, self.lora, args.run.seed)
         self.policy = models.TokenLogprobs(policy, chunk_size)
         # --beta 0 puts no KL in the reward or the loss: no reference model is loaded, and none runs. With LoRA the
-        # reference is the policy with its adapters disabled: the base model, not loaded a second time.
+        # reference is the policy with its adapters disabled (below, once the backend has built the policy's trainer):
+        # the base model, not loaded a second time.
         self.ref_policy = None
-        if args.ppo.beta != 0 and self.lora is not None:
-            self.ref_policy = lora.AdaptersDisabled(self.policy)
-        elif args.ppo.beta != 0:
+        if args.ppo.beta != 0 and self.lora is None:
             reference = ModelSpec("reference policy", policy_path, model_args.model_revision, trainable=False)
             self.ref_policy = models.TokenLogprobs(load(reference), chunk_size)
         self.reward_model = None
@@ -135,8 +134,10 @@ class PPOLearner(LearnerState):
             value_lr = args.ppo.value_learning_rate or args.ppo.learning_rate
             self.value_trainer = self.backend.trainable(self.value_model, self.optimizer_settings(value_lr))
             self.value_model = self.value_trainer.model
-        if self.ref_policy is not None and self.lora is None:
+        if self.ref_policy is not None:
             self.ref_policy = self.backend.frozen(self.ref_policy)
+        elif args.ppo.beta != 0:  # LoRA: through the policy's engine (under ZeRO-3 it gathers the base's shards)
+            self.ref_policy = lora.AdaptersDisabled(self.policy)
         if self.reward_model is not None:
             self.reward_model = self.backend.frozen(self.reward_model)
         self.shuffle_generator = torch.Generator().manual_seed(args.run.seed)
@@ -165,9 +166,7 @@ class PPOLearner(LearnerState):
         """The policy's weights, copied in the engine's dtype (on rank 0; None on the other ranks), into reusable
         buffer `slot` where the backend keeps one (see learner_backend)."""
         dtype = getattr(torch, engine_dtype(self.args.gen.vllm_dtype))
-        if self.lora is not None:  # merged afresh, out of place; the frozen weights by reference (lora.py)
-            return list(lora.merged_weights(self.policy.hf_model, dtype))
-        return self.backend.named_weights(self.policy, dtype, slot)
+        return self.backend.named_weights(self.policy, dtype, slot)  # with LoRA: merged afresh, out of place
 
     @property
     def lr(self) -> float:
@@ -546,10 +545,10 @@ class PPOLearner(LearnerState):
         in gathering the weights (a collective per tensor under ZeRO) and return None. Non-finite weights are never
         written; a save in lower precision reports how much of the update its rounding removed."""
         dtype = getattr(torch, self.args.run.save_dtype)
-        weights, write_more = self.backend.iter_master_weights(self.policy), None
-        if self.lora is not None:  # the merged fp32 weights, and the adapters in peft's format inside the folder
-            weights = lora.merged_weights(self.policy.hf_model, torch.float32)
-            write_more = partial(lora.save_adapter, self.adapters["policy"])
+        weights, write_more = self.backend.iter_master_weights(self.policy), None  # with LoRA: the merged fp32 ones
+        if self.lora is not None:  # and the adapters in peft's format inside the folder
+            adapters = self.backend.trained_masters(self.policy)  # a collective under ZeRO
+            write_more = partial(lora.save_adapter, self.adapters["policy"], adapters)
         if self.backend.rank != 0:
             for _ in weights:
                 pass
@@ -585,9 +584,10 @@ def engine_dtype_mismatch(args, compute_dtype: torch.dtype, device: torch.device
 
 def weight_norm(model, backend) -> float:
     """The global L2 norm of a model's weights (the divergence guard's yardstick). Under ZeRO-3 each rank holds only
-    its partition of every tensor: each sums the squares of its own share and the ranks add them up (a collective:
-    every rank calls it)."""
-    squares, partitioned = torch.zeros((), dtype=torch.float64), False
+    its partition of a partitioned tensor: each sums the squares of its own share and the ranks add them up (a
+    collective: every rank calls it); a tensor every rank holds whole (LoRA's adapters before DeepSpeed partitions
+    them) counts once."""
+    sharded, whole, partitioned = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64), False
     with torch.no_grad():
         for param in backend.hf_model(model).parameters():
             if hasattr(param, "ds_tensor"):
@@ -595,9 +595,9 @@ def weight_norm(model, backend) -> float:
                 share = param.ds_tensor.reshape(-1)
                 start = backend.rank * share.numel()  # a rank's flat range; the last one ends in padding
                 share = share[: max(0, min(share.numel(), param.ds_numel - start))]
+                sharded += torch.linalg.vector_norm(share, dtype=torch.float32).double().cpu() ** 2  # no copy of share
             else:
-                share = param
-            squares += torch.linalg.vector_norm(share, dtype=torch.float32).double().cpu() ** 2  # no copy of share
+                whole += torch.linalg.vector_norm(param, dtype=torch.float32).double().cpu() ** 2
     if partitioned:
-        squares = backend.all_sum(squares)
-    return float(squares.sqrt())
+        sharded = backend.all_sum(sharded)
+    return float((sharded + whole).sqrt())

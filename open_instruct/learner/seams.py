@@ -143,7 +143,12 @@ class LearnerBackend(Protocol):
         ...
 
     def iter_master_weights(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """The trained weights with the checkpoint's names (each shared tensor once), on rank 0 (None elsewhere)."""
+        """The trained weights with the checkpoint's names (each shared tensor once), on rank 0 (None elsewhere); with
+        LoRA adapters the merged fp32 weights under the base's names."""
+        ...
+
+    def trained_masters(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The trained parameters (LoRA: the adapters) by name, whole, in fp32, on rank 0 (None elsewhere)."""
         ...
 
 

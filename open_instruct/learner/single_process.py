@@ -17,7 +17,7 @@ from transformers import (
     get_scheduler,
 )
 
-from open_instruct.learner import models, saving
+from open_instruct.learner import lora, models, saving
 from open_instruct.run import devices
 
 
@@ -118,26 +118,38 @@ class SingleProcess:
         self, model: nn.Module, dtype: torch.dtype, slot: int | None = None
     ) -> list[tuple[str, torch.Tensor]]:
         """A copy for the engine; on CPUs into reused buffer `slot` when given (WeightSnapshots says why; GPUs
-        reuse memory through the CUDA caching allocator already)."""
+        reuse memory through the CUDA caching allocator already). With LoRA adapters: the merged weights, computed
+        afresh out of place, and the frozen ones by reference (lora.py)."""
+        hf_model = self.hf_model(model)
+        if lora.is_adapted(hf_model):
+            return list(lora.merged_weights(hf_model, dtype))
         if slot is None or self.device.type != "cpu" or slot >= self.SNAPSHOT_SLOTS:
-            return named_weights_for_engine(self.hf_model(model), dtype)
-        return self.snapshots.take(self.hf_model(model), dtype, slot)
+            return named_weights_for_engine(hf_model, dtype)
+        return self.snapshots.take(hf_model, dtype, slot)
 
     def iter_named_weights(
         self, model: nn.Module, dtype: torch.dtype, every_rank: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor, whatever `every_rank` says: this process is rank 0 and the only one."""
-        for name, param in self.hf_model(model).named_parameters():
-            yield name, param.detach().to(dtype=dtype)  # copied into a broadcast bucket at once
+        """Every tensor, whatever `every_rank` says: this process is rank 0 and the only one (merged with LoRA)."""
+        for weight in lora.engine_weights(self.hf_model(model)):
+            yield weight.name, weight.value(dtype)  # copied into a broadcast bucket at once
 
     def weight_shapes(self, model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-        return [(name, tuple(param.shape)) for name, param in self.hf_model(model).named_parameters()]
+        return [(weight.name, weight.shape) for weight in lora.engine_weights(self.hf_model(model))]
 
     def iter_master_weights(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """The trained weights with the checkpoint's names (each shared tensor once), one at a time: here the model's
-        own fp32 parameters."""
-        for name, tensor in saving.unique_state_items(self.hf_model(model)):
+        own fp32 parameters; with LoRA adapters the merged fp32 weights under the base's names."""
+        hf_model = self.hf_model(model)
+        if lora.is_adapted(hf_model):
+            yield from lora.merged_weights(hf_model, torch.float32)
+            return
+        for name, tensor in saving.unique_state_items(hf_model):
             yield name, tensor.detach()
+
+    def trained_masters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The trained parameters (LoRA: the adapters) by name."""
+        return {name: param.detach() for name, param in lora.trained_parameters(self.hf_model(model)).items()}
 
 
 def named_weights_for_engine(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:

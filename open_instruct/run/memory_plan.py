@@ -24,9 +24,11 @@ What is counted, and where the numbers come from (P parameters of a model, N lea
   - The optimizer step, one model at a time: AdamW's `sqrt(v)` temporaries (fp32; 8 bytes per parameter of a tensor
     on CPUs, stepped tensor by tensor; 4 per parameter of the whole list on GPUs, `foreach`), at ZeRO-3 per sub-group
     (`sub_group_size`) and with the sub-group's gradient flattened into a new fp32 tensor first (4 more).
-- **LoRA** (--lora_rank): a trainable model keeps its whole fp32 weights (the frozen base), but gradients, AdamW's
-  moments and the step's temporaries are those of its T trained parameters only (the adapters, and a value model's
-  score head): 4P + 12T instead of 16P; no reference model (the policy with its adapters disabled is the reference).
+- **LoRA** (--lora_rank): a trainable model keeps its whole weights (the frozen base: fp32 in one process, wP or
+  wP/N on DeepSpeed), but gradients, AdamW's moments, ZeRO's fp32 masters and the step's temporaries are those of its
+  T trained parameters only (the adapters, and a value model's score head): 4P + 12T instead of 16P in one process;
+  no reference model (the policy with its adapters disabled is the reference). The weight sync computes each adapted
+  layer's merged weight in fp32 from its gathered base (the merged tensor, and an fp32 copy of a bf16 base).
 - **Frozen models** (reference with a non-zero --beta, reward model with a non-zero --reward_model_multiplier) in the
   inference dtype (bf16 on GPUs, fp32 on CPUs): whole, or 1/N at ZeRO-3 plus their gathered parameters while they run.
 - **Activations** of one micro-batch of b rows x T tokens (prompt + response), what autograd saves per Llama-style layer
@@ -237,12 +239,15 @@ def trainable_items(shape: ModelShape, layout: Layout) -> list[Item]:
             *gradient_items(shape, layout, HELD),
             Item(f"{role} AdamW moments (fp32)", 0, 8 * trained_params(shape), HELD, more_ranks),
         ]
-    weights = w * p if stage == 2 else w * p / n
+    weights, t = (w * p if stage == 2 else w * p / n), trained_params(shape)
+    # With LoRA the frozen base is among the engine's weights (DeepSpeed casts it to w bytes too), and the optimizer's
+    # masters and moments are the trained parameters' alone.
+    lora = "" if shape.trained_params is None else " of the trained"
     items = [
         Item(f"{role} weights ({dtype_label(w)}{'' if stage == 2 else shard})", weights, weights, HELD, more_ranks),
-        Item(f"{role} fp32 master weights{shard}", 4 * p / n, 4 * p / n, HELD, more_ranks),
+        Item(f"{role} fp32 master weights{lora}{shard}", 4 * t / n, 4 * t / n, HELD, more_ranks),
         *gradient_items(shape, layout, HELD),
-        Item(f"{role} AdamW moments (fp32{shard})", 0, 8 * p / n, HELD, more_ranks),
+        Item(f"{role} AdamW moments (fp32{lora}{shard})", 0, 8 * t / n, HELD, more_ranks),
     ]
     if stage == 3:  # ZeRO-3 allocates its reduce bucket with the engine (ZeRO-2: `reduce_bucket_item`)
         bucket = reduce_bucket_bytes(shape, layout)
@@ -359,7 +364,7 @@ def loading_item(shapes: list[ModelShape], layout: Layout) -> Item | None:
         # partition beside the master weights it becomes (4P/N more while it is built: measured 4P/N at 1 and 2 ranks
         # on both models, not the whole flat buffer).
         cast = sum((4 - layout.weight_bytes) * shape.num_params for shape in trainable)
-        flatten = max(4 * shape.num_params / layout.ranks for shape in trainable)
+        flatten = max(4 * trained_params(shape) / layout.ranks for shape in trainable)
         return Item("loading: fp32 loads, flattening into DeepSpeed's buffers", cast + flatten, 0, LOADING,
                     "--deepspeed_stage 3 (each model loads partitioned)")  # fmt: skip
     if layout.stage is None and layout.device == "cpu":
@@ -389,6 +394,12 @@ def weight_sync_items(args: Args, policy: ModelShape, layout: Layout) -> list[It
     largest, whole = dtype * policy.largest_param, dtype * policy.num_params
     buffer = max(args.dist.vllm_sync_bucket_mb * 2**20, largest)
     gathered = layout.weight_bytes * policy.largest_param if layout.stage == 3 else 0
+    if policy.trained_params is not None:
+        # LoRA: an adapted layer's W + s B A is computed in fp32 from its (gathered) base, out of place: the merged
+        # tensor, and an fp32 copy of a bf16 base (the largest adapted layer: an MLP projection).
+        merged = policy.hidden_size * policy.intermediate_size
+        gathered = max(gathered, layout.weight_bytes * merged if layout.stage == 3 else 0)
+        gathered += (4 + (4 if layout.weight_bytes < 4 else 0)) * merged
     fix = "a lower --vllm_sync_bucket_mb"
     if layout.device == "gpu":
         chunk = min(buffer + largest, whole)  # a chunk (or bucket) never holds more than the whole policy
@@ -397,7 +408,8 @@ def weight_sync_items(args: Args, policy: ModelShape, layout: Layout) -> list[It
     else:
         bucket = min(buffer, whole)
         size, name = bucket + largest + gathered, f"weight sync: a bucket of <= {bucket / GB:.2f} GB"
-    return [Item(name + (" + the gathered parameter" if gathered else ""), 0, size, SYNC, fix)]
+    what = " + the LoRA merge in fp32" if policy.trained_params is not None else " + the gathered parameter"
+    return [Item(name + (what if gathered else ""), 0, size, SYNC, fix)]
 
 
 def engine_items(args: Args, shapes: list[ModelShape], layout: Layout, capacity: float | None) -> list[Item]:

@@ -213,18 +213,12 @@ def validate_flags(args: Args) -> None:
 
 
 def validate_lora_flags(args: Args) -> None:
-    """LoRA runs on the single-process learner with its own engine (sync, async, in-flight; PPO and GRPO)."""
-    model, dist = args.model, args.dist
+    """LoRA runs in every learner mode (one process, Ray ranks at ZeRO-0/2/3, engine actors; PPO and GRPO)."""
+    model = args.model
     if model.lora_rank == 0 and model.lora_target_modules:
         raise ConfigError(
             f"--lora_target_modules {' '.join(model.lora_target_modules)} names the layers of LoRA adapters, and "
             "--lora_rank is 0 (full fine-tuning); pass --lora_rank R (e.g. 16), or drop it."
-        )
-    if model.lora_rank > 0 and dist.uses_ray:
-        raise ConfigError(
-            f"--lora_rank {model.lora_rank} is supported on the single-process learner with its in-process engine "
-            "(sync, async and in-flight; PPO and GRPO), not yet with Ray learners, DeepSpeed ZeRO-2/3 or engine actors; "
-            "drop --num_learners_per_node/--deepspeed_stage/--vllm_num_engines/--ray_address, or --lora_rank."
         )
 
 
