@@ -9,34 +9,18 @@ import math
 import pytest
 
 from open_instruct.run.tracking import read_metrics
-from tests.support.trainer_runs import FP32_LEARNER, SMALL_RUN, SYNC_MAX_LOGPROB_DIFF, TRAINER, run_to_completion
+from tests.support.trainer_runs import (
+    FP32_LEARNER, SMALL_RUN, SYNC_MAX_LOGPROB_DIFF, TESTS_DIR, TRAINER, run_to_completion,
+)
 
 pytestmark = [pytest.mark.e2e]
 
-ENVIRONMENT = '''
-import string
-
-from open_instruct.rl import tools
-
-
-class EveryLetter(tools.Environment):
-    end_strings = tuple(string.ascii_letters + string.digits)
-
-    def reset(self, row):
-        self.turns = 0
-
-    def step(self, text):
-        self.turns += 1
-        return f" [{self.turns}] <|im_end|>", 0.0, False  # a stop token in an output must not end the response
-'''
-
 
 def test_a_run_with_tool_calls_trains_on_the_models_tokens_alone(tiny_model_dir, tmp_path):
-    (tmp_path / "every_letter.py").write_text(ENVIRONMENT)
     command = [
         *TRAINER, "--model_name_or_path", tiny_model_dir, "--output_dir", str(tmp_path / "output"), *SMALL_RUN,
         "--async_mode", "false", "--total_episodes", "16", "--num_evals", "0", "--response_length", "24",
-        "--tools", "every_letter.py:EveryLetter", "--max_tool_calls", "3",
+        "--tools", f"{TESTS_DIR / 'support' / 'tool_environments.py'}:EveryLetterWithStopToken", "--max_tool_calls", "3",
         "--max_vllm_logprob_diff", str(SYNC_MAX_LOGPROB_DIFF), *FP32_LEARNER,
     ]  # fmt: skip
     run_to_completion(command, cwd=tmp_path)

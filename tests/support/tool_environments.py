@@ -9,10 +9,17 @@ from open_instruct.rl import tools
 
 class EveryLetter(tools.Environment):
     end_strings = tuple(string.ascii_letters + string.digits)
+    output_suffix = ""
 
     def reset(self, row):
         self.turns = 0
 
     def step(self, text):
         self.turns += 1
-        return f" [{self.turns}]", 0.0, False
+        return f" [{self.turns}]{self.output_suffix}", 0.0, False
+
+
+class EveryLetterWithStopToken(EveryLetter):
+    """Its outputs hold the tiny model's stop token as text, which must not end the response."""
+
+    output_suffix = " <|im_end|>"
