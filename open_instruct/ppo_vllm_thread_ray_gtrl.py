@@ -220,6 +220,9 @@ def train_step(run: "Run", step: int) -> None:
         "time/weight_sync": rollout.timings.get("weight_sync", 0.0),
         **engine_idle_metrics(rollout),
         **broadcast_metrics(batch.requests[0].weights_sent),
+        # The tensors handed to an in-process engine (the broadcast's are weight_broadcast/megabytes).
+        **({"weight_sync/megabytes": rollout.timings["weight_sync_bytes"] / 2**20}
+           if "weight_sync_bytes" in rollout.timings else {}),  # fmt: skip
         **rollout.engine_metrics,  # engine actors: engine/restarts, time/engine_restart
         "time/learner_wait": learner_wait,
         "perf/learner_idle_fraction": learner_wait / step_time,
@@ -415,6 +418,13 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
             generator.engine.shutdown()
 
 
+def adapter_serving(model) -> dict:
+    """EngineConfig's LoRA fields: with --lora_weight_sync adapter the engine serves the adapters (vllm_engine)."""
+    if model.lora_rank and model.lora_weight_sync == "adapter":
+        return {"lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha}
+    return {}
+
+
 def start_generation_thread(args: Args, data: RunData, placement=None, cpu_cores: list[int] | None = None
                             ) -> GenerationThread:  # fmt: skip
     """The generation thread, with an engine in this process (on `cpu_cores`, or all) or, with --vllm_num_engines,
@@ -430,6 +440,7 @@ def start_generation_thread(args: Args, data: RunData, placement=None, cpu_cores
         kv_cache_memory_gb=args.gen.vllm_kv_cache_memory_gb,
         weight_sync=args.dist.vllm_sync_backend if args.dist.uses_ray else None,  # fed by Ray learners
         cpu_weight_layout=args.gen.vllm_cpu_weight_layout,
+        **adapter_serving(args.model),
     )
     engines = None
     if args.dist.vllm_num_engines > 0:

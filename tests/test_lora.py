@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
+from open_instruct.generation import vllm_engine
 from open_instruct.learner import lora, models
 from open_instruct.learner.algorithms import learner_class
 from open_instruct.learner.ppo import PPOLearner
@@ -29,7 +31,14 @@ from open_instruct.run.memory_plan import plan_memory
 from open_instruct.run.model_shapes import run_model_shapes
 from open_instruct.run.tracking import read_metrics
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step
-from tests.support.resume_runs import assert_same_run, log_of, offline_env, wait_for_step
+from tests.support.resume_runs import (
+    assert_same_model,
+    assert_same_run,
+    log_of,
+    offline_env,
+    sampled_tokens,
+    wait_for_step,
+)
 from tests.support.trainer_runs import (
     FP32_LEARNER,
     SMALL_RUN,
@@ -362,3 +371,75 @@ def test_lora_run_killed_9_after_its_first_checkpoint_and_resumed_equals_the_uni
     assert all("lora_" in name for name in torch.load(checkpoint / "learner.pt", weights_only=False)["policy"])
     run_to_completion(command + ["--resume"], cwd=tmp_path)
     assert_same_run(output_dir, lora_run)
+
+
+@pytest.mark.e2e
+def test_lora_run_with_the_engine_serving_the_adapters_equals_the_merged_run_and_sends_only_them(
+    lora_run, tiny_model_dir, eval_file, tmp_path
+):
+    """`--lora_weight_sync adapter`: each sync sends the adapters alone and vLLM's LoRA layers compute `W x + s B A x`.
+    The run of `lora_run` again that way: its engine's logprobs are the learner's at every step (the policy has moved
+    off the base by step 2: an engine that ignored the adapters would be off by the KL's order), it samples the same
+    tokens, ends with the same saved model, and each sync sent the adapters' bytes (a fraction of the merged weights')."""
+    output_dir = tmp_path / "output"
+    run_to_completion(lora_command(tiny_model_dir, eval_file, output_dir, "--lora_weight_sync", "adapter"), cwd=tmp_path)
+    rows = {row["step"]: row for row in read_metrics(str(output_dir / "metrics.jsonl")) if "objective/kl" in row}
+    merged = {row["step"]: row for row in read_metrics(str(lora_run / "metrics.jsonl")) if "objective/kl" in row}
+    assert rows[2]["objective/kl"] > 0.01, "the policy did not move: the test shows nothing"
+    assert all(row["debug/vllm_vs_learner_logprob_diff_max"] < SYNC_MAX_LOGPROB_DIFF for row in rows.values()), rows
+    adapter_bytes = sum(tensor.numel() * 4 for tensor in load_file(
+        str(output_dir / "model" / lora.ADAPTER_FOLDER / "adapter_model.safetensors")).values())  # fmt: skip
+    assert rows[2]["weight_sync/megabytes"] == pytest.approx(adapter_bytes / 2**20)
+    assert rows[2]["weight_sync/megabytes"] < merged[2]["weight_sync/megabytes"] / 10
+    assert sampled_tokens(output_dir) == sampled_tokens(lora_run)
+    assert_same_model(output_dir / "model", lora_run / "model")
+
+
+@pytest.mark.e2e
+def test_an_engine_serving_adapters_samples_from_each_new_version_as_the_learner_computes_it(tiny_model_dir):
+    """Three adapter syncs into one engine (`--lora_weight_sync adapter`), each followed by sampling: the engine's
+    logprobs are those of the learner's adapted model, version by version. vLLM keeps a loaded adapter by its id; an
+    engine that went on serving the first version would be off by what the versions differ by (asserted large)."""
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    lora.add_adapters(hf_model, lora.LoraSettings(rank=8, alpha=16.0), seed=0)
+    llm = vllm_engine.create_engine(vllm_engine.EngineConfig(
+        tiny_model_dir, max_model_len=128, seed=0, dtype="float32", lora_rank=8, lora_alpha=16.0))  # fmt: skip
+    params = vllm_engine.sampling_params(n=2, temperature=1.0, max_tokens=8, stop_token_ids=[], seed=0,
+                                         with_logprobs=True)  # fmt: skip
+    prompts = [list(range(100, 120)), list(range(500, 510))]
+    generator = torch.Generator().manual_seed(0)
+
+    def learner_logprobs(completion) -> torch.Tensor:
+        ids = torch.tensor([prompts[completion.prompt_index] + completion.token_ids])
+        with torch.no_grad():
+            logits = hf_model(ids).logits[0, len(prompts[completion.prompt_index]) - 1 : -1]
+        return torch.log_softmax(logits.float(), -1).gather(-1, ids[0, -len(completion.token_ids) :, None])[:, 0]
+
+    previous = None
+    for _ in range(3):
+        with torch.no_grad():
+            for layer in lora.lora_layers(hf_model):
+                weight = layer.lora_B[lora.ADAPTER].weight
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.05)
+        vllm_engine.load_weights(llm, lora.adapter_weights(hf_model, torch.float32))
+        completions = vllm_engine.generate(llm, prompts, params)
+        engine = torch.tensor([lp for completion in completions for lp in completion.logprobs])
+        learner = torch.cat([learner_logprobs(completion) for completion in completions])
+        assert (engine - learner).abs().max() < 1e-4
+        if previous is not None:  # the same tokens under the version before: what serving a stale adapter would give
+            assert (previous(completions) - learner).abs().max() > 1e-2
+        state = {name: param.detach().clone() for name, param in hf_model.named_parameters() if "lora_B" in name}
+        previous = partial(logprobs_under, hf_model, state, learner_logprobs)
+
+
+def logprobs_under(hf_model, state: dict, logprobs_of, completions) -> torch.Tensor:
+    """`logprobs_of` each completion with `state`'s adapter weights in `hf_model`, then the current ones put back."""
+    current = {name: param.detach().clone() for name, param in hf_model.named_parameters() if name in state}
+    params = dict(hf_model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+        result = torch.cat([logprobs_of(completion) for completion in completions])
+        for name, tensor in current.items():
+            params[name].copy_(tensor)
+    return result

@@ -195,7 +195,8 @@ class EngineBatches:
             sampling.output_kind = RequestOutputKind.DELTA  # each step's new tokens, tagged with the version of the step
             request_id = str(next(self.request_ids))
             prompt = {"prompt_token_ids": sample.prompt_token_ids + sample.token_ids}
-            self.llm.llm_engine.add_request(request_id, prompt, sampling)
+            # With --lora_weight_sync adapter, the current version's adapters (a resubmission after a sync: the new ones).
+            self.llm.llm_engine.add_request(request_id, prompt, sampling, lora_request=vllm_engine.lora_request(self.llm))
             self.running[request_id] = sample
 
     def step(self) -> None:

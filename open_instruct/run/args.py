@@ -31,6 +31,9 @@ def arg(default, help: str, **kwargs):
     return field(default=default, metadata={"help": help, **kwargs})
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's choices of max_lora_rank (--lora_weight_sync)
+
+
 @dataclass
 class ModelArgs:
     model_name_or_path: str = arg("embedded", "Policy: HF folder, hub id, 'embedded' (SmolLM2-135M) or 'tiny'.")
@@ -61,6 +64,13 @@ class ModelArgs:
     lora_dropout: float = arg(
         0.0,
         "LoRA: dropout on the adapters' input; only 0 is accepted: rollout and training must compute the same function.",
+    )
+    lora_weight_sync: MayChangeOnResume[str] = arg(
+        "merged",
+        "LoRA: what each weight sync sends the engine. merged: every weight, the adapted layers' W + s B A computed "
+        "in fp32 (the engine runs plain weights). adapter: the adapters alone, served by vLLM's LoRA layers "
+        "(enable_lora); one process with its in-process engine only (docs/lora.md compares the two).",
+        choices=["merged", "adapter"],
     )
 
 

@@ -23,6 +23,7 @@ from open_instruct.rl.rewards import CODE_VERIFIER, code_limits
 from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, VERIFIER_ALIASES, VERIFIERS, resolve_verifier_name
 from open_instruct.rl.tools import tool_names_problem
 from open_instruct.run.args import (
+    VLLM_LORA_RANKS,
     Args,
     BatchSizes,
     ConfigError,
@@ -220,6 +221,19 @@ def validate_lora_flags(args: Args) -> None:
             f"--lora_target_modules {' '.join(model.lora_target_modules)} names the layers of LoRA adapters, and "
             "--lora_rank is 0 (full fine-tuning); pass --lora_rank R (e.g. 16), or drop it."
         )
+    if model.lora_weight_sync == "adapter":
+        if model.lora_rank == 0:
+            raise ConfigError("--lora_weight_sync adapter sends LoRA adapters, and --lora_rank is 0 (full fine-tuning); "
+                              "pass --lora_rank R (e.g. 16), or drop --lora_weight_sync.")  # fmt: skip
+        if model.lora_rank > VLLM_LORA_RANKS[-1]:
+            raise ConfigError(f"--lora_weight_sync adapter: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}, "
+                              f"and --lora_rank is {model.lora_rank}; use --lora_weight_sync merged.")  # fmt: skip
+        if args.dist.uses_ray:
+            raise ConfigError(
+                "--lora_weight_sync adapter runs with one learner process and its in-process engine; Ray learners and "
+                "engine actors send merged weights: drop --lora_weight_sync adapter (or the Ray flags: "
+                "--num_learners, --deepspeed_stage, --vllm_num_engines, --ray_address)."
+            )
 
 
 def validate_tool_flags(gen: GenerationArgs) -> None:
