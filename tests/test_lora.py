@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import time
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation import vllm_engine
+from open_instruct.generation.engine_batches import EngineBatches
 from open_instruct.learner import lora, models
 from open_instruct.learner.algorithms import learner_class
 from open_instruct.learner.ppo import PPOLearner
@@ -396,50 +396,54 @@ def test_lora_run_with_the_engine_serving_the_adapters_equals_the_merged_run_and
 
 
 @pytest.mark.e2e
-def test_an_engine_serving_adapters_samples_from_each_new_version_as_the_learner_computes_it(tiny_model_dir):
-    """Three adapter syncs into one engine (`--lora_weight_sync adapter`), each followed by sampling: the engine's
-    logprobs are those of the learner's adapted model, version by version. vLLM keeps a loaded adapter by its id; an
-    engine that went on serving the first version would be off by what the versions differ by (asserted large)."""
+def test_an_engine_serving_adapters_samples_each_token_from_the_version_it_holds(tiny_model_dir):
+    """Three adapter versions into one engine (`--lora_weight_sync adapter`), the second loaded in flight (mid-batch:
+    the samples go back into the engine with it, as at an in-flight update): the engine's logprob of every token is
+    the learner's under the version that generated it (1e-4). vLLM keeps a loaded adapter by its id; an engine that
+    went on serving an older version would be off by what two versions differ by (asserted large)."""
     hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
     lora.add_adapters(hf_model, lora.LoraSettings(rank=8, alpha=16.0), seed=0)
     llm = vllm_engine.create_engine(vllm_engine.EngineConfig(
         tiny_model_dir, max_model_len=128, seed=0, dtype="float32", lora_rank=8, lora_alpha=16.0))  # fmt: skip
-    params = vllm_engine.sampling_params(n=2, temperature=1.0, max_tokens=8, stop_token_ids=[], seed=0,
-                                         with_logprobs=True)  # fmt: skip
+    batches = EngineBatches(llm)
+    params = dict(n=2, temperature=1.0, max_tokens=12, stop_token_ids=[], stop_strings=None, with_logprobs=True)
     prompts = [list(range(100, 120)), list(range(500, 510))]
-    generator = torch.Generator().manual_seed(0)
+    generator, versions = torch.Generator().manual_seed(0), {}
 
-    def learner_logprobs(completion) -> torch.Tensor:
-        ids = torch.tensor([prompts[completion.prompt_index] + completion.token_ids])
-        with torch.no_grad():
-            logits = hf_model(ids).logits[0, len(prompts[completion.prompt_index]) - 1 : -1]
-        return torch.log_softmax(logits.float(), -1).gather(-1, ids[0, -len(completion.token_ids) :, None])[:, 0]
-
-    previous = None
-    for _ in range(3):
+    def load(version: int) -> None:
         with torch.no_grad():
             for layer in lora.lora_layers(hf_model):
                 weight = layer.lora_B[lora.ADAPTER].weight
                 weight.copy_(torch.randn(weight.shape, generator=generator) * 0.05)
-        vllm_engine.load_weights(llm, lora.adapter_weights(hf_model, torch.float32))
-        completions = vllm_engine.generate(llm, prompts, params)
-        engine = torch.tensor([lp for completion in completions for lp in completion.logprobs])
-        learner = torch.cat([learner_logprobs(completion) for completion in completions])
-        assert (engine - learner).abs().max() < 1e-4
-        if previous is not None:  # the same tokens under the version before: what serving a stale adapter would give
-            assert (previous(completions) - learner).abs().max() > 1e-2
-        state = {name: param.detach().clone() for name, param in hf_model.named_parameters() if "lora_B" in name}
-        previous = partial(logprobs_under, hf_model, state, learner_logprobs)
+        versions[version] = {name: p.detach().clone() for name, p in hf_model.named_parameters() if "lora_B" in name}
+        with batches.new_weights(version):
+            vllm_engine.load_weights(llm, lora.adapter_weights(hf_model, torch.float32))
 
+    load(1)
+    batches.admit(0, prompts, params, sampling_seed=0)
+    for _ in range(4):
+        batches.step()
+    load(2)
+    completions = batches.run_until_complete(0)
+    load(3)
+    batches.admit(1, prompts, params, sampling_seed=1)
+    completions += batches.run_until_complete(1)
+    assert {version for completion in completions for version in completion.versions} == {1, 2, 3}
 
-def logprobs_under(hf_model, state: dict, logprobs_of, completions) -> torch.Tensor:
-    """`logprobs_of` each completion with `state`'s adapter weights in `hf_model`, then the current ones put back."""
-    current = {name: param.detach().clone() for name, param in hf_model.named_parameters() if name in state}
-    params = dict(hf_model.named_parameters())
-    with torch.no_grad():
-        for name, tensor in state.items():
-            params[name].copy_(tensor)
-        result = torch.cat([logprobs_of(completion) for completion in completions])
-        for name, tensor in current.items():
-            params[name].copy_(tensor)
-    return result
+    params_by_name = dict(hf_model.named_parameters())
+    for version, state in versions.items():
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params_by_name[name].copy_(tensor)
+        for completion in completions:
+            prompt = prompts[completion.prompt_index]
+            ids = torch.tensor([prompt + completion.token_ids])
+            with torch.no_grad():
+                logits = hf_model(ids).logits[0, len(prompt) - 1 : -1].float()
+            learner = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+            gap = (torch.tensor(completion.logprobs) - learner).abs()
+            own = torch.tensor([v == version for v in completion.versions])
+            if own.any():
+                assert gap[own].max() < 1e-4, f"version {version}"
+            if (~own).any():  # the tokens another version generated: far from this version's logprobs
+                assert gap[~own].max() > 1e-2, f"version {version}"
