@@ -51,8 +51,13 @@ def finish(process: subprocess.Popen) -> tuple[int, str]:
     return process.returncode, log_of(process)
 
 
+# What the in-process engine loaded while generating a step's rollouts: which rollout a sync lands in depends on when
+# the engine admitted it, like the timings, and a resumed run's batches restored half generated carry none.
+SCHEDULE_METRICS = {"run_id", "weight_sync/megabytes"}
+
+
 def comparable(row: dict) -> dict:
-    return {key: value for key, value in row.items() if not is_timing(key) and key != "run_id"}
+    return {key: value for key, value in row.items() if not is_timing(key) and key not in SCHEDULE_METRICS}
 
 # The engine-vs-learner gaps are differences of logprobs of up to ~20 nats, whose float32 resolution is ~2e-6. In the
 # async modes a resumed learner lands within float rounding of the uninterrupted one's weights, not on them (from
