@@ -93,8 +93,7 @@ class AdapterVersions:
         import tempfile
 
         self.model_path, self.alpha = model_path, alpha
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.folder = tempfile.mkdtemp(prefix="open_instruct_adapters_", dir=shm)
+        self.folder = tempfile.mkdtemp(prefix="open_instruct_adapters_", dir=memory_backed_folder())
         self.version = 0  # vLLM's adapter id: 1, 2, ... (0: the base model, no adapter)
         self.request = None  # the vllm LoRARequest of the current adapters; None: the engine's own weights
 
@@ -126,6 +125,16 @@ class AdapterVersions:
         import shutil
 
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def memory_backed_folder(min_free_bytes: int = 2**30) -> str | None:
+    """/dev/shm where it is writable with at least `min_free_bytes` free (a container's default is 64 MB, too small for
+    an 8B model's adapters), else None: the system's temporary folder."""
+    shm = "/dev/shm"
+    if not (os.path.isdir(shm) and os.access(shm, os.W_OK)):
+        return None
+    stats = os.statvfs(shm)
+    return shm if stats.f_bavail * stats.f_frsize >= min_free_bytes else None
 
 
 def lora_request(llm):
