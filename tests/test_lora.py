@@ -299,6 +299,9 @@ def test_memory_plan_with_lora_holds_no_reference_and_only_the_adapters_gradient
     assert adapted["policy AdamW moments (fp32)"].steady == 8 * policy.trained_params
     assert full["policy AdamW moments (fp32)"].steady == 8 * full_shapes[0].num_params
     assert not [name for name in adapted if name.startswith("reference policy")]
+    _, served = plan("--lora_rank", "8", "--lora_weight_sync", "adapter")  # the engine gets the adapters alone
+    assert served["policy copies for the engine (2 in flight, bf16)"].steady == 2 * 2 * policy.trained_params
+    assert adapted["policy copies for the engine (2 in flight, bf16)"].steady == 2 * 2 * policy.num_params
 
 
 # ---- the trainer ---------------------------------------------------------------------------------------------------

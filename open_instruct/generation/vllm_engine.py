@@ -85,7 +85,7 @@ class AdapterVersions:
     the new one. A folder is deleted two versions later (vLLM has read it by then: it loads an adapter when the first
     request that names it is scheduled, and every request is resubmitted at a sync).
 
-    What travels is the adapters alone (SmolLM2-135M at rank 16: 19.6 MB in fp32, against 538 MB of merged weights),
+    What travels is the adapters alone (SmolLM2-135M at rank 16: 19.5 MB in fp32, against 538 MB of merged weights),
     and the engine computes `W x + s B (A x)` with vLLM's LoRA kernels (on CPUs: torch ops, slower per token than
     the merged weights; docs/lora.md has the numbers)."""
 
@@ -340,9 +340,10 @@ def create_engine(config: EngineConfig):
     if config.lora_rank:
         llm.open_instruct_adapters = AdapterVersions(config.model_path, config.lora_alpha)
         weakref.finalize(llm, llm.open_instruct_adapters.close)
-    how = "in place" if llm.open_instruct_loads_in_place else "with vLLM's layer-wise reload"
     if config.lora_rank:
         how = f"the LoRA adapters alone (rank {config.lora_rank}, vLLM's enable_lora)"
+    else:
+        how = "in place" if llm.open_instruct_loads_in_place else "with vLLM's layer-wise reload"
     if not on_cuda:
         reason = cpu_packing_reason(getattr(torch, kwargs["dtype"]), config.cpu_weight_layout)
         how += f" ({reason or 'plain weights: torch linear on the tensors themselves'})"

@@ -166,7 +166,7 @@ class PPOLearner(LearnerState):
         """The policy's weights, copied in the engine's dtype (on rank 0; None on the other ranks), into reusable
         buffer `slot` where the backend keeps one (see learner_backend)."""
         dtype = getattr(torch, engine_dtype(self.args.gen.vllm_dtype))
-        if self.lora is not None and self.args.model.lora_weight_sync == "adapter":  # the engine serves the adapters
+        if self.args.model.lora_weight_sync == "adapter":  # the engine serves the adapters (validation: --lora_rank)
             return lora.adapter_weights(self.backend.hf_model(self.policy), dtype)
         return self.backend.named_weights(self.policy, dtype, slot)  # with LoRA: merged afresh, out of place
 

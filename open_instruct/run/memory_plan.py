@@ -413,12 +413,14 @@ def weight_sync_items(args: Args, policy: ModelShape, layout: Layout) -> list[It
 
 
 def engine_items(args: Args, shapes: list[ModelShape], layout: Layout, capacity: float | None) -> list[Item]:
-    """The vLLM engine's part of this device, and the policy copies handed to it."""
+    """The vLLM engine's part of this device, and the policy copies handed to it (--lora_weight_sync adapter: the
+    adapters alone)."""
     policy = shapes[0]
+    synced = policy.trained_params if args.model.lora_weight_sync == "adapter" else policy.num_params
     if layout.engine_share == "gpu":
         fraction = args.gen.vllm_gpu_memory_utilization
         size = fraction * capacity if capacity else 0
-        copies = 2 * 2 * policy.num_params if not args.dist.uses_ray else 0  # two versions in flight, bf16
+        copies = 2 * 2 * synced if not args.dist.uses_ray else 0  # two versions in flight, bf16
         items = [Item(f"vLLM engine (--vllm_gpu_memory_utilization {fraction:g} of the GPU)", size, size, HELD,
                       "a lower --vllm_gpu_memory_utilization, or --vllm_num_engines N (engines on GPUs of their own)")]
         if copies:
@@ -433,7 +435,7 @@ def engine_items(args: Args, shapes: list[ModelShape], layout: Layout, capacity:
             Item("vLLM engine: process, weights, KV cache", CPU_VLLM_PROCESS_BYTES + weights + kv_cache,
                  CPU_VLLM_PROCESS_BYTES + weights + kv_cache, HELD, "a smaller VLLM_CPU_KVCACHE_SPACE (GiB)"),
             Item(f"policy copies for the engine ({CPU_ENGINE_SNAPSHOTS} slots)", 0,
-                 CPU_ENGINE_SNAPSHOTS * weights, HELD, "--vllm_dtype bfloat16 (half the copies' size)"),
+                 CPU_ENGINE_SNAPSHOTS * engine_bytes * synced, HELD, "--vllm_dtype bfloat16 (half the copies' size)"),
         ]  # fmt: skip
     return []
 
