@@ -381,7 +381,7 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
         say(f"[ppo] CPU cores: the learner on {learner_cores}, the vLLM engine's thread on {engine_cores}")
     if not args.dist.uses_ray:  # the dtype probe times matmuls: run it before the engine loads on the same cores
         compute_dtype = learner_compute_dtype(args.model.learner_compute_dtype, learner_device())
-    generator = start_generation_thread(args, data, placement, engine_cores)
+    generator = start_generation_thread(args, data, sizes, placement, engine_cores)
     try:
         # vLLM sizes its KV cache from the GPU memory it finds free, so on a GPU a learner may share it measures
         # before any learner allocates: where the engines are (Ray's GPUs; this process's own for its engine).
@@ -425,8 +425,8 @@ def adapter_serving(model) -> dict:
     return {}
 
 
-def start_generation_thread(args: Args, data: RunData, placement=None, cpu_cores: list[int] | None = None
-                            ) -> GenerationThread:  # fmt: skip
+def start_generation_thread(args: Args, data: RunData, sizes: BatchSizes, placement=None,
+                            cpu_cores: list[int] | None = None) -> GenerationThread:  # fmt: skip
     """The generation thread, with an engine in this process (on `cpu_cores`, or all) or, with --vllm_num_engines,
     engine actors on Ray (with --single_gpu_mode in the learners' bundles of `placement`)."""
     engine_config = EngineConfig(
@@ -458,6 +458,8 @@ def start_generation_thread(args: Args, data: RunData, placement=None, cpu_cores
         stop_strings=args.gen.stop_strings,
         eval_prompt_token_ids=data.eval_prompts.token_ids if data.eval_prompts is not None else None,
         eval_samples_per_prompt=args.run.eval_samples_per_prompt,
+        mid_run_eval_samples_per_prompt=args.run.mid_run_eval_samples_per_prompt,
+        final_policy_version=sizes.num_training_steps,
         batches_in_engine=batches_in_engine(args.gen),
         cpu_cores=cpu_cores,
         tools=tool_settings(args.gen),

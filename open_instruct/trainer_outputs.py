@@ -22,7 +22,7 @@ def log_eval(run, eval_rollout, step: int) -> dict:
     """The eval's metrics (and one line on the console); its completions go to samples.jsonl."""
     metrics, samples = eval_metrics(eval_rollout, run.data.eval_prompts, run.reward_manager)
     run.logger.log_samples(samples, step, name="eval_completions")
-    say(describe_eval(metrics, len(run.data.eval_prompts.token_ids), run.args.run.eval_samples_per_prompt, step))
+    say(describe_eval(metrics, len(run.data.eval_prompts.token_ids), round(metrics["eval/samples_per_prompt"]), step))
     return metrics
 
 

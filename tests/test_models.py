@@ -228,3 +228,27 @@ def test_cpu_recipes_with_engine_logprobs_compute_in_the_engines_dtype(name):
     cpu = torch.device("cpu")
     learner_dtype = devices.learner_compute_dtype(args.model.learner_compute_dtype, cpu)[0]
     assert engine_dtype_mismatch(args, learner_dtype, cpu) is None
+
+
+def test_a_smaller_critic_is_its_inits_first_layers_with_a_new_head_and_the_plan_counts_it(tiny_model_dir):
+    """--value_model_num_layers N: the value model is the first N decoder layers of its init, their weights exactly
+    the checkpoint's, plus a new score head; the memory plan's shape of it has N layers and its parameter count."""
+    from open_instruct.run.args import parse_args
+    from open_instruct.run.model_shapes import run_model_shapes
+
+    policy = models.load_policy(str(tiny_model_dir), torch.device("cpu"))
+    assert policy.config.num_hidden_layers == 2
+    spec = models.ModelSpec("value model", str(tiny_model_dir), scalar_head=True, pad_token_id=0, num_layers=1)
+    critic = models.load_model(spec, torch.device("cpu"))
+    assert critic.config.num_hidden_layers == 1 and len(critic.model.layers) == 1
+    policy_weights = policy.state_dict()
+    for name, tensor in critic.model.state_dict().items():
+        assert torch.equal(tensor, policy_weights[f"model.{name}"]), name
+    assert critic.score.weight.std() > 0  # the new head, PPO's init
+    full = models.load_model(models.ModelSpec("value model", str(tiny_model_dir), scalar_head=True, pad_token_id=0),
+                             torch.device("cpu"))  # fmt: skip
+    shapes = {s.role: s for s in run_model_shapes(parse_args(["--model_name_or_path", str(tiny_model_dir),
+                                                              "--value_model_num_layers", "1"]))}  # fmt: skip
+    assert shapes["value model"].num_layers == 1
+    assert shapes["value model"].num_params == sum(p.numel() for p in critic.parameters())
+    assert shapes["value model"].num_params < sum(p.numel() for p in full.parameters())

@@ -61,6 +61,8 @@ def async_run(tiny_model_dir, eval_file, tmp_path_factory) -> Run:
         "--model_name_or_path", tiny_model_dir,
         "--total_episodes", "32",
         "--num_evals", "2",
+        "--eval_samples_per_prompt", "3",
+        "--mid_run_eval_samples_per_prompt", "1",
         "--dataset_mixer_eval_list", str(eval_file), "1.0",
         "--output_dir", str(workdir / "output"),
         *SMALL_RUN,
@@ -158,6 +160,8 @@ def test_every_step_logs_finite_metrics_and_the_expected_policy_versions(run_fix
     assert all(is_finite_number(line["eval/correct_rate"]) for line in evals)
     assert all(0.0 <= line["eval/sampled_correct_rate"] <= 1.0 for line in evals)
     assert len(run.eval_rows(policy_version=run.num_steps)) == len(EVAL_QUESTIONS)
+    if run.async_mode:  # 4 steps, --num_evals 2: the first and final evals sample 3 a prompt, the one between 1
+        assert [(e["eval/policy_version"], e["eval/samples_per_prompt"]) for e in evals] == [(0, 3), (2, 1), (4, 3)]
 
 
 # ---- 2. after a weight sync, vLLM generates exactly what the learner's weights do ------------------------------------

@@ -38,6 +38,8 @@ def eval_metrics(rollout: Rollout, eval_prompts: PromptBatch, reward_manager: Re
                                      for c in completions) / len(completions),  # fmt: skip
         "eval/policy_version": rollout.policy_version,
         "time/eval_generation": rollout.timings.get("eval_generation", 0.0),
+        # the sampled rate's precision (--eval_samples_per_prompt, --mid_run_eval_samples_per_prompt)
+        "eval/samples_per_prompt": len(rollout.sampled_completions) / max(1, len(eval_prompts.token_ids)),
     }
     if any(c.tool_stats is not None for c in completions + rollout.sampled_completions):  # a run with --tools
         result["eval/tool_call_rate"] = tool_call_rate(completions)

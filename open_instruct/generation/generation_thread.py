@@ -110,10 +110,21 @@ class GenerationSettings:
     stop_strings: list[str] | None
     eval_prompt_token_ids: list[list[int]] | None = None
     eval_samples_per_prompt: int = 0  # sampled eval at the training temperature, besides greedy
+    # The evals between the first (policy 0) and the final (policy `final_policy_version`) sample this many instead.
+    mid_run_eval_samples_per_prompt: int | None = None
+    final_policy_version: int | None = None
     batches_in_engine: int = 1  # batches decoded together: --async_steps with --inflight_updates, else 1
     cpu_cores: list[int] | None = None  # --vllm_cpu_cores: the cores this thread (its engine) runs on; None: all
     # --tools: {"names", "max_calls", "timeout_s", "output_max_tokens", "wrapper"} (tool_settings); None: no tools
     tools: dict | None = None
+
+
+def eval_samples_per_prompt(settings: GenerationSettings, policy_version: int) -> int:
+    """Sampled responses per eval prompt: --mid_run_eval_samples_per_prompt between the first and the final eval."""
+    mid_run = 0 < policy_version and policy_version != settings.final_policy_version
+    if mid_run and settings.mid_run_eval_samples_per_prompt is not None:
+        return settings.mid_run_eval_samples_per_prompt
+    return settings.eval_samples_per_prompt
 
 
 class InProcessEngine:
@@ -327,11 +338,11 @@ class GenerationThread(threading.Thread):
         prompts = settings.eval_prompt_token_ids
         engine.admit(("eval", request.batch_id), prompts, self._params(1, 0.0), None)
         greedy = engine.run_until_complete(("eval", request.batch_id), self._between_steps)
-        sampled = []
-        if settings.eval_samples_per_prompt > 0:
+        sampled, samples_per_prompt = [], eval_samples_per_prompt(settings, request.policy_version)
+        if samples_per_prompt > 0:
             seed = None if request.sampling_seed is None else request.sampling_seed + 1
             engine.admit(("sampled eval", request.batch_id), prompts,
-                         self._params(settings.eval_samples_per_prompt, settings.temperature), seed)  # fmt: skip
+                         self._params(samples_per_prompt, settings.temperature), seed)  # fmt: skip
             sampled = engine.run_until_complete(("sampled eval", request.batch_id), self._between_steps)
         eval_rollout = Rollout(request.policy_version, greedy, {"eval_generation": time.time() - start}, sampled,
                                request.checksums, batch_id=request.batch_id)  # fmt: skip

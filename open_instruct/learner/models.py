@@ -15,6 +15,7 @@ from open_instruct.learner.varlen_attention import use_varlen_attention
 from open_instruct.rl.logprobs import logprobs_and_entropy, projected_logprobs
 from open_instruct.rl.packing import PackedRows
 from open_instruct.run.devices import autocast, inference_dtype
+from open_instruct.run.model_shapes import keep_first_layers
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class ModelSpec:
     trainable: bool = True
     scalar_head: bool = False
     pad_token_id: int | None = None  # the policy tokenizer's, for a scalar-head model's config
+    num_layers: int = 0  # load only the first N decoder layers (--value_model_num_layers); 0: all
 
     def config(self):
         """The model's config, dropout off (and for a scalar head: 1 label, the policy's pad id)."""
@@ -63,6 +65,7 @@ class ModelSpec:
         if self.scalar_head:
             config.num_labels = 1
             config.pad_token_id = self.pad_token_id
+        keep_first_layers(config, self.num_layers, self.role, self.path)
         return config
 
     def head_is_new(self, config) -> bool:

@@ -115,7 +115,8 @@ class PPOLearner(LearnerState):
         self.value_model = self.value_trainer = None
         if self.uses_value_model:
             value_path = model_args.value_model_path or model_args.reward_model_path or policy_path
-            value = ModelSpec("value model", value_path, scalar_head=True, pad_token_id=tokenizer.pad_token_id)
+            value = ModelSpec("value model", value_path, scalar_head=True, pad_token_id=tokenizer.pad_token_id,
+                              num_layers=model_args.value_model_num_layers)  # fmt: skip
             value_model = load(value)
             if self.lora is not None:  # its score head trains in full
                 self.adapters["value_model"] = lora.add_adapters(value_model, self.lora, args.run.seed + 1, True)

@@ -41,6 +41,11 @@ class ModelArgs:
     reward_model_path: str | None = arg(None, "Reward model (a *ForSequenceClassification checkpoint).")
     reward_model_revision: str | None = arg(None, "Hub revision of the reward model.")
     value_model_path: str | None = arg(None, "PPO's value model init; default: the reward model, else the policy.")
+    value_model_num_layers: int = arg(
+        0,
+        "PPO: a smaller critic, the first N decoder layers of its init (and a new score head); its forward and "
+        "backward cost about N / the layers of the full one (docs/speed.md). 0: all layers.",
+    )
     gradient_checkpointing: bool = arg(False, "Trade compute for memory in the policy (and PPO's value model).")
     learner_compute_dtype: str = arg(
         "auto",
@@ -315,6 +320,10 @@ class RunArgs:
     num_evals: int = arg(4, "Evals on the eval split over the run (plus one at the start).")
     eval_samples_per_prompt: int = arg(
         4, "Besides greedy, sample this many responses per eval prompt at --temperature (0: greedy only)."
+    )
+    mid_run_eval_samples_per_prompt: int | None = arg(
+        None, "--eval_samples_per_prompt for the evals between the first and the final one (unset: the same): fewer "
+        "make an eval cheap enough to watch the learning often, the first and final evals keep their precision."
     )
     num_samples_to_log: MayChangeOnResume[int] = arg(4, "Sample completions logged per step.")
     with_tracking: MayChangeOnResume[bool] = arg(False, "Log to wandb.")

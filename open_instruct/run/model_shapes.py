@@ -23,6 +23,20 @@ from open_instruct.run.args import Args, ConfigError
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "model_configs"
 
 
+def keep_first_layers(config, num_layers: int, role: str, path: str) -> None:
+    """Make `config` describe a model of its first `num_layers` decoder layers (--value_model_num_layers): transformers
+    then loads those layers' weights and leaves the rest unread. 0: all layers."""
+    if num_layers == 0:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if num_layers > text.num_hidden_layers:
+        raise ConfigError(f"--value_model_num_layers {num_layers}: the {role} ({path}) has "
+                          f"{text.num_hidden_layers} layers; pass at most that, or 0 for all.")  # fmt: skip
+    text.num_hidden_layers = num_layers
+    if isinstance(getattr(text, "layer_types", None), list):  # per-layer attention kinds (sliding / full)
+        text.layer_types = text.layer_types[:num_layers]
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the memory plan needs to know of one model the learner holds."""
@@ -97,7 +111,7 @@ def lora_params(model: torch.nn.Module, rank: int, targets: list[str]) -> int:
 
 def model_shape(
     role: str, path_or_id: str, trainable: bool, scalar_head: bool, revision: str | None = None,
-    lora_rank: int = 0, lora_target_modules: list[str] | None = None,
+    lora_rank: int = 0, lora_target_modules: list[str] | None = None, num_layers: int = 0,
 ) -> ModelShape:  # fmt: skip
     """`role`'s sizes, built on the meta device from its config (see the module docstring for where it is read).
     With `lora_rank` > 0 a trainable model trains only its adapters (and a scalar head)."""
@@ -113,6 +127,7 @@ def model_shape(
         ) from error
     if scalar_head:
         config.num_labels = 1
+    keep_first_layers(config, num_layers, role, path_or_id)
     auto_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto_class.from_config(config)
@@ -158,7 +173,8 @@ def run_model_shapes(args: Args) -> list[ModelShape]:
         shapes.append(model_shape("reward model", model.reward_model_path, False, True, model.reward_model_revision))
     if args.ppo.algorithm == "ppo":
         value_path = model.value_model_path or model.reward_model_path or policy
-        shapes.append(model_shape("value model", value_path, True, True, **lora))
+        shapes.append(model_shape("value model", value_path, True, True, num_layers=model.value_model_num_layers,
+                                  **lora))  # fmt: skip
     return shapes
 
 

@@ -131,6 +131,8 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("fallback_save_dir", run.fallback_save_dir, FOLDER),
         ("num_evals", run.num_evals, (lambda v: v >= 0, "an integer >= 0 (0: no evals)")),
         ("eval_samples_per_prompt", run.eval_samples_per_prompt, NON_NEGATIVE_INT),
+        ("mid_run_eval_samples_per_prompt", run.mid_run_eval_samples_per_prompt,
+         (lambda v: v is None or (isinstance(v, int) and v >= 0), "an integer >= 0 (0: greedy only), or unset")),
         ("num_samples_to_log", run.num_samples_to_log, NON_NEGATIVE_INT),
         ("preemption_timeout_s", run.preemption_timeout_s, POSITIVE),
         ("exp_name", run.exp_name, NAME),
@@ -163,6 +165,8 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
          (lambda v: v >= 0, "an integer >= 0 (0: micro-batches of --per_device_train_batch_size padded rows)")),
         ("device_memory_gb", args.dist.device_memory_gb, (lambda v: v is None or POSITIVE[0](v), "a number of GB > 0")),
         ("lora_rank", args.model.lora_rank, (lambda v: v >= 0, "an integer >= 0 (0: full fine-tuning)")),
+        ("value_model_num_layers", args.model.value_model_num_layers,
+         (lambda v: v >= 0, "an integer >= 0 (0: all the layers of the value model's init)")),
         ("lora_alpha", args.model.lora_alpha, POSITIVE),
         ("lora_dropout", args.model.lora_dropout,
          (lambda v: v == 0, "0: the engine samples with the merged weights and no dropout, so dropout in the adapters "
@@ -363,6 +367,7 @@ def validate_grpo_flags(args: Args) -> None:
         )
     value_flags = {
         "--value_model_path": args.model.value_model_path is not None,
+        "--value_model_num_layers": args.model.value_model_num_layers != 0,
         "--value_learning_rate": ppo.value_learning_rate is not None,
         "--whiten_rewards": ppo.whiten_rewards,
     }
