@@ -252,3 +252,25 @@ def test_a_smaller_critic_is_its_inits_first_layers_with_a_new_head_and_the_plan
     assert shapes["value model"].num_layers == 1
     assert shapes["value model"].num_params == sum(p.numel() for p in critic.parameters())
     assert shapes["value model"].num_params < sum(p.numel() for p in full.parameters())
+
+
+def test_old_logprobs_auto_takes_the_engines_only_where_they_are_the_learners():
+    """--old_logprobs_from auto: the engine's logprobs where engine and learner both compute in fp32 on a CPU and the
+    data is one version old; anywhere else the learner's own, with the truncated importance weight to the engine's
+    (cap 2 unless set). Explicit choices pass through."""
+    from open_instruct.run.args import old_logprobs_source, parse_args
+
+    auto = parse_args(["--old_logprobs_from", "auto"])
+    assert old_logprobs_source(auto, "float32", "float32", "cpu")[:2] == ("vllm", 0.0)
+    source, cap, why = old_logprobs_source(auto, "bfloat16", "float32", "cpu")
+    assert (source, cap) == ("learner", 2.0) and "bfloat16" in why and "float32" in why
+    assert old_logprobs_source(auto, "bfloat16", "bfloat16", "cuda")[:2] == ("learner", 2.0)
+    assert old_logprobs_source(auto, "float32", "float32", "cuda")[:2] == ("learner", 2.0)  # a GPU's kernels differ
+    lagged = parse_args(["--old_logprobs_from", "auto", "--async_steps", "2"])
+    assert old_logprobs_source(lagged, "float32", "float32", "cpu")[:2] == ("learner", 2.0)
+    capped = parse_args(["--old_logprobs_from", "auto", "--truncated_importance_sampling_ratio_cap", "3"])
+    assert old_logprobs_source(capped, "float32", "float32", "cpu")[:2] == ("learner", 3.0)
+    uncorrected = parse_args(["--old_logprobs_from", "auto", "--truncated_importance_sampling_ratio_cap", "0"])
+    assert old_logprobs_source(uncorrected, "bfloat16", "float32", "cpu")[:2] == ("learner", 0.0)
+    explicit = parse_args(["--old_logprobs_from", "vllm"])
+    assert old_logprobs_source(explicit, "bfloat16", "float32", "cpu")[:2] == ("vllm", 0.0)

@@ -374,3 +374,22 @@ def test_absurd_logprobs_and_values_on_tool_tokens_change_nothing(tiny_model_dir
     assert {"loss/policy_avg", "policy/entropy_avg", "objective/entropy", "val/sequence_lengths"} <= set(compared)
     assert {key: metrics[key] for key in compared} == {key: clean_metrics[key] for key in compared}
     assert all(torch.equal(got, want) for got, want in zip(params, clean_params))
+
+
+def test_old_logprobs_auto_follows_the_dtype_the_learner_computes_in(tiny_model_dir, rollout, monkeypatch):
+    """--old_logprobs_from auto on this CPU (fp32 engine): an fp32 learner takes the engine's logprobs and runs no
+    policy forward; a bf16 learner runs its own and weights each token by its truncated ratio to the engine's."""
+    prompts, completions = rollout
+    completions = with_engine_logprobs(completions, fabricated_logprobs(completions))
+    forwards = ForwardLog(monkeypatch)
+    fp32, reward_manager = build_learner(tiny_model_dir, "--old_logprobs_from", "auto", "--learner_compute_dtype",
+                                         "float32", "--vllm_dtype", "float32")  # fmt: skip
+    _, metrics, _ = fp32.make_experience(prompts, completions, reward_manager)
+    assert forwards.count(fp32.policy) == 0 and metrics["debug/old_logprobs_from_learner_frac"] == 0.0
+    assert "policy/tis_capped_frac" not in metrics
+    bf16, _ = build_learner(tiny_model_dir, "--old_logprobs_from", "auto", "--learner_compute_dtype", "bfloat16",
+                            "--vllm_dtype", "float32")  # fmt: skip
+    exp, metrics, _ = bf16.make_experience(prompts, completions, reward_manager)
+    assert forwards.count(bf16.policy) > 0 and "debug/old_logprobs_from_learner_frac" not in metrics  # all its own
+    assert metrics["debug/vllm_vs_learner_logprob_diff_mean"] > 0.1  # the fabricated engine logprobs differ
+    assert bf16.tis_cap == 2.0 and "policy/tis_capped_frac" in metrics and exp.tis_weight is not None

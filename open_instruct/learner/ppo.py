@@ -39,7 +39,7 @@ from open_instruct.learner.single_process import OptimizerSettings, SingleProces
 from open_instruct.rl.packing import pack_rows, plan_micro_batches
 from open_instruct.rl.rewards import Scorer
 from open_instruct.run import checkpoint, devices
-from open_instruct.run.args import Args, BatchSizes, truncated_importance_cap
+from open_instruct.run.args import Args, BatchSizes, old_logprobs_source
 from open_instruct.run.flops import LearnerWork, ModelFlops
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class PPOLearner(LearnerState):
         self.dtype_warning = engine_dtype_mismatch(args, self.compute_dtype, self.device)
         if self.backend.rank == 0:
             log.info(f"[learner] {self.device.type}: computing in {why}")
+            if args.ppo.old_logprobs_from == "auto":
+                log.info(f"[learner] old logprobs (--old_logprobs_from auto): {self.old_logprobs_choice[2]}")
             if self.dtype_warning:
                 log.warning(self.dtype_warning)
         self.policy_path = policy_path
@@ -142,7 +144,6 @@ class PPOLearner(LearnerState):
         if self.reward_model is not None:
             self.reward_model = self.backend.frozen(self.reward_model)
         self.shuffle_generator = torch.Generator().manual_seed(args.run.seed)
-        self.tis_cap = truncated_importance_cap(args)  # the off-policy correction (0: off)
         self.model_flops = self.flops_of_models()
         self.work = LearnerWork()  # the step's work so far: make_experience starts it, train adds to it and logs it
         if self.backend.rank == 0:
@@ -187,7 +188,7 @@ class PPOLearner(LearnerState):
         rollout = layout_rollout(prompts, completions, self.tokenizer.pad_token_id, self.stop_token_ids, self.device)
         timings: dict[str, float] = {}
         learner_logprob, ref_logprob = self.forward_logprobs(rollout, timings)
-        logprob, source_metrics = old_logprobs(rollout, learner_logprob, ppo.old_logprobs_from)
+        logprob, source_metrics = old_logprobs(rollout, learner_logprob, self.old_logprobs_from)
         score, reward_metrics = self.score(rollout, prompts, completions, reward_manager, timings)
         experience, metrics = self.rewards_and_advantages(rollout, logprob, ref_logprob, score, completions, timings)
         tis_metrics = {}
@@ -206,6 +207,22 @@ class PPOLearner(LearnerState):
         return experience, metrics, samples
 
     # ---- the parts of make_experience ----
+    @property
+    def old_logprobs_choice(self) -> tuple[str, float, str]:
+        """(--old_logprobs_from resolved, the truncated-importance cap (0: off), why), for the dtype the learner computes
+        in now (a resumed run takes its checkpoint's)."""
+        engine = engine_dtype(self.args.gen.vllm_dtype) if self.device.type == "cpu" else "bfloat16"
+        return old_logprobs_source(self.args, devices.dtype_name(self.compute_dtype), engine, self.device.type)
+
+    @property
+    def old_logprobs_from(self) -> str:
+        return self.old_logprobs_choice[0]
+
+    @property
+    def tis_cap(self) -> float:
+        """The truncated importance weight's cap, the off-policy correction (0: off)."""
+        return self.old_logprobs_choice[1]
+
     def forward_logprobs(self, rollout: RolloutTensors, timings: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The learner's logprobs of the sampled tokens (only when `needs_learner_logprobs`) and the reference's (only
         with --beta non-zero), [batch, response_len] each or None; their seconds go to `timings`."""
@@ -218,7 +235,7 @@ class PPOLearner(LearnerState):
             return lambda packed: models.packed_response_logprobs(model, packed, temperature)[0]
 
         learner_logprob = ref_logprob = None
-        if needs_learner_logprobs(rollout, ppo.old_logprobs_from, self.tis_cap):
+        if needs_learner_logprobs(rollout, self.old_logprobs_from, self.tis_cap):
             with timed(timings, "time/old_logprob_forward"):
                 learner_logprob = self.forward_on_all_rows(
                     logprob_of(self.policy), rollout.query_response, rollout.attention_mask,

@@ -113,6 +113,8 @@ class LearnerRank:
         learner = learner_class(args.ppo.algorithm)  # the same class as a single-process run of these args
         self.learner = learner(args, sizes, tokenizer, policy_path, stop_token_ids, backend=backend)
         said = f"{self.learner.device.type}: computing in {self.learner.compute_dtype_reason}"
+        if args.ppo.old_logprobs_from == "auto":
+            said += f"; old logprobs (--old_logprobs_from auto): {self.learner.old_logprobs_choice[2]}"
         return said + (f"\n{self.learner.dtype_warning}" if self.learner.dtype_warning else "")
 
     def make_experience(

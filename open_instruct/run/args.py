@@ -130,8 +130,10 @@ class PPOArgs:
         "Where PPO's old (behaviour) logprobs of the sampled tokens come from. learner: a forward pass of the "
         "learner's policy over the rollout. vllm: the engine's logprobs of the tokens it sampled, no forward pass "
         "(equal to the learner's within ~1e-5 with an fp32 engine in sync mode; in async mode the policy that "
-        "really sampled). See docs/ppo_details.md.",
-        choices=["learner", "vllm"],
+        "really sampled). auto: vllm where the engine's are the learner's (a CPU engine and learner both in fp32, data "
+        "at most one version old), else learner with the truncated importance weight to the engine's (cap 2 unless "
+        "--truncated_importance_sampling_ratio_cap is set). See docs/ppo_details.md.",
+        choices=["learner", "vllm", "auto"],
     )
     truncated_importance_sampling_ratio_cap: float | None = arg(
         None,
@@ -443,13 +445,35 @@ def needs_off_policy_correction(gen: "GenerationArgs") -> bool:
     return async_steps(gen) > 1 or batches_in_engine(gen) > 1
 
 
-def truncated_importance_cap(args: "Args") -> float:
+def truncated_importance_cap(args: "Args", engine_differs: bool = False) -> float:
     """--truncated_importance_sampling_ratio_cap, or when unset its default: on (2) where the data is off-policy by more
-    than one version, else off."""
+    than one version, or where `engine_differs` (--old_logprobs_from auto chose the learner's logprobs because the
+    engine's differ from them), else off."""
     cap = args.ppo.truncated_importance_sampling_ratio_cap
     if cap is not None:
         return cap
-    return DEFAULT_OFF_POLICY_CAP if needs_off_policy_correction(args.gen) else 0.0
+    return DEFAULT_OFF_POLICY_CAP if needs_off_policy_correction(args.gen) or engine_differs else 0.0
+
+
+def old_logprobs_source(args: "Args", learner_dtype: str, engine_dtype: str, device_type: str
+                        ) -> tuple[str, float, str]:  # fmt: skip
+    """--old_logprobs_from resolved for this learner: (source, truncated-importance cap, why). `auto` takes the engine's
+    logprobs only where they are the learner's within ~1e-5 (docs/ppo_details.md): a CPU engine and learner both in
+    fp32, and data at most one policy version old. Anywhere else (a bf16 side, a GPU's kernels, async lag) it runs
+    the learner's own forward, and weights each token by its truncated ratio to the engine's (docs/speed.md,
+    "Learner dtype": a bf16 learner against the fp32 engine's logprobs collapsed in 2 runs of 3)."""
+    requested = args.ppo.old_logprobs_from
+    if requested != "auto":
+        return requested, truncated_importance_cap(args), f"--old_logprobs_from {requested}"
+    if needs_off_policy_correction(args.gen):
+        return "learner", truncated_importance_cap(args), "the learner's: the data is more than one version old"
+    if (args.ppo.truncated_importance_sampling_ratio_cap or 0) > 0:
+        return "learner", truncated_importance_cap(args), "the learner's: a truncated importance weight was asked for"
+    if device_type == "cpu" and learner_dtype == engine_dtype == "float32":
+        return "vllm", truncated_importance_cap(args), "the engine's: engine and learner both compute in float32"
+    where = "on a GPU" if device_type != "cpu" else f"the learner computes in {learner_dtype}, the engine in {engine_dtype}"
+    cap = truncated_importance_cap(args, engine_differs=True)
+    return "learner", cap, f"the learner's ({where}), the engine's in a truncated importance weight (cap {cap:g})"
 
 
 ARG_GROUPS = (ModelArgs, DatasetArgs, RewardConfig, PPOArgs, GenerationArgs, RunArgs, DistributedArgs)
