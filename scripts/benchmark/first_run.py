@@ -1,0 +1,154 @@
+"""The first run (`ppo.sh` on a CPU): what each configuration's saved model learns per wall-clock second, over seeds.
+
+    python scripts/benchmark/first_run.py                                   # every variant, seeds 1 2 3
+    python scripts/benchmark/first_run.py --variants recipe fp32_full_critic --seeds 1
+    python scripts/benchmark/first_run.py --runs_dir runs   # keep the runs; one already evaluated there is reused
+
+Why (issue 36): `ppo.sh` is a newcomer's first run and should take at most ten minutes on 2 cores of every CPU kind
+while its saved model learns at least as much as the fp32 recipe's. The variants are flags on the CPU recipe
+(`ppo_arithmetic_cpu.yaml`; `grpo` runs `grpo_arithmetic_cpu.yaml`), each spelled out in full so that a later
+recipe change does not change what a variant means:
+
+- `fp32_full_critic`: the recipe before issue 36: an fp32 learner, the fp32 engine's logprobs as PPO's old ones, a
+  value model of all 30 layers.
+- `bf16_learner_logprobs`: a bf16 learner with its own old logprobs (one forward more) and the truncated importance
+  weight to the engine's (what `--old_logprobs_from auto` picks where the probe picks bf16).
+- `fp32_small_critic` / `recipe`: the critic cut to its first 8 layers (`--value_model_num_layers 8`), in fp32 /
+  with the dtype and the old logprobs chosen at run time (`auto`, the recipe since issue 36), with mid-run evals.
+- `grpo`: no value model at all (`grpo.sh`'s recipe).
+
+Each run's saved `model/` is evaluated by a fresh vLLM engine on all 81 questions of the embedded task (`python -m
+open_instruct.evaluate ... --temperature 1.0 --samples 16`). Wall time is the trainer's command from start to exit
+(engine start, first and final eval, save: `ppo.sh` without its install check). Prints a row per run and the mean,
+min and collapses per variant, writes JSON and a plot of each run's sampled eval correct rate against wall-clock time.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PPO_CPU = "configs/train_configs/ppo_arithmetic_cpu.yaml"
+GRPO_CPU = "configs/train_configs/grpo_arithmetic_cpu.yaml"
+FP32 = ["--learner_compute_dtype", "float32", "--old_logprobs_from", "vllm"]
+ONE_EVAL = ["--num_evals", "1"]
+MID_RUN_EVALS = ["--num_evals", "4", "--mid_run_eval_samples_per_prompt", "4"]
+VARIANTS = {
+    "fp32_full_critic": (PPO_CPU, [*FP32, "--value_model_num_layers", "0", *ONE_EVAL]),
+    "bf16_learner_logprobs": (PPO_CPU, ["--learner_compute_dtype", "bfloat16", "--old_logprobs_from", "learner",
+                                        "--truncated_importance_sampling_ratio_cap", "2", "--value_model_num_layers",
+                                        "0", *ONE_EVAL]),  # fmt: skip
+    "fp32_small_critic": (PPO_CPU, [*FP32, "--value_model_num_layers", "8", *MID_RUN_EVALS]),
+    "recipe": (PPO_CPU, ["--learner_compute_dtype", "auto", "--old_logprobs_from", "auto",
+                         "--value_model_num_layers", "8", *MID_RUN_EVALS]),  # fmt: skip
+    "grpo": (GRPO_CPU, [*FP32, *ONE_EVAL]),
+}
+BASE_SAMPLED = 0.306  # the base model's sampled correct rate on all 81 questions: below it, the run collapsed
+
+
+def run(variant: str, seed: int, workdir: str) -> dict:
+    config, flags = VARIANTS[variant]
+    output_dir = os.path.join(workdir, f"{variant}_seed{seed}")
+    evaluation = os.path.join(output_dir, "evaluate.json")
+    if os.path.exists(evaluation):
+        print(f"[benchmark] reusing the evaluated run in {output_dir}", flush=True)
+    else:
+        command = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl", config, *flags, "--seed", str(seed),
+                   "--output_dir", output_dir, "--overwrite_output_dir", "true"]  # fmt: skip
+        print(f"[benchmark] {' '.join(command)}", flush=True)
+        started = time.time()
+        subprocess.run(command, check=True, cwd=REPO)
+        with open(os.path.join(output_dir, "wall_s.json"), "w") as f:
+            json.dump({"wall_s": time.time() - started}, f)
+        subprocess.run([sys.executable, "-m", "open_instruct.evaluate", os.path.join(output_dir, "model"),
+                        "--temperature", "1.0", "--samples", "16", "--output_json", evaluation], check=True, cwd=REPO)  # fmt: skip
+    return summarize(variant, seed, output_dir)
+
+
+def summarize(variant: str, seed: int, output_dir: str) -> dict:
+    """One run's row: wall, steady step, the saved model's rates, and what the mid-run evals cost."""
+    with open(os.path.join(output_dir, "evaluate.json")) as f:
+        result = json.load(f)["results"][0]
+    with open(os.path.join(output_dir, "wall_s.json")) as f:
+        wall = json.load(f)["wall_s"]
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    steps = [line for line in lines if "time/step" in line]
+    mid_run = [line["step"] for line in steps if 0 < line.get("eval/policy_version", 0)]
+    steady = statistics.median(line["time/step"] for line in steps[1:] if line["step"] not in mid_run)
+    return {
+        "variant": variant, "seed": seed, "wall_s": wall, "s_per_step": steady,
+        "greedy_all": result["greedy_all"], "sampled_all": result["sampled_all"],
+        "sampled_test": result["sampled_test"], "collapsed": result["sampled_all"] < BASE_SAMPLED,
+        # the steps with a mid-run eval, over a steady step each: what those evals cost the run
+        "mid_run_eval_s": sum(line["time/step"] - steady for line in steps if line["step"] in mid_run),
+        "evals": [(line["time/from_scratch"], line["eval/sampled_correct_rate"]) for line in lines
+                  if "eval/sampled_correct_rate" in line],
+    }  # fmt: skip
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    colors = {}
+    for row in rows:
+        color = colors.setdefault(row["variant"], f"C{len(colors)}")
+        seconds, rates = zip(*row["evals"]) if row["evals"] else ((), ())
+        axes.plot(seconds, rates, "o-", color=color, alpha=0.8,
+                  label=row["variant"] if row["seed"] == min(r["seed"] for r in rows) else None)  # fmt: skip
+    axes.axhline(0.88, color="gray", linestyle=":", label="goal 0.88 (saved model, all 81)")
+    axes.set_xlabel("seconds from the run's start")
+    axes.set_ylabel("eval sampled correct rate (20 held-out)")
+    axes.set_title("The first run: the held-out sampled correct rate during each run")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"[benchmark] wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--json", default="first_run.json")
+    parser.add_argument("--plot", default="first_run.png")
+    parser.add_argument("--runs_dir", default=None, help="keep each run here (default: a temporary folder); a run "
+                        "already evaluated there is summarized, not run again")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = args.runs_dir or tmp
+        for seed in args.seeds:
+            for variant in args.variants:
+                rows.append(run(variant, seed, workdir))
+    keys = ["wall_s", "s_per_step", "greedy_all", "sampled_all", "sampled_test", "mid_run_eval_s"]
+    print(f"\n{'variant':<24}{'seed':>5}" + "".join(f"{k:>15}" for k in keys))
+    for row in rows:
+        print(f"{row['variant']:<24}{row['seed']:>5}" + "".join(f"{row[k]:>15.3f}" for k in keys))
+    summary = {}
+    for variant in args.variants:
+        mine = [r for r in rows if r["variant"] == variant]
+        summary[variant] = {**{k: statistics.mean(r[k] for r in mine) for k in keys},
+                            "min_greedy": min(r["greedy_all"] for r in mine),
+                            "min_sampled": min(r["sampled_all"] for r in mine),
+                            "collapsed": sum(r["collapsed"] for r in mine), "seeds": len(mine)}  # fmt: skip
+        print(f"{variant + ' (mean)':<29}" + "".join(f"{summary[variant][k]:>15.3f}" for k in keys)
+              + f"   min greedy {summary[variant]['min_greedy']:.3f}, min sampled {summary[variant]['min_sampled']:.3f},"
+              f" collapsed {summary[variant]['collapsed']}/{len(mine)}")  # fmt: skip
+    with open(args.json, "w") as f:
+        json.dump({"rows": rows, "summary": summary}, f, indent=1)
+    print(f"[benchmark] wrote {args.json}")
+    plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
