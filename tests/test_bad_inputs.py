@@ -165,7 +165,7 @@ CASES = [
          "--overlong_buffer_length 16 is not below --response_length 16"),  # fmt: skip
     Case("negative overlong penalty", ["--overlong_penalty_factor", "-1"], "--overlong_penalty_factor -1.0 is not valid"),
     Case("unknown loss aggregation", ["--loss_aggregation", "sample"], "invalid choice: 'sample' (choose from 'token', 'sequence')"),
-    Case("unknown old logprobs source", ["--old_logprobs_from", "engine"], "--old-logprobs-from: invalid choice: 'engine' (choose from 'learner', 'vllm')"),
+    Case("unknown old logprobs source", ["--old_logprobs_from", "engine"], "--old-logprobs-from: invalid choice: 'engine' (choose from 'learner', 'vllm', 'auto')"),
     # ---- flag syntax ----
     Case("choice not allowed", ["--kl_estimator", "k4"], "argument --kl_estimator/--kl-estimator: invalid choice: 'k4'"),
     Case("not a number", ["--learning_rate", "abc"], "--learning_rate/--learning-rate: invalid float value: 'abc'"),
