@@ -216,16 +216,23 @@ def test_a_bf16_cpu_learner_against_the_fp32_engines_logprobs_is_warned_about():
 @pytest.mark.parametrize("name", ["ppo_arithmetic_cpu.yaml", "grpo_arithmetic_cpu.yaml", "ppo_word_problems_cpu.yaml",
                                   "grpo_tools_cpu.yaml", "ppo_tools_cpu.yaml"])  # fmt: skip
 def test_cpu_recipes_with_engine_logprobs_compute_in_the_engines_dtype(name):
-    """A CPU recipe whose PPO ratio divides by the fp32 engine's logprobs pins an fp32 learner, whatever the CPU's
-    bf16 probe would pick (docs/speed.md, "Learner dtype": bf16 collapsed in 2 of 3 seeds)."""
+    """A CPU recipe never divides a bf16 learner's probabilities by the fp32 engine's (docs/speed.md, "Learner dtype":
+    that collapsed in 2 of 3 seeds): it pins an fp32 learner with the engine's logprobs, or lets `auto` choose both,
+    which on either dtype the probe may pick takes the engine's logprobs only with an fp32 learner."""
     from pathlib import Path
 
     from open_instruct.learner.ppo import engine_dtype_mismatch
-    from open_instruct.run.args import parse_args
+    from open_instruct.run.args import old_logprobs_source, parse_args
 
     args = parse_args([str(Path(__file__).resolve().parents[1] / "configs" / "train_configs" / name)])
-    assert args.ppo.old_logprobs_from == "vllm" and args.model.learner_compute_dtype == "float32"
     cpu = torch.device("cpu")
+    if args.ppo.old_logprobs_from == "auto":
+        assert args.model.learner_compute_dtype == "auto"
+        for learner_dtype in ("float32", "bfloat16"):  # whatever this CPU's probe would say
+            source, cap, _ = old_logprobs_source(args, learner_dtype, "float32", "cpu")  # a CPU engine: fp32
+            assert (source == "vllm") == (learner_dtype == "float32") and (cap > 0) == (learner_dtype == "bfloat16")
+        return
+    assert args.ppo.old_logprobs_from == "vllm" and args.model.learner_compute_dtype == "float32"
     learner_dtype = devices.learner_compute_dtype(args.model.learner_compute_dtype, cpu)[0]
     assert engine_dtype_mismatch(args, learner_dtype, cpu) is None
 
