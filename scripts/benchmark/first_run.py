@@ -13,8 +13,10 @@ recipe change does not change what a variant means:
   value model of all 30 layers.
 - `bf16_learner_logprobs`: a bf16 learner with its own old logprobs (one forward more) and the truncated importance
   weight to the engine's (what `--old_logprobs_from auto` picks where the probe picks bf16).
-- `fp32_small_critic` / `recipe`: the critic cut to its first 8 layers (`--value_model_num_layers 8`), in fp32 /
-  with the dtype and the old logprobs chosen at run time (`auto`, the recipe since issue 36), with mid-run evals.
+- `fp32_small_critic`: the critic cut to its first 8 layers (`--value_model_num_layers 8`), with mid-run evals.
+- `auto_small_critic`: the same with the dtype and the old logprobs chosen at run time (`auto`: bf16 and the
+  learner's own old logprobs where the probe finds bf16 fast).
+- `recipe`: `ppo_arithmetic_cpu.yaml` as shipped (since issue 36: `fp32_small_critic` with cheaper evals).
 - `grpo`: no value model at all (`grpo.sh`'s recipe).
 
 Each run's saved `model/` is evaluated by a fresh vLLM engine on all 81 questions of the embedded task (`python -m
@@ -36,16 +38,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PPO_CPU = "configs/train_configs/ppo_arithmetic_cpu.yaml"
 GRPO_CPU = "configs/train_configs/grpo_arithmetic_cpu.yaml"
 FP32 = ["--learner_compute_dtype", "float32", "--old_logprobs_from", "vllm"]
-ONE_EVAL = ["--num_evals", "1"]
-MID_RUN_EVALS = ["--num_evals", "4", "--mid_run_eval_samples_per_prompt", "4"]
+AUTO = ["--learner_compute_dtype", "auto", "--old_logprobs_from", "auto"]
+ONE_EVAL = ["--num_evals", "1", "--eval_samples_per_prompt", "16"]
+MID_RUN_EVALS = ["--num_evals", "4", "--mid_run_eval_samples_per_prompt", "4", "--eval_samples_per_prompt", "16"]
 VARIANTS = {
     "fp32_full_critic": (PPO_CPU, [*FP32, "--value_model_num_layers", "0", *ONE_EVAL]),
     "bf16_learner_logprobs": (PPO_CPU, ["--learner_compute_dtype", "bfloat16", "--old_logprobs_from", "learner",
                                         "--truncated_importance_sampling_ratio_cap", "2", "--value_model_num_layers",
                                         "0", *ONE_EVAL]),  # fmt: skip
     "fp32_small_critic": (PPO_CPU, [*FP32, "--value_model_num_layers", "8", *MID_RUN_EVALS]),
-    "recipe": (PPO_CPU, ["--learner_compute_dtype", "auto", "--old_logprobs_from", "auto",
-                         "--value_model_num_layers", "8", *MID_RUN_EVALS]),  # fmt: skip
+    "auto_small_critic": (PPO_CPU, [*AUTO, "--value_model_num_layers", "8", *MID_RUN_EVALS]),
+    "recipe": (PPO_CPU, []),  # the recipe as shipped (fp32_small_critic with cheaper evals since issue 36)
     "grpo": (GRPO_CPU, [*FP32, *ONE_EVAL]),
 }
 BASE_SAMPLED = 0.306  # the base model's sampled correct rate on all 81 questions: below it, the run collapsed
@@ -79,7 +82,9 @@ def summarize(variant: str, seed: int, output_dir: str) -> dict:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
     steps = [line for line in lines if "time/step" in line]
-    mid_run = [line["step"] for line in steps if 0 < line.get("eval/policy_version", 0)]
+    # A mid-run eval of policy v runs in the engine before the batch the learner waits for at the end of step v + 1
+    # (async mode); its metrics are logged with step v + 2.
+    mid_run = [line["step"] - 1 for line in steps if 0 < line.get("eval/policy_version", 0)]
     steady = statistics.median(line["time/step"] for line in steps[1:] if line["step"] not in mid_run)
     return {
         "variant": variant, "seed": seed, "wall_s": wall, "s_per_step": steady,
@@ -87,8 +92,9 @@ def summarize(variant: str, seed: int, output_dir: str) -> dict:
         "sampled_test": result["sampled_test"], "collapsed": result["sampled_all"] < BASE_SAMPLED,
         # the steps with a mid-run eval, over a steady step each: what those evals cost the run
         "mid_run_eval_s": sum(line["time/step"] - steady for line in steps if line["step"] in mid_run),
-        "evals": [(line["time/from_scratch"], line["eval/sampled_correct_rate"]) for line in lines
-                  if "eval/sampled_correct_rate" in line],
+        # the final eval's line has no clock of its own: it ends its eval's seconds after the last step
+        "evals": [(line.get("time/from_scratch", steps[-1]["time/from_scratch"] + line["time/eval_generation"]),
+                   line["eval/sampled_correct_rate"]) for line in lines if "eval/sampled_correct_rate" in line],
     }  # fmt: skip
 
 
