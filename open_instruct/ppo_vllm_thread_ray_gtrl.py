@@ -508,7 +508,7 @@ def describe_models(args: Args, data: RunData) -> str:
     value = "none (GRPO)" if args.ppo.algorithm == "grpo" else (
         model.value_model_path or model.reward_model_path or "the policy with a new score head")  # fmt: skip
     if model.value_model_num_layers and args.ppo.algorithm != "grpo":
-        value += f", its first {model.value_model_num_layers} layers"
+        value += f", its first {model.value_model_num_layers} layers (all, if it has fewer)"
     reference = "none (--beta 0)" if args.ppo.beta == 0 else "the initial policy"
     if model.lora_rank and args.ppo.beta != 0:
         reference = "the policy with its LoRA adapters disabled (the base)"

@@ -259,6 +259,9 @@ def test_a_smaller_critic_is_its_inits_first_layers_with_a_new_head_and_the_plan
     assert shapes["value model"].num_layers == 1
     assert shapes["value model"].num_params == sum(p.numel() for p in critic.parameters())
     assert shapes["value model"].num_params < sum(p.numel() for p in full.parameters())
+    # A recipe's N deeper than a smaller model (the CPU recipe's 8 on the 2-layer test model): all its layers.
+    deep = models.ModelSpec("value model", str(tiny_model_dir), scalar_head=True, pad_token_id=0, num_layers=8)
+    assert models.load_model(deep, torch.device("cpu")).config.num_hidden_layers == 2
 
 
 def test_old_logprobs_auto_takes_the_engines_only_where_they_are_the_learners():

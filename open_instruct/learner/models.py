@@ -65,7 +65,7 @@ class ModelSpec:
         if self.scalar_head:
             config.num_labels = 1
             config.pad_token_id = self.pad_token_id
-        keep_first_layers(config, self.num_layers, self.role, self.path)
+        keep_first_layers(config, self.num_layers)
         return config
 
     def head_is_new(self, config) -> bool:

@@ -44,7 +44,8 @@ class ModelArgs:
     value_model_num_layers: int = arg(
         0,
         "PPO: a smaller critic, the first N decoder layers of its init (and a new score head); its forward and "
-        "backward cost about N / the layers of the full one (docs/speed.md). 0: all layers.",
+        "backward cost about N / the layers of the full one (docs/speed.md). 0, or N at least the init's depth: all "
+        "layers.",
     )
     gradient_checkpointing: bool = arg(False, "Trade compute for memory in the policy (and PPO's value model).")
     learner_compute_dtype: str = arg(

@@ -23,15 +23,13 @@ from open_instruct.run.args import Args, ConfigError
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "model_configs"
 
 
-def keep_first_layers(config, num_layers: int, role: str, path: str) -> None:
+def keep_first_layers(config, num_layers: int) -> None:
     """Make `config` describe a model of its first `num_layers` decoder layers (--value_model_num_layers): transformers
-    then loads those layers' weights and leaves the rest unread. 0: all layers."""
-    if num_layers == 0:
-        return
+    then loads those layers' weights and leaves the rest unread. 0, or at least the model's depth: all layers (a
+    recipe's N then also runs a smaller model, e.g. the 2-layer test model)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if num_layers > text.num_hidden_layers:
-        raise ConfigError(f"--value_model_num_layers {num_layers}: the {role} ({path}) has "
-                          f"{text.num_hidden_layers} layers; pass at most that, or 0 for all.")  # fmt: skip
+    if num_layers == 0 or num_layers >= text.num_hidden_layers:
+        return
     text.num_hidden_layers = num_layers
     if isinstance(getattr(text, "layer_types", None), list):  # per-layer attention kinds (sliding / full)
         text.layer_types = text.layer_types[:num_layers]
@@ -127,7 +125,7 @@ def model_shape(
         ) from error
     if scalar_head:
         config.num_labels = 1
-    keep_first_layers(config, num_layers, role, path_or_id)
+    keep_first_layers(config, num_layers)
     auto_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto_class.from_config(config)
