@@ -183,7 +183,6 @@ class PPOLearner(LearnerState):
         tensors (`layout_rollout`), the forward passes that give logprobs and scores (`forward_logprobs`, `score`),
         and the rewards and advantages (`rewards_and_advantages`). Returns the experience for `train`, the step's
         metrics, and per-response scores and lengths (for the samples log)."""
-        ppo = self.args.ppo
         work_start = time.perf_counter()
         rollout = layout_rollout(prompts, completions, self.tokenizer.pad_token_id, self.stop_token_ids, self.device)
         timings: dict[str, float] = {}
@@ -211,8 +210,8 @@ class PPOLearner(LearnerState):
     def old_logprobs_choice(self) -> tuple[str, float, str]:
         """(--old_logprobs_from resolved, the truncated-importance cap (0: off), why), for the dtype the learner computes
         in now (a resumed run takes its checkpoint's)."""
-        engine = engine_dtype(self.args.gen.vllm_dtype) if self.device.type == "cpu" else "bfloat16"
-        return old_logprobs_source(self.args, devices.dtype_name(self.compute_dtype), engine, self.device.type)
+        learner, engine = devices.dtype_name(self.compute_dtype), engine_dtype(self.args.gen.vllm_dtype)
+        return old_logprobs_source(self.args, learner, engine, self.device.type)
 
     @property
     def old_logprobs_from(self) -> str:
@@ -226,7 +225,7 @@ class PPOLearner(LearnerState):
     def forward_logprobs(self, rollout: RolloutTensors, timings: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The learner's logprobs of the sampled tokens (only when `needs_learner_logprobs`) and the reference's (only
         with --beta non-zero), [batch, response_len] each or None; their seconds go to `timings`."""
-        ppo, temperature = self.args.ppo, self.args.gen.temperature
+        temperature = self.args.gen.temperature
 
         def logprob_of(model):
             return lambda qr, am: models.response_logprobs(model, qr, am, rollout.context_length, temperature)[0]

@@ -29,10 +29,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
+
+from learner_dtype import train_and_evaluate  # this folder is on sys.path when the script runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PPO_CPU = "configs/train_configs/ppo_arithmetic_cpu.yaml"
@@ -57,19 +57,9 @@ BASE_SAMPLED = 0.306  # the base model's sampled correct rate on all 81 question
 def run(variant: str, seed: int, workdir: str) -> dict:
     config, flags = VARIANTS[variant]
     output_dir = os.path.join(workdir, f"{variant}_seed{seed}")
-    evaluation = os.path.join(output_dir, "evaluate.json")
-    if os.path.exists(evaluation):
-        print(f"[benchmark] reusing the evaluated run in {output_dir}", flush=True)
-    else:
-        command = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl", config, *flags, "--seed", str(seed),
-                   "--output_dir", output_dir, "--overwrite_output_dir", "true"]  # fmt: skip
-        print(f"[benchmark] {' '.join(command)}", flush=True)
-        started = time.time()
-        subprocess.run(command, check=True, cwd=REPO)
-        with open(os.path.join(output_dir, "wall_s.json"), "w") as f:
-            json.dump({"wall_s": time.time() - started}, f)
-        subprocess.run([sys.executable, "-m", "open_instruct.evaluate", os.path.join(output_dir, "model"),
-                        "--temperature", "1.0", "--samples", "16", "--output_json", evaluation], check=True, cwd=REPO)  # fmt: skip
+    command = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl", config, *flags, "--seed", str(seed),
+               "--output_dir", output_dir, "--overwrite_output_dir", "true"]  # fmt: skip
+    train_and_evaluate(command, output_dir)
     return summarize(variant, seed, output_dir)
 
 

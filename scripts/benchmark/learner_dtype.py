@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = {
@@ -37,20 +38,30 @@ VARIANTS = {
 }
 
 
-def run(config: str, variant: str, seed: int, workdir: str) -> dict:
-    output_dir = os.path.join(workdir, f"{variant}_seed{seed}")
-    command = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl", config, *VARIANTS[variant],
-               "--seed", str(seed), "--output_dir", output_dir]  # fmt: skip
+def train_and_evaluate(command: list[str], output_dir: str) -> dict:
+    """Run the trainer `command` (writing `output_dir`), then evaluate its saved model by a fresh engine on all 81
+    questions; a run already evaluated there is reused. Returns the evaluation's row; the run's wall-clock seconds
+    go to output_dir/wall_s.json."""
     evaluation = os.path.join(output_dir, "evaluate.json")
     if os.path.exists(evaluation):
         print(f"[benchmark] reusing the evaluated run in {output_dir}", flush=True)
     else:
         print(f"[benchmark] {' '.join(command)}", flush=True)
+        started = time.time()
         subprocess.run(command, check=True, cwd=REPO)
+        with open(os.path.join(output_dir, "wall_s.json"), "w") as f:
+            json.dump({"wall_s": time.time() - started}, f)
         subprocess.run([sys.executable, "-m", "open_instruct.evaluate", os.path.join(output_dir, "model"),
                         "--temperature", "1.0", "--samples", "16", "--output_json", evaluation], check=True, cwd=REPO)  # fmt: skip
     with open(evaluation) as f:
-        result = json.load(f)["results"][0]
+        return json.load(f)["results"][0]
+
+
+def run(config: str, variant: str, seed: int, workdir: str) -> dict:
+    output_dir = os.path.join(workdir, f"{variant}_seed{seed}")
+    command = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl", config, *VARIANTS[variant],
+               "--seed", str(seed), "--output_dir", output_dir]  # fmt: skip
+    result = train_and_evaluate(command, output_dir)
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         steps = [r for r in map(json.loads, f) if "policy_version/learner" in r]
     gap = [r["debug/vllm_vs_learner_logprob_diff_mean"] for r in steps]
