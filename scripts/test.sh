@@ -8,6 +8,12 @@
 # The tiers are markers (pytest.ini, tests/README.md): e2e, ray and slow tests are left out of --fast, whose
 # tests each get 300 s at most instead of 900 s.
 #
+# The whole suite runs on two pytest-xdist workers, each taking a whole file at a time (`--dist loadfile`, so a
+# file's module fixtures are built once): its tests spend much of their time starting processes and waiting on
+# them, which the other worker fills (1402 s instead of ~2000 s on 2 cores, tests/README.md). --fast runs on one:
+# its tests are torch steps that already use every core, and two workers made it slower (255 s against 205 s).
+# OPEN_INSTRUCT_TEST_WORKERS=N sets the number (0: no workers, pytest's own process).
+#
 # Tests run inside a loopback-only network namespace when the machine allows it (root), because
 # Ray listens on every interface otherwise; Ray tests skip with a reason when it does not.
 set -euo pipefail
@@ -22,11 +28,13 @@ export WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENA
 "$python" -c "from open_instruct.data.embedded import smollm2_path, tiny_model_path; smollm2_path(); tiny_model_path()"
 
 tier=()
+workers="${OPEN_INSTRUCT_TEST_WORKERS:-2}"
 if [[ "${1:-}" == "--fast" ]]; then
   shift
   tier=(-m "not e2e and not ray and not slow" --timeout 300)
+  workers="${OPEN_INSTRUCT_TEST_WORKERS:-0}"
 fi
-pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 "${tier[@]}" "$@")
+pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 -n "$workers" --dist loadfile "${tier[@]}" "$@")
 status=0
 if unshare -n true 2>/dev/null; then
   echo "[test] running pytest in a loopback-only network namespace"
