@@ -8,9 +8,10 @@
 # The tiers are markers (pytest.ini, tests/README.md): e2e, ray and slow tests are left out of --fast, whose
 # tests each get 300 s at most instead of 900 s.
 #
-# The whole suite runs on two pytest-xdist workers, each taking a whole file at a time (`--dist loadfile`, so a
-# file's module fixtures are built once): its tests spend much of their time starting processes and waiting on
-# them, which the other worker fills (1402 s instead of ~2000 s on 2 cores, tests/README.md). --fast runs on one:
+# The whole suite runs on two pytest-xdist workers, each taking a whole file at a time (a file's module fixtures are
+# built once) and all files that start Ray on one worker, one after the other (memory: tests/conftest.py's groups):
+# its tests spend much of their time starting processes and waiting on them, which the other worker fills
+# (tests/README.md has the times). --fast runs on one:
 # its tests are torch steps that already use every core, and two workers made it slower (255 s against 205 s).
 # OPEN_INSTRUCT_TEST_WORKERS=N sets the number (0: no workers, pytest's own process).
 #
@@ -34,7 +35,7 @@ if [[ "${1:-}" == "--fast" ]]; then
   tier=(-m "not e2e and not ray and not slow" --timeout 300)
   workers="${OPEN_INSTRUCT_TEST_WORKERS:-0}"
 fi
-pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 -n "$workers" --dist loadfile "${tier[@]}" "$@")
+pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 -n "$workers" --dist loadgroup "${tier[@]}" "$@")
 status=0
 if unshare -n true 2>/dev/null; then
   echo "[test] running pytest in a loopback-only network namespace"

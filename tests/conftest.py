@@ -15,6 +15,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+# ---- Two workers (scripts/test.sh runs pytest-xdist with --dist loadgroup) -----------------------------------------
+
+RAY_GROUP = "ray"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Which tests one worker runs in a row: a file's tests together (its module fixtures are built once), and every
+    file with a Ray test in one group, so two Ray clusters never run at once. Two did, in the first two-worker suite
+    run on the 24 GiB machine: Ray's memory monitor killed engine and learner workers at 95% of the node's memory
+    (5 errors, 2 failures), and test_engine_actors took 559 s instead of 258 s beside another Ray file."""
+    ray_files = {item.path for item in items if item.get_closest_marker("ray")}
+    for item in items:
+        group = RAY_GROUP if item.path in ray_files else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     from open_instruct.data.embedded import smollm2_path
