@@ -9,9 +9,9 @@
 # tests each get 300 s at most instead of 900 s.
 #
 # The whole suite runs on two pytest-xdist workers, each taking a whole file at a time (a file's module fixtures are
-# built once) and all files that start Ray on one worker, one after the other (memory: tests/conftest.py's groups):
-# its tests spend much of their time starting processes and waiting on them, which the other worker fills
-# (tests/README.md has the times). --fast runs on one:
+# built once); a file that starts Ray has the machine to itself (memory: tests/conftest.py's machine_turn). Its tests
+# spend much of their time starting processes and waiting on them, which the other worker fills (tests/README.md has
+# the times). --fast runs on one:
 # its tests are torch steps that already use every core, and two workers made it slower (255 s against 205 s).
 # OPEN_INSTRUCT_TEST_WORKERS=N sets the number (0: no workers, pytest's own process).
 #
@@ -35,7 +35,7 @@ if [[ "${1:-}" == "--fast" ]]; then
   tier=(-m "not e2e and not ray and not slow" --timeout 300)
   workers="${OPEN_INSTRUCT_TEST_WORKERS:-0}"
 fi
-pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 -n "$workers" --dist loadgroup "${tier[@]}" "$@")
+pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 -n "$workers" --dist loadfile "${tier[@]}" "$@")
 status=0
 if unshare -n true 2>/dev/null; then
   echo "[test] running pytest in a loopback-only network namespace"

@@ -1,6 +1,7 @@
 """Shared fixtures (the embedded model folders and data, built once per machine and cached; the eval prompts; the
 Ray cluster) and the tiers: tests/README.md says which marker means what and which command runs which tier."""
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -15,21 +16,41 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-# ---- Two workers (scripts/test.sh runs pytest-xdist with --dist loadgroup) -----------------------------------------
+# ---- Two workers: scripts/test.sh runs pytest-xdist, a file per worker at a time (--dist loadfile) -----------------
 
-RAY_GROUP = "ray"
+RAY_FILES = pytest.StashKey[set]()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Which tests one worker runs in a row: a file's tests together (its module fixtures are built once), and every
-    file with a Ray test in one group, so two Ray clusters never run at once. Two did, in the first two-worker suite
-    run on the 24 GiB machine: Ray's memory monitor killed engine and learner workers at 95% of the node's memory
-    (5 errors, 2 failures), and test_engine_actors took 559 s instead of 258 s beside another Ray file."""
-    ray_files = {item.path for item in items if item.get_closest_marker("ray")}
-    for item in items:
-        group = RAY_GROUP if item.path in ray_files else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
+    config.stash[RAY_FILES] = {item.path for item in items if item.get_closest_marker("ray")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def machine_turn(request, tmp_path_factory):
+    """A file with a Ray test has the machine to itself; other files run two at a time (one per worker). Two Ray
+    clusters at once, or the two-node cluster beside a trainer run, ran the 24 GiB machine into Ray's memory monitor
+    in two of the first three two-worker suite runs (it kills engine and learner workers at 95% of the node's memory:
+    7 and 4 tests failed); every other pair of files fitted. A readers-writer lock over the module: other files
+    hold it shared, a Ray file exclusive; a turnstile makes new readers wait behind a waiting writer."""
+    if "PYTEST_XDIST_TESTRUNUID" not in os.environ:  # one process: nothing runs beside this file
+        yield
+        return
+    alone = request.node.path in request.config.stash[RAY_FILES]
+    run_folder = tmp_path_factory.getbasetemp().parent  # the workers' temporary folders are in one per pytest run
+    turnstile, machine = open(run_folder / "turnstile.lock", "w"), open(run_folder / "machine.lock", "w")
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    if alone:
+        fcntl.flock(machine, fcntl.LOCK_EX)  # waits for the other worker's file to end; new files wait at the turnstile
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+    else:
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        fcntl.flock(machine, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(machine, fcntl.LOCK_UN)
+        machine.close()
+        turnstile.close()
 
 
 @pytest.fixture(scope="session")
