@@ -11,8 +11,9 @@
 # The whole suite runs on two pytest-xdist workers, each taking a whole file at a time (a file's module fixtures are
 # built once); a file that starts Ray has the machine to itself (memory: tests/conftest.py's machine_turn). Its tests
 # spend much of their time starting processes and waiting on them, which the other worker fills (tests/README.md has
-# the times). --fast runs on one:
-# its tests are torch steps that already use every core, and two workers made it slower (255 s against 205 s).
+# the times). --fast runs on two workers too, each with torch on one thread (OMP_NUM_THREADS=1 unless set): its tests
+# are short torch steps and process starts; one process took 199 s, two workers with two threads each 255 s, two
+# workers with one thread each 137 s (2-core machine, 2026-11-27).
 # OPEN_INSTRUCT_TEST_WORKERS=N sets the number (0: no workers, pytest's own process).
 #
 # Tests run inside a loopback-only network namespace when the machine allows it (root), because
@@ -33,7 +34,7 @@ workers="${OPEN_INSTRUCT_TEST_WORKERS:-2}"
 if [[ "${1:-}" == "--fast" ]]; then
   shift
   tier=(-m "not e2e and not ray and not slow" --timeout 300)
-  workers="${OPEN_INSTRUCT_TEST_WORKERS:-0}"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
 pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 -n "$workers" --dist loadfile "${tier[@]}" "$@")
 status=0

@@ -18,13 +18,6 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 # ---- Two workers: scripts/test.sh runs pytest-xdist, a file per worker at a time (--dist loadfile) -----------------
 
-RAY_FILES = pytest.StashKey[set]()
-
-
-def pytest_collection_modifyitems(config, items):
-    config.stash[RAY_FILES] = {item.path for item in items if item.get_closest_marker("ray")}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def machine_turn(request, tmp_path_factory):
     """A file with a Ray test has the machine to itself; other files run two at a time (one per worker). Two Ray
@@ -35,7 +28,8 @@ def machine_turn(request, tmp_path_factory):
     if "PYTEST_XDIST_TESTRUNUID" not in os.environ:  # one process: nothing runs beside this file
         yield
         return
-    alone = request.node.path in request.config.stash[RAY_FILES]
+    selected = request.session.items  # after -m and -k: a Ray file's other tests (the fast tier) need no turn alone
+    alone = any(item.path == request.node.path and item.get_closest_marker("ray") for item in selected)
     run_folder = tmp_path_factory.getbasetemp().parent  # the workers' temporary folders are in one per pytest run
     turnstile, machine = open(run_folder / "turnstile.lock", "w"), open(run_folder / "machine.lock", "w")
     fcntl.flock(turnstile, fcntl.LOCK_EX)
