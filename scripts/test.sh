@@ -13,7 +13,7 @@
 # spend much of their time starting processes and waiting on them, which the other worker fills (tests/README.md has
 # the times). --fast runs on two workers too, each with torch on one thread (OMP_NUM_THREADS=1 unless set): its tests
 # are short torch steps and process starts; one process took 199 s, two workers with two threads each 255 s, two
-# workers with one thread each 137 s (2-core machine, 2026-11-27).
+# workers with one thread each 125 s (2-core machine, 2026-11-27).
 # OPEN_INSTRUCT_TEST_WORKERS=N sets the number (0: no workers, pytest's own process).
 #
 # Tests run inside a loopback-only network namespace when the machine allows it (root), because
