@@ -9,11 +9,11 @@
 # tests each get 300 s at most instead of 900 s.
 #
 # The whole suite runs on two pytest-xdist workers, each taking a whole file at a time (a file's module fixtures are
-# built once); a file that starts Ray has the machine to itself (memory: tests/conftest.py's machine_turn). Its tests
-# spend much of their time starting processes and waiting on them, which the other worker fills (tests/README.md has
-# the times). --fast runs on two workers too, each with torch on one thread (OMP_NUM_THREADS=1 unless set): its tests
-# are short torch steps and process starts; one process took 199 s, two workers with two threads each 255 s, two
-# workers with one thread each 125 s (2-core machine, 2026-11-27).
+# built once) and each with torch on one thread (OMP_NUM_THREADS=1 unless set: two workers with two threads each
+# oversubscribe two cores; the fast tier took 255 s so, 125 s with one each, against 199 s in one process). A file
+# that starts Ray has the machine to itself and every core (memory); the workers take the Ray files first, with the
+# light files between them, then the heavy ones, longest first (tests/support/worker_turns.py; tests/README.md has
+# the times).
 # OPEN_INSTRUCT_TEST_WORKERS=N sets the number (0: no workers, pytest's own process).
 #
 # Tests run inside a loopback-only network namespace when the machine allows it (root), because
@@ -34,9 +34,13 @@ workers="${OPEN_INSTRUCT_TEST_WORKERS:-2}"
 if [[ "${1:-}" == "--fast" ]]; then
   shift
   tier=(-m "not e2e and not ray and not slow" --timeout 300)
-  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
-pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 -n "$workers" --dist loadfile "${tier[@]}" "$@")
+distribute=()
+if [[ "$workers" != 0 ]]; then
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  distribute=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+fi
+pytest_cmd=("$python" -m pytest tests -q -ra --durations=15 "${distribute[@]}" "${tier[@]}" "$@")
 status=0
 if unshare -n true 2>/dev/null; then
   echo "[test] running pytest in a loopback-only network namespace"

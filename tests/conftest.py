@@ -1,7 +1,6 @@
 """Shared fixtures (the embedded model folders and data, built once per machine and cached; the eval prompts; the
 Ray cluster) and the tiers: tests/README.md says which marker means what and which command runs which tier."""
 
-import fcntl
 import json
 import os
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.trainer_runs import EVAL_QUESTIONS
+from tests.support.worker_turns import file_kind, turn, worker_file_order
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -17,34 +17,30 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 # ---- Two workers: scripts/test.sh runs pytest-xdist, a file per worker at a time (--dist loadfile) -----------------
+# What runs beside what, in which order, on how many threads: tests/support/worker_turns.py.
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under workers, put the files in worker_file_order (scripts/test.sh passes --no-loadscope-reorder, so the
+    workers take them in this order; xdist's own order is by number of tests). One process: pytest's order."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(str(item.path), []).append(item)
+    order = worker_file_order({path: file_kind(file_items) for path, file_items in by_file.items()})
+    items[:] = [item for path in order for item in by_file[path]]
+
 
 @pytest.fixture(scope="module", autouse=True)
 def machine_turn(request, tmp_path_factory):
-    """A file with a Ray test has the machine to itself; other files run two at a time (one per worker). Two Ray
-    clusters at once, or the two-node cluster beside a trainer run, ran the 24 GiB machine into Ray's memory monitor
-    in two of the first three two-worker suite runs (it kills engine and learner workers at 95% of the node's memory:
-    7 and 4 tests failed); every other pair of files fitted. A readers-writer lock over the module: other files
-    hold it shared, a Ray file exclusive; a turnstile makes new readers wait behind a waiting writer."""
+    """Under workers, a file waits for its turn on the machine by its kind (tests/support/worker_turns.py)."""
     if "PYTEST_XDIST_TESTRUNUID" not in os.environ:  # one process: nothing runs beside this file
         yield
         return
-    selected = request.session.items  # after -m and -k: a Ray file's other tests (the fast tier) need no turn alone
-    alone = any(item.path == request.node.path and item.get_closest_marker("ray") for item in selected)
-    run_folder = tmp_path_factory.getbasetemp().parent  # the workers' temporary folders are in one per pytest run
-    turnstile, machine = open(run_folder / "turnstile.lock", "w"), open(run_folder / "machine.lock", "w")
-    fcntl.flock(turnstile, fcntl.LOCK_EX)
-    if alone:
-        fcntl.flock(machine, fcntl.LOCK_EX)  # waits for the other worker's file to end; new files wait at the turnstile
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
-    else:
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
-        fcntl.flock(machine, fcntl.LOCK_SH)
-    try:
+    kind = file_kind([item for item in request.session.items if item.path == request.node.path])  # after -m and -k
+    with turn(tmp_path_factory.getbasetemp().parent, kind):  # the workers' temporary folders are in one per run
         yield
-    finally:
-        fcntl.flock(machine, fcntl.LOCK_UN)
-        machine.close()
-        turnstile.close()
 
 
 @pytest.fixture(scope="session")

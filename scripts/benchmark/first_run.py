@@ -16,7 +16,11 @@ recipe change does not change what a variant means:
 - `fp32_small_critic`: the critic cut to its first 8 layers (`--value_model_num_layers 8`), with mid-run evals.
 - `auto_small_critic`: the same with the dtype and the old logprobs chosen at run time (`auto`: bf16 and the
   learner's own old logprobs where the probe finds bf16 fast).
-- `recipe`: `ppo_arithmetic_cpu.yaml` as shipped (since issue 36: `fp32_small_critic` with cheaper evals).
+- `small_critic_14_steps`: the recipe from the critic cut until 18 steps: `fp32_small_critic` with cheaper evals
+  (8 samples a prompt at the start and the end, greedy and 2 samples in the 3 evals between), 14 steps.
+- `small_critic_18_steps`: the same for 18 steps of 32 responses (576 episodes).
+- `small_critic_lr15`: 14 steps at a learning rate of 1.5e-5 instead of 1e-5.
+- `recipe`: `ppo_arithmetic_cpu.yaml` as shipped (since issue 36: `small_critic_18_steps`).
 - `grpo`: no value model at all (`grpo.sh`'s recipe).
 
 Each run's saved `model/` is evaluated by a fresh vLLM engine on all 81 questions of the embedded task (`python -m
@@ -40,6 +44,8 @@ GRPO_CPU = "configs/train_configs/grpo_arithmetic_cpu.yaml"
 FP32 = ["--learner_compute_dtype", "float32", "--old_logprobs_from", "vllm"]
 AUTO = ["--learner_compute_dtype", "auto", "--old_logprobs_from", "auto"]
 ONE_EVAL = ["--num_evals", "1", "--eval_samples_per_prompt", "16"]
+CHEAP_EVALS = ["--num_evals", "4", "--mid_run_eval_samples_per_prompt", "2", "--eval_samples_per_prompt", "8"]
+SMALL_CRITIC = [*FP32, "--value_model_num_layers", "8", *CHEAP_EVALS]
 MID_RUN_EVALS = ["--num_evals", "4", "--mid_run_eval_samples_per_prompt", "4", "--eval_samples_per_prompt", "16"]
 VARIANTS = {
     "fp32_full_critic": (PPO_CPU, [*FP32, "--value_model_num_layers", "0", *ONE_EVAL]),
@@ -48,7 +54,10 @@ VARIANTS = {
                                         "0", *ONE_EVAL]),  # fmt: skip
     "fp32_small_critic": (PPO_CPU, [*FP32, "--value_model_num_layers", "8", *MID_RUN_EVALS]),
     "auto_small_critic": (PPO_CPU, [*AUTO, "--value_model_num_layers", "8", *MID_RUN_EVALS]),
-    "recipe": (PPO_CPU, []),  # the recipe as shipped (fp32_small_critic with cheaper evals since issue 36)
+    "small_critic_14_steps": (PPO_CPU, [*SMALL_CRITIC, "--total_episodes", "448", "--learning_rate", "1e-5"]),
+    "small_critic_18_steps": (PPO_CPU, [*SMALL_CRITIC, "--total_episodes", "576", "--learning_rate", "1e-5"]),
+    "small_critic_lr15": (PPO_CPU, [*SMALL_CRITIC, "--total_episodes", "448", "--learning_rate", "1.5e-5"]),
+    "recipe": (PPO_CPU, []),  # the recipe as shipped (small_critic_18_steps since issue 36)
     "grpo": (GRPO_CPU, [*FP32, *ONE_EVAL]),
 }
 BASE_SAMPLED = 0.306  # the base model's sampled correct rate on all 81 questions: below it, the run collapsed
