@@ -6,7 +6,7 @@
 #   bash scripts/train/debug/ppo.sh --total_episodes 64 --async_mode false
 #
 # On a GPU it uses configs/train_configs/ppo_arithmetic_gpu.yaml; on a CPU configs/train_configs/ppo_arithmetic_cpu.yaml
-# (2 cores: 7.5 minutes with AVX-512, an estimated 12-14 on an AVX2-only CPU). Results: output/ppo_arithmetic_debug/
+# (2 cores: about 9 minutes with AVX-512, an estimated 13-17 on an AVX2-only CPU). Results: output/ppo_arithmetic_debug/
 # (metrics.jsonl, training_curves.png, summary.json, model/).
 set -euo pipefail
 exec bash "$(dirname "${BASH_SOURCE[0]}")/debug_run.sh" ppo "$@"
