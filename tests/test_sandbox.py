@@ -57,14 +57,30 @@ def processes() -> dict[int, tuple[int, str, int]]:
 
 
 def leftovers() -> dict[str, list]:
-    """What a sandboxed run could leave behind: its users' processes, children of this process, zombies, folders."""
+    """What a sandboxed run of this process could leave behind: its users' processes (the uids of this process's own
+    range: a pytest worker beside it runs sandboxes of its own), children of this process, zombies of either, folders
+    in this module's temporary folder (private_temporary_folder)."""
     table = processes()
+    first_uid = UID_BASE + (os.getpid() % isolation.PID_LIMIT) * isolation.UID_SLOTS
+    ours = {pid for pid, (uid, _, _) in table.items() if first_uid <= uid < first_uid + isolation.UID_SLOTS}
+    children = {pid for pid, (_, _, parent) in table.items() if parent == os.getpid()}
     return {
-        "sandbox users' processes": [pid for pid, (uid, _, _) in table.items() if uid >= UID_BASE],
-        "children of the test": [pid for pid, (_, _, parent) in table.items() if parent == os.getpid()],
-        "zombies": [pid for pid, (_, state, _) in table.items() if state == "Z"],
+        "sandbox users' processes": sorted(ours),
+        "children of the test": sorted(children),
+        "zombies": sorted(pid for pid in ours | children if table[pid][1] == "Z"),
         "temporary folders": sorted(p.name for p in Path(tempfile.gettempdir()).glob("open_instruct_sandbox_*")),
     }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_temporary_folder(tmp_path_factory):
+    """The sandbox's run folders go to a temporary folder of this module's own, so that a pytest worker running
+    sandboxes beside this file (tests/test_code_tests.py, test_tools.py) leaves none in the folders checked here."""
+    folder = tmp_path_factory.mktemp("sandbox_tmp")
+    folder.chmod(0o755)
+    before, tempfile.tempdir = tempfile.tempdir, str(folder)
+    yield
+    tempfile.tempdir = before
 
 
 @pytest.fixture(autouse=True)
