@@ -20,15 +20,21 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # What runs beside what, in which order, on how many threads: tests/support/worker_turns.py.
 
 
+FILE_KINDS = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the kinds and the order are the selected tests'
 def pytest_collection_modifyitems(config, items):
-    """Under workers, put the files in worker_file_order (scripts/test.sh passes --no-loadscope-reorder, so the
-    workers take them in this order; xdist's own order is by number of tests). One process: pytest's order."""
+    """Under workers, each file's kind (for machine_turn), and the files in worker_file_order (scripts/test.sh passes
+    --no-loadscope-reorder, so the workers take them in this order; xdist's own is by number of tests). One process:
+    pytest's order."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
     by_file: dict[str, list] = {}
     for item in items:
         by_file.setdefault(str(item.path), []).append(item)
-    order = worker_file_order({path: file_kind(file_items) for path, file_items in by_file.items()})
+    config.stash[FILE_KINDS] = {path: file_kind(file_items) for path, file_items in by_file.items()}
+    order = worker_file_order(config.stash[FILE_KINDS])
     items[:] = [item for path in order for item in by_file[path]]
 
 
@@ -38,7 +44,7 @@ def machine_turn(request, tmp_path_factory):
     if "PYTEST_XDIST_TESTRUNUID" not in os.environ:  # one process: nothing runs beside this file
         yield
         return
-    kind = file_kind([item for item in request.session.items if item.path == request.node.path])  # after -m and -k
+    kind = request.config.stash[FILE_KINDS][str(request.node.path)]
     with turn(tmp_path_factory.getbasetemp().parent, kind):  # the workers' temporary folders are in one per run
         yield
 

@@ -1,9 +1,9 @@
 """Which file runs beside which under scripts/test.sh's two workers, in what order, on how many threads
 (tests/conftest.py's pytest_collection_modifyitems and machine_turn use these; tests/README.md, "Two workers").
 
-Three kinds of file (by the markers of its selected tests): a Ray file has the machine to itself and every core; a
-heavy file (e2e or slow: trainer runs, engines, DeepSpeed ranks) runs beside another heavy or a light file; a light
-file (neither) runs beside anything. Why: two Ray clusters at once, or the two-node cluster beside a trainer run,
+Three kinds of file (by the markers of its selected tests): a Ray file runs beside light files only, with every
+core; a heavy file (e2e or slow: trainer runs, engines, DeepSpeed ranks) runs beside another heavy or a light file;
+a light file (neither) runs beside anything. Why: two Ray clusters at once, or the two-node cluster beside a trainer run,
 ran the 24 GiB machine into Ray's memory monitor in two of the first three two-worker suite runs (it kills engine
 and learner workers at 95% of the node's memory: 7 and 4 tests failed); every other pair of files fitted.
 Threads: scripts/test.sh gives each worker one torch thread (two workers with two threads each on two cores
