@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.trainer_runs import EVAL_QUESTIONS
-from tests.support.worker_turns import file_kind, turn, worker_file_order
+from tests.support.worker_turns import FileTurnScheduling, file_kind, turn, worker_file_order, write_file_kinds
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -25,17 +24,25 @@ FILE_KINDS = pytest.StashKey[dict]()
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the kinds and the order are the selected tests'
 def pytest_collection_modifyitems(config, items):
-    """Under workers, each file's kind (for machine_turn), and the files in worker_file_order (scripts/test.sh passes
-    --no-loadscope-reorder, so the workers take them in this order; xdist's own is by number of tests). One process:
-    pytest's order."""
+    """Under workers, each file's kind (for machine_turn, and in the run's folder for the controller's scheduler),
+    and the files in worker_file_order (scripts/test.sh passes --no-loadscope-reorder: xdist's own order is by number
+    of tests). One process: pytest's order."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
     by_file: dict[str, list] = {}
     for item in items:
-        by_file.setdefault(str(item.path), []).append(item)
-    config.stash[FILE_KINDS] = {path: file_kind(file_items) for path, file_items in by_file.items()}
-    order = worker_file_order(config.stash[FILE_KINDS])
-    items[:] = [item for path in order for item in by_file[path]]
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    config.stash[FILE_KINDS] = {file: file_kind(file_items) for file, file_items in by_file.items()}
+    write_file_kinds(Path(config.option.basetemp).parent, config.stash[FILE_KINDS])  # xdist: <run folder>/gwN
+    items[:] = [item for file in worker_file_order(config.stash[FILE_KINDS]) for item in by_file[file]]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with the next file chosen by what the other worker holds (worker_turns.FileTurnScheduling)."""
+    if config.getvalue("dist") == "loadfile":
+        return FileTurnScheduling(config, log)
+    return None
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,7 +51,7 @@ def machine_turn(request, tmp_path_factory):
     if "PYTEST_XDIST_TESTRUNUID" not in os.environ:  # one process: nothing runs beside this file
         yield
         return
-    kind = request.config.stash[FILE_KINDS][str(request.node.path)]
+    kind = request.config.stash[FILE_KINDS][request.node.nodeid.split("::")[0]]
     with turn(tmp_path_factory.getbasetemp().parent, kind):  # the workers' temporary folders are in one per run
         yield
 
@@ -83,7 +90,9 @@ def varied_length_model_dir(tiny_model_dir, tmp_path_factory) -> str:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     embedding = model.get_input_embeddings().weight
     with torch.no_grad():
-        embedding[tokenizer.eos_token_id] = 2.0 * torch.randn(embedding.shape[1], generator=torch.Generator().manual_seed(0))
+        embedding[tokenizer.eos_token_id] = 2.0 * torch.randn(
+            embedding.shape[1], generator=torch.Generator().manual_seed(0)
+        )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
@@ -92,6 +101,10 @@ def varied_length_model_dir(tiny_model_dir, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def eval_file(tmp_path_factory) -> Path:
     """A handful of arithmetic eval prompts (tests/support/trainer_runs.py's EVAL_QUESTIONS) as a dataset file."""
+    from tests.support.trainer_runs import (
+        EVAL_QUESTIONS,
+    )  # here: the fake suites of test_worker_turns import this module
+
     path = tmp_path_factory.mktemp("data") / "eval.jsonl"
     with open(path, "w") as f:
         for a, b in EVAL_QUESTIONS:

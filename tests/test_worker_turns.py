@@ -3,6 +3,8 @@ threads. The lock is tested with threads of this process: flock locks belong to 
 lock file in one process exclude each other as two processes' do."""
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,38 +13,102 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.support.worker_turns import ALONE, HEAVY, LIGHT, file_kind, turn, worker_file_order
+from tests.support.worker_turns import (
+    ALONE,
+    HEAVY,
+    LIGHT,
+    RAY,
+    file_kind,
+    may_start_beside,
+    next_file,
+    turn,
+    worker_file_order,
+)
 
 
 def item(*markers: str):
     return SimpleNamespace(get_closest_marker=lambda name: name if name in markers else None)
 
 
-def test_a_file_is_alone_with_a_ray_test_heavy_with_an_e2e_or_slow_one_and_light_otherwise():
-    assert file_kind([item(), item("e2e", "ray")]) == ALONE
+def test_a_file_is_alone_ray_heavy_or_light_by_its_markers():
+    assert file_kind([item(), item("e2e", "ray", "alone")]) == ALONE
+    assert file_kind([item(), item("e2e", "ray")]) == RAY
     assert file_kind([item(), item("slow")]) == HEAVY
     assert file_kind([item("e2e"), item()]) == HEAVY
     assert file_kind([item(), item()]) == LIGHT  # e.g. a Ray file under -m "not ray": its other tests need no turn
 
 
-def test_the_order_is_the_ray_files_longest_first_with_light_files_between_then_the_heavy_ones_then_the_rest():
+def test_a_ray_file_starts_beside_heavy_and_light_files_but_not_another_ray_file_and_an_alone_file_beside_light_ones():
+    assert may_start_beside(RAY, [HEAVY, LIGHT]) and may_start_beside(RAY, [])
+    assert not may_start_beside(RAY, [RAY]) and not may_start_beside(RAY, [HEAVY, ALONE])
+    assert may_start_beside(HEAVY, [RAY, HEAVY]) and not may_start_beside(HEAVY, [ALONE])
+    assert may_start_beside(ALONE, [LIGHT, LIGHT]) and not may_start_beside(ALONE, [HEAVY])
+    assert not may_start_beside(ALONE, [RAY]) and not may_start_beside(ALONE, [ALONE])
+    assert all(may_start_beside(LIGHT, [kind]) for kind in (ALONE, RAY, HEAVY, LIGHT))
+
+
+def test_the_order_is_alone_ray_heavy_light_longest_first_and_a_worker_takes_the_first_that_may_start():
     files = {
-        "tests/test_placement.py": ALONE, "tests/test_ray_resume.py": ALONE, "tests/test_engine_actors.py": ALONE,
-        "tests/test_resume.py": HEAVY, "tests/test_never_lose_a_run.py": HEAVY, "tests/test_new_heavy.py": HEAVY,
-        "tests/test_bad_inputs.py": LIGHT, "tests/test_ppo_learner.py": LIGHT, "tests/test_rl_math.py": LIGHT,
-        "tests/test_layers.py": LIGHT,
+        "tests/test_placement.py": RAY, "tests/test_ray_resume.py": RAY, "tests/test_engine_actors.py": RAY,
+        "tests/test_multinode_local.py": ALONE, "tests/test_resume.py": HEAVY, "tests/test_never_lose_a_run.py": HEAVY,
+        "tests/test_new_heavy.py": HEAVY, "tests/test_bad_inputs.py": LIGHT, "tests/test_rl_math.py": LIGHT,
+        "tests/test_ppo_learner.py": LIGHT,
     }  # fmt: skip
     order = worker_file_order(files)
-    assert sorted(order) == sorted(files)  # every file once
-    # The light files' share of the Ray files' time after each (longest first): 59 s against 496 s of Ray files here.
     assert [Path(path).stem.removeprefix("test_") for path in order] == [
-        "engine_actors", "ppo_learner", "ray_resume", "bad_inputs", "layers", "placement", "rl_math",
-        "never_lose_a_run", "resume", "new_heavy",  # a file the table does not list counts 3 s
+        "multinode_local", "engine_actors", "ray_resume", "placement", "never_lose_a_run", "resume",
+        "new_heavy",  # a file the table does not list counts 3 s
+        "ppo_learner", "bad_inputs", "rl_math",
     ]  # fmt: skip
-    assert worker_file_order({"tests/test_a.py": LIGHT, "tests/test_b.py": HEAVY}) == [
-        "tests/test_b.py",
-        "tests/test_a.py",
-    ]
+    kinds = [files[path] for path in order]
+    assert next_file(kinds, []) == 0
+    assert next_file(kinds, [LIGHT]) == 0
+    assert next_file(kinds, [ALONE]) == 7  # the first light file
+    assert next_file(kinds[1:], [RAY, HEAVY]) == 3  # the first heavy file: the other worker holds a Ray file
+    assert next_file(kinds[1:], [HEAVY, HEAVY]) == 0
+    assert next_file([RAY, RAY], [RAY]) == 0  # none may start: the first, which waits for its turn
+
+
+def fake_file(kind: str, tests: int) -> str:
+    marks = {ALONE: "[pytest.mark.ray, pytest.mark.alone]", RAY: "[pytest.mark.ray]", HEAVY: "[pytest.mark.e2e]"}
+    return (
+        "import os, time\nimport pytest\n"
+        f"pytestmark = {marks.get(kind, '[]')}\n"
+        f"@pytest.mark.parametrize('i', range({tests}))\n"
+        "def test_it(i):\n"
+        "    with open(os.environ['TURNS_LOG'], 'a') as log:\n"
+        "        log.write(f\"{os.environ['PYTEST_XDIST_WORKER']} {__name__} {time.time()}\\n\")\n"
+        "    time.sleep(0.3)\n"
+    )
+
+
+def test_under_two_workers_the_ray_files_run_one_after_the_other_on_one_worker_and_the_heavy_files_on_the_other(
+    tmp_path,
+):
+    """The real hooks (tests/conftest.py) and xdist on a fake suite: 2 Ray files of 4 tests, 2 heavy files of 8. In
+    xdist's own loadfile scheduling the second worker would take the second Ray file and wait for the first."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(
+        "from tests.conftest import FILE_KINDS, machine_turn, pytest_collection_modifyitems, pytest_xdist_make_scheduler\n"
+    )
+    (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    ray: r\n    alone: a\n    e2e: e\n")
+    for name, kind, tests in [("r1", RAY, 4), ("r2", RAY, 4), ("h1", HEAVY, 8), ("h2", HEAVY, 8)]:
+        (suite / f"test_{name}.py").write_text(fake_file(kind, tests))
+    log = tmp_path / "turns.log"
+    env = {**os.environ, "TURNS_LOG": str(log), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
+         "--no-loadscope-reorder", "--basetemp", str(tmp_path / "base"), str(suite)],
+        cwd=suite, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    workers: dict[str, set] = {}
+    for line in log.read_text().splitlines():
+        worker, module, _ = line.split()
+        workers.setdefault(module.removeprefix("test_"), set()).add(worker)
+    assert all(len(held) == 1 for held in workers.values()), workers  # a file on one worker (loadfile)
+    assert workers["r1"] == workers["r2"] and workers["h1"] == workers["h2"] and workers["r1"] != workers["h1"], workers
 
 
 def hold(run_folder, kind, entered: threading.Event, leave: threading.Event, seen: dict):
@@ -57,36 +123,50 @@ def hold(run_folder, kind, entered: threading.Event, leave: threading.Event, see
     return thread
 
 
-def test_a_ray_file_waits_for_the_heavy_file_running_and_a_heavy_file_after_it_waits_for_it(tmp_path, monkeypatch):
+def test_a_ray_file_runs_beside_a_heavy_one_not_beside_a_ray_one_and_an_alone_file_waits_for_both(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what scripts/test.sh gives each worker
     threads_before = torch.get_num_threads()
-    events = {name: (threading.Event(), threading.Event()) for name in ("heavy1", "ray", "heavy2", "light")}
+    names = ("heavy1", "ray1", "ray2", "light", "alone", "heavy2")
+    events = {name: (threading.Event(), threading.Event()) for name in names}
     seen: dict = {}
+    threads = {}
 
-    heavy1 = hold(tmp_path, HEAVY, *events["heavy1"], seen)
-    assert events["heavy1"][0].wait(10)
-    ray = hold(tmp_path, ALONE, *events["ray"], seen)
-    time.sleep(0.5)
-    assert not events["ray"][0].is_set()  # the heavy file runs: the Ray file waits
-    heavy2 = hold(tmp_path, HEAVY, *events["heavy2"], {})
-    light = hold(tmp_path, LIGHT, *events["light"], {})
-    assert events["light"][0].wait(10)  # a light file runs beside anything
-    time.sleep(0.5)
-    assert not events["heavy2"][0].is_set()  # behind the waiting Ray file, though a shared lock would let it in
+    def start(name: str, kind: str) -> None:
+        threads[name] = hold(tmp_path, kind, *events[name], seen if name in ("ray1", "alone") else {})
+        time.sleep(0.5)
 
-    events["heavy1"][1].set()  # the first heavy file ends: the Ray file's turn, alone
-    assert events["ray"][0].wait(10)
+    def entered(*these: str) -> set:
+        return {name for name in these if events[name][0].is_set()}
+
+    start("heavy1", HEAVY)
+    start("ray1", RAY)
+    assert entered("heavy1", "ray1") == {"heavy1", "ray1"}  # a Ray file beside a heavy one
+    assert seen["ray_omp"] is None  # its processes run as under one pytest process (every core)
+    start("ray2", RAY)
+    start("light", LIGHT)
+    assert entered("ray2", "light") == {"light"}  # never two Ray files; a light file beside anything
+    start("alone", ALONE)
+    start("heavy2", HEAVY)
+    assert entered("alone", "heavy2") == set()  # the alone file waits for both; a new heavy file waits behind it
+
+    events["ray1"][1].set()
     time.sleep(0.5)
-    assert not events["heavy2"][0].is_set()
-    assert seen["alone_omp"] is None  # the Ray file's processes run as under one pytest process ...
-    events["ray"][1].set()
-    assert events["heavy2"][0].wait(10)  # ... and the next heavy file runs once it ends
+    assert entered("ray2", "alone", "heavy2") == set()  # the second Ray file, too, waits behind the alone file
     assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == threads_before  # given back
-    for name in ("heavy2", "light"):
+    events["heavy1"][1].set()
+    assert events["alone"][0].wait(10)
+    time.sleep(0.5)
+    assert entered("ray2", "heavy2") == set() and seen["alone_omp"] is None
+    events["alone"][1].set()
+    assert events["ray2"][0].wait(10) and events["heavy2"][0].wait(10)  # once it ends
+    for name in ("ray2", "heavy2", "light"):
         events[name][1].set()
-    for thread in (heavy1, ray, heavy2, light):
+    for thread in threads.values():
         thread.join(10)
         assert not thread.is_alive()
+    assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == threads_before
 
 
 @pytest.mark.parametrize("kind", [HEAVY, LIGHT])

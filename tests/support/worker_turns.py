@@ -1,21 +1,34 @@
 """Which file runs beside which under scripts/test.sh's two workers, in what order, on how many threads
-(tests/conftest.py's pytest_collection_modifyitems and machine_turn use these; tests/README.md, "Two workers").
+(tests/conftest.py's hooks and machine_turn use these; tests/README.md, "Two workers").
 
-Three kinds of file (by the markers of its selected tests): a Ray file runs beside light files only, with every
-core; a heavy file (e2e or slow: trainer runs, engines, DeepSpeed ranks) runs beside another heavy or a light file;
-a light file (neither) runs beside anything. Why: two Ray clusters at once, or the two-node cluster beside a trainer run,
-ran the 24 GiB machine into Ray's memory monitor in two of the first three two-worker suite runs (it kills engine
-and learner workers at 95% of the node's memory: 7 and 4 tests failed); every other pair of files fitted.
+Four kinds of file (by the markers of its selected tests):
+- a **Ray** file (`ray`) runs beside heavy and light files, never beside another Ray file, and gets every core;
+- an **alone** file (`alone`: the two-node cluster with its engine actors) runs beside light files only;
+- a **heavy** file (`e2e` or `slow`: trainer runs, engines, DeepSpeed ranks) runs beside anything but an alone file;
+- a **light** file (none of these) runs beside anything.
+Why: two Ray clusters at once, or the two-node cluster beside a trainer run, ran the 24 GiB machine into Ray's
+memory monitor in two of the first three two-worker suite runs (it kills engine and learner workers at 95% of the
+node's memory: 7 and 4 tests failed); every other pair of files fitted, a Ray file beside a trainer file included.
+
+Two parts keep to these rules. `FileTurnScheduling` (the controller's xdist scheduler) gives a worker that needs
+its next file the first file of `worker_file_order` that may start beside the files the other worker holds, so the
+workers rarely wait; `turn` (each file's module fixture, a lock between the workers' processes) makes a file that
+must wait, wait: the scheduler picks before the current files end and a file's tests can take longer than measured.
 Threads: scripts/test.sh gives each worker one torch thread (two workers with two threads each on two cores
-oversubscribe them: the fast tier took 255 s so, 125 s with one each); a Ray file's turn gives it every core.
+oversubscribe them: the fast tier took 255 s so, 125 s with one each); a Ray or alone file's turn gives it every core.
 """
 
 import contextlib
 import fcntl
+import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
-ALONE, HEAVY, LIGHT = "alone", "heavy", "light"
+from xdist.scheduler import LoadFileScheduling
+
+ALONE, RAY, HEAVY, LIGHT = "alone", "ray", "heavy", "light"
+KINDS_FILE = "file_kinds.json"  # in the run's temporary folder: the workers write it, the controller reads it
 
 # Seconds each file took in a quiet one-process run (2-core EPYC, 2026-11-27; docs/testing.md, "The suite's time"):
 # the workers take the files longest first, so the last file to end is a short one. Not listed: a few seconds. A
@@ -33,35 +46,76 @@ MEASURED_FILE_SECONDS = {
 
 
 def file_kind(items) -> str:
-    """ALONE, HEAVY or LIGHT for the selected tests of one file (the fast tier's files are all light)."""
-    if any(item.get_closest_marker("ray") for item in items):
+    """ALONE, RAY, HEAVY or LIGHT for the selected tests of one file (the fast tier's files are all light)."""
+    if any(item.get_closest_marker("alone") for item in items):
         return ALONE
+    if any(item.get_closest_marker("ray") for item in items):
+        return RAY
     if any(item.get_closest_marker("e2e") or item.get_closest_marker("slow") for item in items):
         return HEAVY
     return LIGHT
 
 
+def may_start_beside(kind: str, running: Iterable[str]) -> bool:
+    """Whether a file of `kind` may start while files of the `running` kinds run on the other workers."""
+    running = set(running)
+    if kind == LIGHT:
+        return True
+    if kind == ALONE:
+        return running <= {LIGHT}
+    if ALONE in running:
+        return False
+    return kind == HEAVY or RAY not in running
+
+
 def worker_file_order(files: dict[str, str]) -> list[str]:
-    """The order the workers take the files in ({path: kind} -> paths): the Ray files first, longest first, each
-    followed by its share of the light files (they fill the other worker while a Ray file has the machine), then the
-    heavy files longest first, then the light files left. Pure; tests/test_worker_turns.py."""
+    """The workers' order of preference ({file: kind} -> files): the alone files (light files fill the other worker
+    beside them), the Ray files (one after the other on one worker while the other takes the heavy files), the heavy
+    files, the light files; longest first within each kind, so the last files to end are short. Pure."""
+    rank = {ALONE: 0, RAY: 1, HEAVY: 2, LIGHT: 3}
+    return sorted(files, key=lambda file: (rank[files[file]], -MEASURED_FILE_SECONDS.get(Path(file).name, 3), file))
 
-    def seconds(path: str) -> float:
-        return MEASURED_FILE_SECONDS.get(Path(path).name, 3)
 
-    def longest_first(kind: str) -> list[str]:
-        return sorted((path for path, k in files.items() if k == kind), key=lambda path: (-seconds(path), path))
+def next_file(queue_kinds: list[str], running: Iterable[str]) -> int:
+    """Which file of the queue (their kinds, in order) a worker takes next, beside the `running` kinds: the first that
+    may start beside them; the first of all when none may (it then waits for its turn). Pure."""
+    running = list(running)
+    return next((i for i, kind in enumerate(queue_kinds) if may_start_beside(kind, running)), 0)
 
-    alone, heavy, light = longest_first(ALONE), longest_first(HEAVY), longest_first(LIGHT)
-    light_share = sum(map(seconds, light)) / max(sum(map(seconds, alone)), 1)  # light seconds per Ray second
-    order, owed = [], 0.0
-    for path in alone:
-        order.append(path)
-        owed += seconds(path) * light_share
-        while light and owed >= seconds(light[0]) / 2:
-            owed -= seconds(light[0])
-            order.append(light.pop(0))
-    return order + heavy + light
+
+def write_file_kinds(run_folder: Path, kinds: dict[str, str]) -> None:
+    """A worker's kinds of the files it collected, for the controller (each worker writes the same, atomically)."""
+    partial = run_folder / f"{KINDS_FILE}.{os.getpid()}"
+    partial.write_text(json.dumps(kinds))
+    partial.replace(run_folder / KINDS_FILE)
+
+
+class FileTurnScheduling(LoadFileScheduling):
+    """xdist's `--dist loadfile` (a whole file per worker at a time, in the collection's order), but the file a
+    worker gets next is `next_file`'s: the first of the queue that may start beside the files the other worker holds
+    (its current file and the next one it was given). xdist gives a worker its next file while two tests of the current
+    one are left to run, so "holds" is what the other worker will run next, not only now."""
+
+    def __init__(self, config, log=None):
+        super().__init__(config, log)
+        self.run_folder = config._tmp_path_factory.getbasetemp()  # the workers' basetemps are folders in it
+        self.kinds: dict[str, str] | None = None
+
+    def _assign_work_unit(self, node) -> None:
+        if self.kinds is None:  # the workers wrote it while collecting, before the controller schedules
+            kinds_path = self.run_folder / KINDS_FILE
+            self.kinds = json.loads(kinds_path.read_text()) if kinds_path.exists() else {}
+        running = [
+            self.kinds.get(file, LIGHT)
+            for other, work in self.assigned_work.items()
+            if other is not node
+            for file, tests in work.items()
+            if not all(tests.values())
+        ]
+        queue = list(self.workqueue)
+        chosen = queue[next_file([self.kinds.get(file, LIGHT) for file in queue], running)]
+        self.workqueue.move_to_end(chosen, last=False)
+        super()._assign_work_unit(node)  # takes the queue's first
 
 
 class every_core_for_torch:
@@ -85,25 +139,28 @@ class every_core_for_torch:
 
 @contextlib.contextmanager
 def turn(run_folder: Path, kind: str):
-    """One file's turn on the machine, by its kind: a readers-writer lock in `run_folder` (one per pytest run, shared
-    by the workers), which a Ray file holds exclusive (and gets every core), a heavy file shared, a light file not at
-    all; a turnstile makes new heavy files wait behind a waiting Ray file, which would otherwise wait forever."""
+    """One file's turn on the machine, by its kind, with locks in `run_folder` (one per pytest run, shared by the
+    workers): `ray.lock`, which a Ray file holds exclusive; `machine.lock`, a readers-writer lock which an alone file
+    holds exclusive and a Ray or heavy file shared; a light file takes neither. A turnstile makes new Ray and heavy
+    files wait behind a waiting alone file, which would otherwise wait as long as they kept coming."""
     if kind == LIGHT:
         yield
         return
-    with open(run_folder / "turnstile.lock", "w") as turnstile, open(run_folder / "machine.lock", "w") as machine:
+    with contextlib.ExitStack() as held:
+        if kind == RAY:
+            ray_lock = held.enter_context(open(run_folder / "ray.lock", "w"))
+            fcntl.flock(ray_lock, fcntl.LOCK_EX)
+            held.callback(fcntl.flock, ray_lock, fcntl.LOCK_UN)
+        turnstile = held.enter_context(open(run_folder / "turnstile.lock", "w"))
+        machine = held.enter_context(open(run_folder / "machine.lock", "w"))
         fcntl.flock(turnstile, fcntl.LOCK_EX)
-        if kind == ALONE:
-            # Waits for the heavy files running to end; new ones wait at the turnstile meanwhile.
+        if kind == ALONE:  # waits for the files running to end; new ones wait at the turnstile meanwhile
             fcntl.flock(machine, fcntl.LOCK_EX)
             fcntl.flock(turnstile, fcntl.LOCK_UN)
         else:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
             fcntl.flock(machine, fcntl.LOCK_SH)
-        threads = every_core_for_torch() if kind == ALONE else None
-        try:
-            yield
-        finally:
-            if threads is not None:
-                threads.restore()
-            fcntl.flock(machine, fcntl.LOCK_UN)
+        held.callback(fcntl.flock, machine, fcntl.LOCK_UN)
+        if kind in (RAY, ALONE):
+            held.callback(every_core_for_torch().restore)
+        yield
