@@ -96,7 +96,8 @@ def test_under_two_workers_the_ray_files_run_one_after_the_other_on_one_worker_a
     for name, kind, tests in [("r1", RAY, 4), ("r2", RAY, 4), ("h1", HEAVY, 8), ("h2", HEAVY, 8)]:
         (suite / f"test_{name}.py").write_text(fake_file(kind, tests))
     log = tmp_path / "turns.log"
-    env = {**os.environ, "TURNS_LOG": str(log), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_")}  # not this worker's
+    env.update(TURNS_LOG=str(log), PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
          "--no-loadscope-reorder", "--basetemp", str(tmp_path / "base"), str(suite)],
@@ -127,7 +128,6 @@ def test_a_ray_file_runs_beside_a_heavy_one_not_beside_a_ray_one_and_an_alone_fi
     tmp_path, monkeypatch
 ):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what scripts/test.sh gives each worker
-    threads_before = torch.get_num_threads()
     names = ("heavy1", "ray1", "ray2", "light", "alone", "heavy2")
     events = {name: (threading.Event(), threading.Event()) for name in names}
     seen: dict = {}
@@ -143,7 +143,6 @@ def test_a_ray_file_runs_beside_a_heavy_one_not_beside_a_ray_one_and_an_alone_fi
     start("heavy1", HEAVY)
     start("ray1", RAY)
     assert entered("heavy1", "ray1") == {"heavy1", "ray1"}  # a Ray file beside a heavy one
-    assert seen["ray_omp"] is None  # its processes run as under one pytest process (every core)
     start("ray2", RAY)
     start("light", LIGHT)
     assert entered("ray2", "light") == {"light"}  # never two Ray files; a light file beside anything
@@ -154,11 +153,10 @@ def test_a_ray_file_runs_beside_a_heavy_one_not_beside_a_ray_one_and_an_alone_fi
     events["ray1"][1].set()
     time.sleep(0.5)
     assert entered("ray2", "alone", "heavy2") == set()  # the second Ray file, too, waits behind the alone file
-    assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == threads_before  # given back
     events["heavy1"][1].set()
     assert events["alone"][0].wait(10)
     time.sleep(0.5)
-    assert entered("ray2", "heavy2") == set() and seen["alone_omp"] is None
+    assert entered("ray2", "heavy2") == set()
     events["alone"][1].set()
     assert events["ray2"][0].wait(10) and events["heavy2"][0].wait(10)  # once it ends
     for name in ("ray2", "heavy2", "light"):
@@ -166,11 +164,12 @@ def test_a_ray_file_runs_beside_a_heavy_one_not_beside_a_ray_one_and_an_alone_fi
     for thread in threads.values():
         thread.join(10)
         assert not thread.is_alive()
-    assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == threads_before
+    assert seen == {"ray_omp": "1", "alone_omp": "1"}  # every kind keeps the worker's one thread
 
 
-@pytest.mark.parametrize("kind", [HEAVY, LIGHT])
-def test_a_heavy_or_light_file_keeps_the_workers_one_thread(tmp_path, monkeypatch, kind):
+@pytest.mark.parametrize("kind", [ALONE, RAY, HEAVY, LIGHT])
+def test_every_kind_of_file_keeps_the_workers_one_thread(tmp_path, monkeypatch, kind):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
     with turn(tmp_path, kind):
-        assert os.environ["OMP_NUM_THREADS"] == "1"
+        assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == threads

@@ -2,7 +2,7 @@
 (tests/conftest.py's hooks and machine_turn use these; tests/README.md, "Two workers").
 
 Four kinds of file (by the markers of its selected tests):
-- a **Ray** file (`ray`) runs beside heavy and light files, never beside another Ray file, and gets every core;
+- a **Ray** file (`ray`) runs beside heavy and light files, never beside another Ray file;
 - an **alone** file (`alone`: the two-node cluster with its engine actors) runs beside light files only;
 - a **heavy** file (`e2e` or `slow`: trainer runs, engines, DeepSpeed ranks) runs beside anything but an alone file;
 - a **light** file (none of these) runs beside anything.
@@ -14,8 +14,10 @@ Two parts keep to these rules. `FileTurnScheduling` (the controller's xdist sche
 its next file the first file of `worker_file_order` that may start beside the files the other worker holds, so the
 workers rarely wait; `turn` (each file's module fixture, a lock between the workers' processes) makes a file that
 must wait, wait: the scheduler picks before the current files end and a file's tests can take longer than measured.
-Threads: scripts/test.sh gives each worker one torch thread (two workers with two threads each on two cores
-oversubscribe them: the fast tier took 255 s so, 125 s with one each); a Ray or alone file's turn gives it every core.
+Threads: scripts/test.sh gives each worker, and so every process its tests start (trainers, Ray's nodes and actors,
+engines), one torch thread: OpenMP threads spin while they wait for each other, so a process with two threads beside
+another busy one on two cores crawls (the fast tier took 255 s with two threads per worker, 125 s with one; a Ray
+file given both cores beside a heavy file took 1.7-1.8x its time alone).
 """
 
 import contextlib
@@ -118,25 +120,6 @@ class FileTurnScheduling(LoadFileScheduling):
         super()._assign_work_unit(node)  # takes the queue's first
 
 
-class every_core_for_torch:
-    """Until restore(): this process's torch on every core and OMP_NUM_THREADS unset, so the processes a Ray file's
-    tests start (trainers, Ray's nodes, whose workers then get Ray's own default: a thread per logical CPU they hold)
-    run as they do in one pytest process."""
-
-    def __init__(self):
-        import torch
-
-        self.env, self.threads = os.environ.pop("OMP_NUM_THREADS", None), torch.get_num_threads()
-        torch._C.set_num_threads(len(os.sched_getaffinity(0)))  # vLLM's CPU worker makes torch.set_num_threads a no-op
-
-    def restore(self) -> None:
-        import torch
-
-        if self.env is not None:
-            os.environ["OMP_NUM_THREADS"] = self.env
-        torch._C.set_num_threads(self.threads)
-
-
 @contextlib.contextmanager
 def turn(run_folder: Path, kind: str):
     """One file's turn on the machine, by its kind, with locks in `run_folder` (one per pytest run, shared by the
@@ -161,6 +144,4 @@ def turn(run_folder: Path, kind: str):
             fcntl.flock(turnstile, fcntl.LOCK_UN)
             fcntl.flock(machine, fcntl.LOCK_SH)
         held.callback(fcntl.flock, machine, fcntl.LOCK_UN)
-        if kind in (RAY, ALONE):
-            held.callback(every_core_for_torch().restore)
         yield
