@@ -37,8 +37,8 @@ from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.engine_batches import generate_batch
 from open_instruct.generation.evaluation import tool_call_rate, verifiable_correct_rate
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine, generate, sampling_params
-from open_instruct.run import console
 from open_instruct.rl.rewards import RewardConfig, RewardManager
+from open_instruct.run import console
 from open_instruct.run.args import ConfigError, GenerationArgs, tool_settings
 from open_instruct.run.validation import validate_tool_flags
 

@@ -68,15 +68,6 @@ from open_instruct.run.hub_models import with_local_models
 from open_instruct.run.preemption import Preempted, StopRequest
 from open_instruct.run.run_directory import RunDirectory
 from open_instruct.run.tracking import MetricsLogger, format_progress, repair_jsonl
-from open_instruct.trainer_outputs import (
-    checkpoint_space_problem,
-    evaluate_final_policy,
-    final_model_space_problem,
-    finish,
-    log_eval,
-    save_checkpoint,
-    save_model_snapshot,
-)
 from open_instruct.run.validation import (
     as_config_errors,
     one_line,
@@ -90,6 +81,15 @@ from open_instruct.run.validation import (
     validate_models,
     validate_packing,
     validate_work,
+)
+from open_instruct.trainer_outputs import (
+    checkpoint_space_problem,
+    evaluate_final_policy,
+    final_model_space_problem,
+    finish,
+    log_eval,
+    save_checkpoint,
+    save_model_snapshot,
 )
 
 PROGRESS_KEYS = ["objective/verifiable_correct_rate", "objective/scores", "objective/kl", "time/step"]

@@ -17,7 +17,6 @@ from open_instruct.run.args import Args, batches_in_engine
 from open_instruct.run.console import say
 
 
-
 def log_eval(run, eval_rollout, step: int) -> dict:
     """The eval's metrics (and one line on the console); its completions go to samples.jsonl."""
     metrics, samples = eval_metrics(eval_rollout, run.data.eval_prompts, run.reward_manager)

@@ -11,9 +11,9 @@
 # The whole suite runs on two pytest-xdist workers, each taking a whole file at a time (a file's module fixtures are
 # built once) and each with torch on one thread (OMP_NUM_THREADS=1 unless set: two workers with two threads each
 # oversubscribe two cores; the fast tier took 255 s so, 125 s with one each, against 199 s in one process). A file
-# that starts Ray has the machine to itself and every core (memory); the workers take the Ray files first, with the
-# light files between them, then the heavy ones, longest first (tests/support/worker_turns.py; tests/README.md has
-# the times).
+# that starts Ray runs beside heavy and light files but never beside another one, the two-node file beside light
+# files only (memory); xdist's scheduler gives a worker the next file that may start beside the other's
+# (tests/support/worker_turns.py; tests/README.md, "Two workers", says why and has the times).
 # OPEN_INSTRUCT_TEST_WORKERS=N sets the number (0: no workers, pytest's own process).
 #
 # Tests run inside a loopback-only network namespace when the machine allows it (root), because

@@ -26,8 +26,7 @@ import os
 import sys
 import time
 
-from open_instruct import ppo_vllm_thread_ray_gtrl
-from open_instruct import rl
+from open_instruct import ppo_vllm_thread_ray_gtrl, rl
 from open_instruct.generation import vllm_engine
 from open_instruct.generation.engine_batches import EngineBatches
 from open_instruct.run import console

@@ -324,8 +324,8 @@ def setup_half(tmp: Path, out: Path) -> None:
 
 
 def setup_checkpoint_at_lr_3e_6(tmp: Path, out: Path) -> None:
-    from open_instruct.run.checkpoint import LearnerStateFile, save_checkpoint
     from open_instruct.run.args import parse_args
+    from open_instruct.run.checkpoint import LearnerStateFile, save_checkpoint
 
     args = parse_args(BASE + ["--dataset_mixer_list", str(tmp / "train.jsonl"), "1.0", "--output_dir", str(out)])
     state = {"policy": {}, "value_model": {}}

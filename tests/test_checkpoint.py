@@ -10,9 +10,7 @@ import sys
 import pytest
 import torch
 
-from open_instruct.run import checkpoint
-from open_instruct.run import preemption
-from open_instruct.run import run_directory
+from open_instruct.run import checkpoint, preemption, run_directory
 from open_instruct.run.args import ConfigError, parse_args
 from open_instruct.run.tracking import MetricsLogger, read_metrics, repair_jsonl
 

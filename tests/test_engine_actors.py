@@ -30,18 +30,16 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation import weight_broadcast
 from open_instruct.generation.engine_actors import split_evenly
-from open_instruct.rl.rewards import RewardManager
-from open_instruct.data.tokenizer import load_tokenizer
-from open_instruct.run.args import compute_batch_sizes, parse_args
-from open_instruct.data.tokenizer import stop_token_ids_for
 from open_instruct.generation.generation_thread import GenerationSettings
 from open_instruct.generation.vllm_engine import EngineConfig
+from open_instruct.rl.rewards import RewardManager
+from open_instruct.run.args import compute_batch_sizes, parse_args
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step
 from tests.support.ray_runs import needs_loopback_namespace, wait_for
 from tests.support.trainer_runs import TRAINER, last_lines
-
 
 # ---- pure: the bucket plan and the checksums -------------------------------------------------------------------------
 
@@ -342,8 +340,8 @@ def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_with
     its second generate call (tests/inject_fault.py engine_1_dies). Both finish; every step's metrics (timings aside)
     are equal, and `engine/restarts` is 1 from the step that trained on the batch engine 1 died in."""
     from open_instruct.run.tracking import read_metrics
-    from tests.support.trainer_runs import TESTS_DIR, run_command
     from tests.support.resume_runs import comparable
+    from tests.support.trainer_runs import TESTS_DIR, run_command
 
     flags = [
         "--model_name_or_path", tiny_model_dir, "--ray_address", ray_cluster.address, "--vllm_num_engines", "2",

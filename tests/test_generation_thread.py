@@ -13,7 +13,12 @@ import time
 
 import pytest
 
-from open_instruct.generation.generation_thread import GenerationRequest, GenerationSettings, GenerationThread, GenerationThreadError
+from open_instruct.generation.generation_thread import (
+    GenerationRequest,
+    GenerationSettings,
+    GenerationThread,
+    GenerationThreadError,
+)
 from open_instruct.generation.vllm_engine import EngineConfig
 
 

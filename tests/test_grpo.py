@@ -27,24 +27,23 @@ from transformers import AutoModelForCausalLM
 
 from open_instruct import grpo_vllm_thread_ray_gtrl
 from open_instruct.data.embedded import arithmetic_data_path
+from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.learner import models
-from open_instruct.run.checkpoint import save_checkpoint
-from open_instruct.learner.grpo import GRPOLearner
-from open_instruct.rl.rewards import RewardManager
-from open_instruct.data.tokenizer import load_tokenizer
-from open_instruct.run.args import compute_batch_sizes, parse_args
-from open_instruct.learner.ppo import PPOLearner
 from open_instruct.learner.algorithms import learner_class
-from open_instruct.data.tokenizer import stop_token_ids_for
+from open_instruct.learner.grpo import GRPOLearner
+from open_instruct.learner.ppo import PPOLearner
+from open_instruct.rl.rewards import RewardManager
+from open_instruct.run.args import compute_batch_sizes, parse_args
+from open_instruct.run.checkpoint import save_checkpoint
 from open_instruct.run.tracking import read_metrics
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout
+from tests.support.resume_runs import assert_same_run
 from tests.support.trainer_runs import (
     STEP_METRICS,
     assert_saved_weights_are_the_learners,
     is_finite_number,
     run_to_completion,
 )
-from tests.support.resume_runs import assert_same_run
 
 # The Ray equivalence tests' flags (4 prompts x 2 samples, lr 1e-3) without the value model's learning rate, which
 # GRPO refuses.

@@ -8,10 +8,8 @@ import torch
 from safetensors.torch import load_file as load_safetensors
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from open_instruct.learner import models, saving, single_process
 from open_instruct.run import devices
-from open_instruct.learner import models
-from open_instruct.learner import saving
-from open_instruct.learner import single_process
 
 
 def test_rounding_report_counts_updates_that_bf16_rounds_back_to_the_initial_value():

@@ -23,11 +23,11 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from open_instruct.run.args import compute_batch_sizes, parse_args
+from open_instruct.generation.vllm_engine import engine_dtype
 from open_instruct.ppo_vllm_thread_ray_gtrl import main
+from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.run.plots import read_histograms
 from open_instruct.run.tracking import read_metrics
-from open_instruct.generation.vllm_engine import engine_dtype
 from tests.fake_hub import FakeHub
 from tests.support.trainer_runs import (
     EVAL_QUESTIONS,

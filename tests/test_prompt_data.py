@@ -12,9 +12,15 @@ from transformers import AutoTokenizer, HfArgumentParser
 
 from open_instruct.data import prompt_dataset as prompt_dataset_module
 from open_instruct.data import sources as sources_module
-from open_instruct.data.prompt_dataset import INPUT_IDS_PROMPT_KEY, DatasetArgs, build_prompt_datasets, load_prompt_dataset, tokenize_prompt_dataset
-from open_instruct.data.sources import PROMPT_COLUMNS, resolve_data_files
 from open_instruct.data.batches import ShufflingIterator, left_pad
+from open_instruct.data.prompt_dataset import (
+    INPUT_IDS_PROMPT_KEY,
+    DatasetArgs,
+    build_prompt_datasets,
+    load_prompt_dataset,
+    tokenize_prompt_dataset,
+)
+from open_instruct.data.sources import PROMPT_COLUMNS, resolve_data_files
 
 # The same five prompts, written below in each of the three row schemas.
 QUESTIONS = ["What is 2 + 3?", "Name a prime above 10.", "Spell cat backwards.", "What is 7 * 6?", "Say hi."]

@@ -25,14 +25,13 @@ import torch
 from safetensors.torch import load_file as load_safetensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from open_instruct.run.flops import is_timing
-from open_instruct.rl.rewards import RewardManager
-from open_instruct.data.tokenizer import load_tokenizer
-from open_instruct.learner.saving import weights_sha256
-from open_instruct.run.args import compute_batch_sizes, parse_args
-from open_instruct.learner.ppo import PPOLearner
-from open_instruct.data.tokenizer import stop_token_ids_for
+from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.vllm_engine import Completion, engine_dtype
+from open_instruct.learner.ppo import PPOLearner
+from open_instruct.learner.saving import weights_sha256
+from open_instruct.rl.rewards import RewardManager
+from open_instruct.run.args import compute_batch_sizes, parse_args
+from open_instruct.run.flops import is_timing
 from tests.fake_hub import FakeHub, download_env, folder_files
 from tests.support.deepspeed_ranks import run_two_ranks
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step, single_process_ppo_step

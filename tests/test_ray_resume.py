@@ -132,7 +132,7 @@ def test_zero3_sigterm_then_kill_9_then_resume_gives_the_uninterrupted_runs_metr
     resumed.kill()
     resumed.wait()
     resumed_log = resumed.log_path.read_text(errors="replace")
-    assert f"resuming run" in resumed_log and f"step_{stopped_after} (step {stopped_after})" in resumed_log
+    assert "resuming run" in resumed_log and f"step_{stopped_after} (step {stopped_after})" in resumed_log
 
     # 3. Resume to the end.
     final, _ = run_command(cmd + ["--resume"], tmp_path)

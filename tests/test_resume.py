@@ -32,7 +32,14 @@ import pytest
 import torch
 
 from open_instruct.run.tracking import read_metrics
-from tests.support.resume_runs import assert_same_model, assert_same_run, finish, logged_steps, offline_env, wait_for_step
+from tests.support.resume_runs import (
+    assert_same_model,
+    assert_same_run,
+    finish,
+    logged_steps,
+    offline_env,
+    wait_for_step,
+)
 from tests.support.trainer_runs import FP32_LEARNER, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
 
 NUM_STEPS = 6
@@ -266,12 +273,12 @@ def test_a_nan_loss_stops_the_run_and_no_nan_weight_reaches_disk(tmp_path):
 @pytest.fixture
 def learner_and_batch(tiny_model_dir):
     """A real PPOLearner on the tiny model (no vLLM) and one made-up rollout of 8 responses, half of them correct."""
-    from open_instruct.rl.rewards import RewardManager
-    from open_instruct.data.tokenizer import load_tokenizer
-    from open_instruct.run.args import compute_batch_sizes, parse_args
-    from open_instruct.learner.ppo import PPOLearner
     from open_instruct.data.batches import PromptBatch
+    from open_instruct.data.tokenizer import load_tokenizer
     from open_instruct.generation.vllm_engine import Completion
+    from open_instruct.learner.ppo import PPOLearner
+    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.run.args import compute_batch_sizes, parse_args
 
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--dataset_mixer_list", "unused.jsonl", "1.0",
                        *SMALL_RUN, "--num_mini_batches", "2", "--total_episodes", "16"])  # fmt: skip

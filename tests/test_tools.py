@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from open_instruct.rl import tools
-from open_instruct.sandbox import isolation_problem
 from open_instruct.rl.tools import Calculator, Environment, ToolEnvironment, ToolError, run_steps, turn_end
+from open_instruct.sandbox import isolation_problem
 
 
 @pytest.mark.parametrize(

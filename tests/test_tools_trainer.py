@@ -10,7 +10,12 @@ import pytest
 
 from open_instruct.run.tracking import read_metrics
 from tests.support.trainer_runs import (
-    FP32_LEARNER, SMALL_RUN, SYNC_MAX_LOGPROB_DIFF, TESTS_DIR, TRAINER, run_to_completion,
+    FP32_LEARNER,
+    SMALL_RUN,
+    SYNC_MAX_LOGPROB_DIFF,
+    TESTS_DIR,
+    TRAINER,
+    run_to_completion,
 )
 
 pytestmark = [pytest.mark.e2e]

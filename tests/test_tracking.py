@@ -9,8 +9,7 @@ import struct
 
 import pytest
 
-from open_instruct.run import plots
-from open_instruct.run import tracking
+from open_instruct.run import plots, tracking
 
 
 def read_jsonl(path) -> list[dict]:

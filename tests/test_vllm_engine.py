@@ -4,7 +4,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from open_instruct.generation.vllm_engine import EngineConfig, create_engine, engine_dtype, generate, load_weights, sampling_params
+from open_instruct.generation.vllm_engine import (
+    EngineConfig,
+    create_engine,
+    engine_dtype,
+    generate,
+    load_weights,
+    sampling_params,
+)
 
 QUESTIONS = ["What is 3 + 4? Give the final answer as a number at the end.", "Name a colour of the sky."]
 

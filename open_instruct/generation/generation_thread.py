@@ -459,7 +459,7 @@ class GenerationThread(threading.Thread):
             except (queue.Empty, queue.Full):
                 if not self.is_alive():
                     self.raise_if_failed()
-                    raise GenerationThreadError(f"The generation thread ended without an error before it could {what}.")
+                    raise GenerationThreadError(f"The generation thread ended without an error before it could {what}.") from None
                 if give_up is not None and time.time() >= give_up:
                     return None
                 if self.abandon_waits is not None and self.abandon_waits():
@@ -468,7 +468,7 @@ class GenerationThread(threading.Thread):
                     raise TimeoutError(
                         f"Waited {self.timeout_s:.0f}s for the generation thread to {what}; raise "
                         f"--queue_timeout_s if generation is this slow, or check that the engine is not stuck."
-                    )
+                    ) from None
 
     def wait_for(self, event: threading.Event, what: str) -> None:
         """Wait for `event`, set by this thread, as for a rollout: its failure raises at once, and after --queue_timeout_s

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from decimal import Decimal
 
+from open_instruct.rl import code_tests
+from open_instruct.rl import ifeval as ifeval_rows
 from open_instruct.rl.answer_extraction import (  # noqa: F401 (the extraction API is also reached from here)
     NUMBER_PATTERN,
     extract_final_answer,
@@ -19,10 +21,6 @@ from open_instruct.rl.answer_extraction import (  # noqa: F401 (the extraction A
     last_boxed_content,
     last_number,
 )
-
-from open_instruct.rl import ifeval as ifeval_rows
-
-from open_instruct.rl import code_tests
 
 logger = logging.getLogger(__name__)
 BOXED_PREFIX = "\\boxed"

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # The perf/* metrics that are rates over the step's seconds: like time/*, they differ between two runs of the same
 # computation (tests that compare runs leave them out, as they leave out time/*).
 TIMED_METRICS = frozenset({

@@ -20,8 +20,8 @@ import torch
 
 from open_instruct.rl.reward_function import load_reward_function
 from open_instruct.rl.rewards import CODE_VERIFIER, code_limits
-from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, VERIFIER_ALIASES, VERIFIERS, resolve_verifier_name
 from open_instruct.rl.tools import tool_names_problem
+from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, VERIFIER_ALIASES, VERIFIERS, resolve_verifier_name
 from open_instruct.run.args import (
     VLLM_LORA_RANKS,
     Args,

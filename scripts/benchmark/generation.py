@@ -44,10 +44,10 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from open_instruct.generation import vllm_engine
-    from open_instruct.data.prompt_dataset import DatasetArgs, build_prompt_datasets
     from open_instruct.data.embedded import arithmetic_data_path, resolve_model_path
+    from open_instruct.data.prompt_dataset import DatasetArgs, build_prompt_datasets
     from open_instruct.data.tokenizer import load_tokenizer
+    from open_instruct.generation import vllm_engine
 
     path = resolve_model_path(options.model)
     tokenizer = load_tokenizer(path)
@@ -70,7 +70,7 @@ def main() -> None:
         assert sum(len(c.token_ids) for c in completions) == tokens
 
     results["vllm_seconds"] = median_seconds(vllm_generate, options.repeats)
-    del llm
+    llm = None  # frees the engine before the transformers model loads
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()

@@ -5,13 +5,13 @@ backward and optimizer step. Prints JSON.
     python scripts/benchmark/gpu_memory_breakdown.py MODEL_FOLDER
 """
 import json
-from pathlib import Path
 import sys
+from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import check_gpu  # noqa: E402
 import torch  # noqa: E402
 
-import check_gpu  # noqa: E402
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for  # noqa: E402
 from open_instruct.learner import single_process  # noqa: E402
 from open_instruct.learner.ppo import PPOLearner  # noqa: E402

@@ -62,12 +62,11 @@ def default_config() -> str:
 
 def sample_rollout(args, sizes):
     """One rollout of the config's first prompts, sampled by a fresh vLLM engine (freed before the learners load)."""
-    from open_instruct.generation import vllm_engine
-    from open_instruct.data.prompt_dataset import build_prompt_datasets
-    from open_instruct.data.embedded import resolve_model_path
-    from open_instruct.data.tokenizer import load_tokenizer
-    from open_instruct.data.tokenizer import stop_token_ids_for
     from open_instruct.data.batches import prompt_batch
+    from open_instruct.data.embedded import resolve_model_path
+    from open_instruct.data.prompt_dataset import build_prompt_datasets
+    from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
+    from open_instruct.generation import vllm_engine
 
     path = resolve_model_path(args.model.model_name_or_path)
     tokenizer = load_tokenizer(path)
@@ -92,9 +91,9 @@ def sample_rollout(args, sizes):
 
 
 def time_row(argv: list[str], path, tokenizer, prompts, completions, stop_token_ids) -> dict[str, float]:
+    from open_instruct.learner.algorithms import learner_class
     from open_instruct.rl.rewards import RewardManager
     from open_instruct.run.args import compute_batch_sizes, parse_args
-    from open_instruct.learner.algorithms import learner_class
 
     args = parse_args(argv)
     torch.manual_seed(args.run.seed)

@@ -73,7 +73,7 @@ def main() -> None:
     target = torch.empty_like(source)
     floor = median_seconds(lambda: target.copy_(source), options.repeats)
     results["floor_seconds"] = floor
-    del source, target
+    source = target = None  # frees them
 
     if options.engines:
         started = time.time()
@@ -126,7 +126,7 @@ def main() -> None:
     for layout in ("plain", "packed") if device == "cpu" else ("plain",):
         llm = create_engine(EngineConfig(path, max_model_len=256, cpu_weight_layout=layout))
         results[f"in_process_{layout}_seconds"] = median_seconds(lambda: load_weights(llm, casted), options.repeats)
-        del llm
+        llm = None
         gc.collect()
 
     print(f"\n{'path':<34} {'buckets':>7} {'seconds':>8} {'x floor':>8}")

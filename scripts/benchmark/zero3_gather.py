@@ -10,10 +10,9 @@ import sys
 import time
 
 from open_instruct.data.embedded import resolve_model_path
+from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.learner.ray_group import LearnerGroup
-from open_instruct.data.tokenizer import load_tokenizer
 from open_instruct.run.args import compute_batch_sizes, parse_args
-from open_instruct.data.tokenizer import stop_token_ids_for
 
 
 def main(argv: list[str]) -> None:

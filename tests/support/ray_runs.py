@@ -9,7 +9,6 @@ import pytest
 
 from tests.support.trainer_runs import RESPONSE_LENGTH, RUN_TIMEOUT_S, TRAINER
 
-
 needs_loopback_namespace = pytest.mark.skipif(
     os.environ.get("OPEN_INSTRUCT_LOOPBACK_ONLY") != "1",
     reason="Ray listens on every interface: run through scripts/test.sh, which uses a loopback-only namespace",
