@@ -82,11 +82,10 @@ def fake_file(kind: str, tests: int) -> str:
     )
 
 
-def test_under_two_workers_the_ray_files_run_one_after_the_other_on_one_worker_and_the_heavy_files_on_the_other(
+def test_under_two_workers_the_ray_files_run_one_after_the_other_on_one_worker_and_a_heavy_file_on_the_other(
     tmp_path,
 ):
-    """The real hooks (tests/conftest.py) and xdist on a fake suite: 2 Ray files of 4 tests, 2 heavy files of 8. In
-    xdist's own loadfile scheduling the second worker would take the second Ray file and wait for the first."""
+    """The real hooks (tests/conftest.py) and xdist on a fake suite: 2 Ray files of 4 tests, 2 heavy files of 8."""
     suite = tmp_path / "suite"
     suite.mkdir()
     (suite / "conftest.py").write_text(
@@ -109,7 +108,10 @@ def test_under_two_workers_the_ray_files_run_one_after_the_other_on_one_worker_a
         worker, module, _ = line.split()
         workers.setdefault(module.removeprefix("test_"), set()).add(worker)
     assert all(len(held) == 1 for held in workers.values()), workers  # a file on one worker (loadfile)
-    assert workers["r1"] == workers["r2"] and workers["h1"] == workers["h2"] and workers["r1"] != workers["h1"], workers
+    # The first worker starts the first Ray file; the second, which may not start the other Ray file beside it, the first
+    # heavy file; the second Ray file follows the first on its worker (xdist's own scheduling gives it the second
+    # worker, which then waits). The second heavy file goes to whichever worker is free first.
+    assert workers["r1"] == workers["r2"] != workers["h1"], workers
 
 
 def hold(run_folder, kind, entered: threading.Event, leave: threading.Event, seen: dict):
