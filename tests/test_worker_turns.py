@@ -2,6 +2,7 @@
 threads. The lock is tested with threads of this process: flock locks belong to an open file, so two opens of the same
 lock file in one process exclude each other as two processes' do."""
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -137,19 +138,34 @@ def test_a_ray_file_runs_beside_a_heavy_one_not_beside_a_ray_one_and_an_alone_fi
 
     def start(name: str, kind: str) -> None:
         threads[name] = hold(tmp_path, kind, *events[name], seen if name in ("ray1", "alone") else {})
-        time.sleep(0.5)
 
     def entered(*these: str) -> set:
         return {name for name in these if events[name][0].is_set()}
 
+    def turnstile_held() -> bool:  # by a file waiting for the machine exclusive
+        with open(tmp_path / "turnstile.lock", "w") as turnstile:
+            try:
+                fcntl.flock(turnstile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+            return False
+
     start("heavy1", HEAVY)
+    assert events["heavy1"][0].wait(10)
     start("ray1", RAY)
-    assert entered("heavy1", "ray1") == {"heavy1", "ray1"}  # a Ray file beside a heavy one
+    assert events["ray1"][0].wait(10)  # a Ray file beside a heavy one
     start("ray2", RAY)
     start("light", LIGHT)
-    assert entered("ray2", "light") == {"light"}  # never two Ray files; a light file beside anything
+    assert events["light"][0].wait(10)  # a light file beside anything
+    time.sleep(0.5)
+    assert entered("ray2") == set()  # never two Ray files
     start("alone", ALONE)
+    deadline = time.time() + 10
+    while not turnstile_held() and time.time() < deadline:
+        time.sleep(0.05)
     start("heavy2", HEAVY)
+    time.sleep(0.5)
     assert entered("alone", "heavy2") == set()  # the alone file waits for both; a new heavy file waits behind it
 
     events["ray1"][1].set()
