@@ -104,9 +104,8 @@ def varied_length_model_dir(tiny_model_dir, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def eval_file(tmp_path_factory) -> Path:
     """A handful of arithmetic eval prompts (tests/support/trainer_runs.py's EVAL_QUESTIONS) as a dataset file."""
-    from tests.support.trainer_runs import (
-        EVAL_QUESTIONS,
-    )  # here: the fake suites of test_worker_turns import this module
+    # Imported here, not at the top: test_worker_turns' fake suites import this module and need none of it.
+    from tests.support.trainer_runs import EVAL_QUESTIONS
 
     path = tmp_path_factory.mktemp("data") / "eval.jsonl"
     with open(path, "w") as f:
