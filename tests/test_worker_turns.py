@@ -68,9 +68,13 @@ def test_the_order_is_alone_ray_heavy_light_longest_first_and_a_worker_takes_the
     assert next_file(kinds[1:], [RAY, HEAVY]) == 3  # the first heavy file: the other worker holds a Ray file
     assert next_file(kinds[1:], [HEAVY, HEAVY]) == 0
     assert next_file([RAY, RAY], [RAY]) == 0  # none may start: the first, which waits for its turn
+    # None may start beside the two-node file and a Ray file: a heavy file (it waits for the two-node file only), not
+    # a second Ray file (it would wait for both, a core idle meanwhile: seen on a slower machine, ~500 s).
+    assert next_file(kinds[1:7], [ALONE, RAY]) == 3
+    assert next_file([RAY, ALONE, HEAVY], [ALONE, RAY]) == 2
 
 
-def fake_file(kind: str, tests: int) -> str:
+def fake_file(kind: str, tests: int, seconds: float = 0.3) -> str:
     marks = {ALONE: "[pytest.mark.ray, pytest.mark.alone]", RAY: "[pytest.mark.ray]", HEAVY: "[pytest.mark.e2e]"}
     return (
         "import os, time\nimport pytest\n"
@@ -79,22 +83,21 @@ def fake_file(kind: str, tests: int) -> str:
         "def test_it(i):\n"
         "    with open(os.environ['TURNS_LOG'], 'a') as log:\n"
         "        log.write(f\"{os.environ['PYTEST_XDIST_WORKER']} {__name__} {time.time()}\\n\")\n"
-        "    time.sleep(0.3)\n"
+        f"    time.sleep({seconds})\n"
     )
 
 
-def test_under_two_workers_the_ray_files_run_one_after_the_other_on_one_worker_and_a_heavy_file_on_the_other(
-    tmp_path,
-):
-    """The real hooks (tests/conftest.py) and xdist on a fake suite: 2 Ray files of 4 tests, 2 heavy files of 8."""
+def workers_of_a_fake_suite(tmp_path, files: list[tuple]) -> dict[str, set]:
+    """Runs fake files ((name, kind, tests, seconds per test)) with the real hooks (tests/conftest.py) under xdist's
+    two workers: {name: the workers that ran its tests}."""
     suite = tmp_path / "suite"
     suite.mkdir()
     (suite / "conftest.py").write_text(
         "from tests.conftest import FILE_KINDS, machine_turn, pytest_collection_modifyitems, pytest_xdist_make_scheduler\n"
     )
     (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    ray: r\n    alone: a\n    e2e: e\n")
-    for name, kind, tests in [("r1", RAY, 4), ("r2", RAY, 4), ("h1", HEAVY, 8), ("h2", HEAVY, 8)]:
-        (suite / f"test_{name}.py").write_text(fake_file(kind, tests))
+    for name, kind, tests, seconds in files:
+        (suite / f"test_{name}.py").write_text(fake_file(kind, tests, seconds))
     log = tmp_path / "turns.log"
     env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_")}  # not this worker's
     env.update(TURNS_LOG=str(log), PYTHONPATH=str(Path(__file__).resolve().parent.parent))
@@ -109,10 +112,36 @@ def test_under_two_workers_the_ray_files_run_one_after_the_other_on_one_worker_a
         worker, module, _ = line.split()
         workers.setdefault(module.removeprefix("test_"), set()).add(worker)
     assert all(len(held) == 1 for held in workers.values()), workers  # a file on one worker (loadfile)
+    return workers
+
+
+def test_under_two_workers_the_ray_files_run_one_after_the_other_on_one_worker_and_a_heavy_file_on_the_other(
+    tmp_path,
+):
+    """2 Ray files of 4 tests, 2 heavy files of 8."""
+    workers = workers_of_a_fake_suite(
+        tmp_path, [("r1", RAY, 4, 0.3), ("r2", RAY, 4, 0.3), ("h1", HEAVY, 8, 0.3), ("h2", HEAVY, 8, 0.3)]
+    )
     # The first worker starts the first Ray file; the second, which may not start the other Ray file beside it, the first
     # heavy file; the second Ray file follows the first on its worker (xdist's own scheduling gives it the second
     # worker, which then waits). The second heavy file goes to whichever worker is free first.
     assert workers["r1"] == workers["r2"] != workers["h1"], workers
+
+
+def test_a_worker_that_may_start_nothing_beside_the_two_node_file_and_a_ray_file_takes_a_heavy_file_not_a_ray_one(
+    tmp_path,
+):
+    """What a slower machine did: worker 1 runs the two-node file (4 x 1.5 s) and, asking for its next file while
+    worker 2 still runs the light file, is given the first Ray file; worker 2 then asks (the light file's 10 x 0.575 s
+    end before the two-node file) while worker 1 holds the two-node file and a Ray file. It must take the heavy file
+    (it waits for the two-node file only, then runs beside the Ray file), not the second Ray file (which would wait
+    for both with a core idle, as ~500 s did there). The second Ray file then follows the first on worker 1."""
+    workers = workers_of_a_fake_suite(
+        tmp_path,
+        [("a1", ALONE, 4, 1.5), ("r1", RAY, 4, 0.3), ("r2", RAY, 4, 0.3), ("h1", HEAVY, 8, 0.3), ("l1", LIGHT, 10, 0.575)],
+    )
+    assert workers["a1"] == workers["r1"] != workers["l1"], workers  # the set-up this test is about
+    assert workers["r2"] == workers["r1"] != workers["h1"], workers
 
 
 def hold(run_folder, kind, entered: threading.Event, leave: threading.Event, seen: dict):

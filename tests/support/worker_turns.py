@@ -11,8 +11,8 @@ memory monitor in two of the first three two-worker suite runs (it kills engine 
 node's memory: 7 and 4 tests failed); every other pair of files fitted, a Ray file beside a trainer file included.
 
 Two parts keep to these rules. `FileTurnScheduling` (the controller's xdist scheduler) gives a worker that needs
-its next file the first file of `worker_file_order` that may start beside the files the other worker holds, so the
-workers rarely wait; `turn` (each file's module fixture, a lock between the workers' processes) makes a file that
+its next file the first file of `worker_file_order` that may start beside the files the other worker holds (or,
+when none may, beside the most of them), so the workers rarely wait; `turn` (each file's module fixture, a lock between the workers' processes) makes a file that
 must wait, wait: the scheduler picks before the current files end and a file's tests can take longer than measured.
 Threads: scripts/test.sh gives each worker, and so every process its tests start (trainers, Ray's nodes and actors,
 engines), one torch thread: OpenMP threads spin while they wait for each other, so a process with two threads beside
@@ -79,10 +79,16 @@ def worker_file_order(files: dict[str, str]) -> list[str]:
 
 
 def next_file(queue_kinds: list[str], running: Iterable[str]) -> int:
-    """Which file of the queue (their kinds, in order) a worker takes next, beside the `running` kinds: the first that
-    may start beside them; the first of all when none may (it then waits for its turn). Pure."""
+    """Which file of the queue (their kinds, in order) a worker takes next, beside the `running` kinds (the files the
+    other worker holds): the first that may start beside them all; when none may, the first that may start beside the
+    most of them, so it waits for one file, not for all (it then waits for its turn in `turn`). Pure.
+
+    Why the fallback matters: on a machine half as fast, the other worker held the two-node file and a Ray file, no
+    light file was left, and "the first of all" gave a second Ray file, which waited ~500 s for the first with a core
+    idle; a heavy file only waits for the two-node file to end, then runs beside the Ray file."""
     running = list(running)
-    return next((i for i, kind in enumerate(queue_kinds) if may_start_beside(kind, running)), 0)
+    beside = [sum(may_start_beside(kind, [other]) for other in running) for kind in queue_kinds]
+    return max(range(len(queue_kinds)), key=lambda i: (may_start_beside(queue_kinds[i], running), beside[i], -i))
 
 
 def write_file_kinds(run_folder: Path, kinds: dict[str, str]) -> None:
@@ -95,8 +101,8 @@ def write_file_kinds(run_folder: Path, kinds: dict[str, str]) -> None:
 class FileTurnScheduling(LoadFileScheduling):
     """xdist's `--dist loadfile` (a whole file per worker at a time, in the collection's order), but the file a
     worker gets next is `next_file`'s: the first of the queue that may start beside the files the other worker holds
-    (its current file and the next one it was given). xdist gives a worker its next file while two tests of the current
-    one are left to run, so "holds" is what the other worker will run next, not only now."""
+    (its current file and the next one it was given), given when one test of the worker's current file is left
+    (`_reschedule`), so "holds" is what the other worker will run next, not only now."""
 
     def __init__(self, config, log=None):
         super().__init__(config, log)
@@ -118,6 +124,14 @@ class FileTurnScheduling(LoadFileScheduling):
         chosen = queue[next_file([self.kinds.get(file, LIGHT) for file in queue], running)]
         self.workqueue.move_to_end(chosen, last=False)
         super()._assign_work_unit(node)  # takes the queue's first
+
+    def _reschedule(self, node) -> None:
+        """xdist gives a worker its next file while two tests of the current one are left; this waits until one is
+        left (a worker runs a test only once it knows the next, so one is the least), so the choice sees more of what
+        the other worker is doing by then."""
+        if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+            return
+        super()._reschedule(node)
 
 
 @contextlib.contextmanager
