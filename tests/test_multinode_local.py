@@ -61,15 +61,17 @@ def multinode_run(request, tiny_model_dir, eval_file, tmp_path_factory):  # noqa
         "--beta", "0.05", "--old_logprobs_from", "learner",
         "--output_dir", str(workdir / "output"),
     ]  # fmt: skip
-    process = run_to_completion(command, cwd=workdir)
-    return Run(workdir / "output", num_steps=2, async_mode=mode == "async"), process.stdout
+    # Unset for the script (the suite sets it for its own clusters): its `ray start`s must run the workers at nice 0.
+    process = run_to_completion(command, cwd=workdir, env={"RAY_worker_niceness": None})
+    return Run(workdir / "output", num_steps=2, async_mode=mode == "async"), process.stdout, process.stderr
 
 
 def test_two_nodes_run_learners_and_engines_and_log_every_metric_with_the_right_versions(multinode_run):
     """Slow (~2.5 min per mode): `ppo_multinode_local.sh` starts its own two-node cluster, learners and engine
     actors, as a user runs it; the script itself is what is tested."""
-    run, stdout = multinode_run
+    run, stdout, stderr = multinode_run
     assert "two-node Ray cluster up" in stdout
+    assert " runs at nice " not in stderr, stderr  # the ranks at the CPU priority of every other process
     learner_nodes = {line.split(" on node ")[1] for line in stdout.splitlines() if line.startswith("[ppo] learner rank")}
     assert len(learner_nodes) == 2, f"the learner ranks did not run on two nodes: {learner_nodes}"
     assert sum(line.startswith("[vllm] vLLM engine") and " pid " in line for line in stdout.splitlines()) == 2
@@ -94,7 +96,7 @@ def test_two_nodes_run_learners_and_engines_and_log_every_metric_with_the_right_
 def test_final_model_loads_and_a_fresh_engine_reproduces_the_engine_actors_final_eval(multinode_run, eval_file, tmp_path):  # noqa: F811
     """The final eval ran on engine actors right after the final broadcast; the saved folder must give a fresh
     in-process engine exactly that output (and differ from the initial eval, or the check proves nothing)."""
-    run, _ = multinode_run
+    run, _, _ = multinode_run
     _, loading_info = AutoModelForCausalLM.from_pretrained(run.model_dir, output_loading_info=True)
     assert not loading_info["missing_keys"] and not loading_info["unexpected_keys"], loading_info
     assert_saved_weights_are_the_learners(run.output_dir)

@@ -384,6 +384,28 @@ def test_a_peer_failing_because_another_died_reports_the_death_first(ray_cluster
         ray.kill(actor)
 
 
+def test_an_actor_at_rays_default_nice_15_is_named_with_the_fix_and_one_at_0_is_not():
+    from open_instruct.run.cluster import niceness_warning
+
+    warning = niceness_warning("learner rank 1", 15)
+    assert warning.startswith("[ppo] warning: learner rank 1 runs at nice 15") and "RAY_worker_niceness=0" in warning
+    assert niceness_warning("learner rank 1", 0) is None
+
+
+@pytest.mark.ray
+@needs_loopback_namespace
+def test_the_clusters_workers_run_at_the_priority_of_every_other_process(ray_cluster):
+    """Ray's default is nice 15; the suite's clusters (conftest.py), the trainer's local one and the scripts' run
+    their workers at 0, or a Ray file's ranks starve beside a busy process (2.1x their time on a 2-core machine)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    assert ray.get(niceness.remote(), timeout=120) == 0
+
+
 def learner_pid(stdout: str, rank: int) -> int | None:
     prefix = f"[ppo] learner rank {rank}: pid "
     for line in stdout.splitlines():

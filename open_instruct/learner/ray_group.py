@@ -37,7 +37,13 @@ from open_instruct.learner.weight_sender import WeightSender
 from open_instruct.rl.rewards import Scorer
 from open_instruct.run import devices
 from open_instruct.run.args import Args, BatchSizes, ConfigError
-from open_instruct.run.cluster import folder_problem, node_address_with_free_port, wait_for_actors, write_folder_token
+from open_instruct.run.cluster import (
+    folder_problem,
+    niceness_warning,
+    node_address_with_free_port,
+    wait_for_actors,
+    write_folder_token,
+)
 from open_instruct.run.placement import Placement, reserve_placement
 
 log = logging.getLogger(__name__)
@@ -75,7 +81,7 @@ class LearnerRank:
 
     def where(self) -> dict:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": ray.get_gpu_ids(),
-                "local_gpu": self.bind_gpu()}  # fmt: skip
+                "local_gpu": self.bind_gpu(), "niceness": os.getpriority(os.PRIO_PROCESS, 0)}  # fmt: skip
 
     def device_report(self) -> dict:
         """This rank's device as it sees it (before any model loads: free memory is what the learner will have)."""
@@ -183,6 +189,8 @@ class LearnerGroup:
             for name, where in zip(self.names, self._call_all("where")):
                 gpus = f", GPU {','.join(map(str, where['gpu_ids']))}" if where["gpu_ids"] else ""
                 log.info(f"[ppo] {name}: pid {where['pid']} on node {where['node_id'][:12]}{gpus}")
+                if warning := niceness_warning(name, where["niceness"]):
+                    log.warning(warning)
             self.check_output_dir(args.run.output_dir)
             self.reports = self._call_all("device_report")
             if check_devices is not None:

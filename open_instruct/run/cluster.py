@@ -54,6 +54,22 @@ def folder_problem(folder: str, token: str) -> str | None:
     return None
 
 
+# Ray starts its worker processes at nice 15, a background priority: fine beside Ray's own daemons, but our actors
+# (learner ranks, engines) are the run's work, and at nice 15 a rank gets a few percent of a core that any ordinary
+# process also wants (the driver's generation thread, another job), while its peers wait for it in every collective.
+# Measured on a 2-core CPU machine: two ZeRO-3 ranks beside one busy process took 2.1x their time alone.
+RAY_WORKER_NICENESS = "RAY_worker_niceness"
+
+
+def niceness_warning(name: str, niceness: int) -> str | None:
+    """The warning for an actor that runs at a lower CPU priority than ordinary processes, or None. Pure."""
+    if niceness <= 0:
+        return None
+    return (f"[ppo] warning: {name} runs at nice {niceness} (Ray's default for its workers), so any other busy process "
+            f"on its node takes the CPU from it; start Ray with {RAY_WORKER_NICENESS}=0 "
+            "(scripts/train/multinode/ray_node_setup.sh does)")  # fmt: skip
+
+
 def start_ray(ray_address: str | None, num_actors: int) -> None:
     if ray.is_initialized():
         return
@@ -61,6 +77,7 @@ def start_ray(ray_address: str | None, num_actors: int) -> None:
     if ray_address is not None:
         ray.init(address=ray_address, log_to_driver=True)
     else:  # a local instance with a logical CPU for each actor (learner, engine), even on a machine with fewer cores
+        os.environ.setdefault(RAY_WORKER_NICENESS, "0")  # the local raylet starts the workers with this environment
         ray.init(num_cpus=max(os.cpu_count() or 1, num_actors), include_dashboard=False)
     log.info(f"[ppo] Ray {'joined at ' + ray_address if ray_address else 'started locally'} in {time.time() - started:.1f}s")
 

@@ -65,10 +65,12 @@ def last_lines(text: str | bytes | None, count: int = 40) -> str:
 
 
 def run_command(
-    command: list[str], cwd: Path, env: dict[str, str] | None = None
+    command: list[str], cwd: Path, env: dict[str, str | None] | None = None
 ) -> tuple[subprocess.CompletedProcess, float]:
-    """Run `command` offline (no hub, wandb offline) unless `env` says otherwise; fail the test on a timeout."""
+    """Run `command` offline (no hub, wandb offline) unless `env` says otherwise (None: unset); fail the test on a
+    timeout."""
     full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **(env or {})}
+    full_env = {name: value for name, value in full_env.items() if value is not None}
     start = time.time()
     try:
         process = subprocess.run(
@@ -79,7 +81,9 @@ def run_command(
     return process, time.time() - start
 
 
-def run_to_completion(command: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_to_completion(
+    command: list[str], cwd: Path, env: dict[str, str | None] | None = None
+) -> subprocess.CompletedProcess:
     process, _ = run_command(command, cwd, env)
     assert process.returncode == 0, f"the run failed (exit code {process.returncode}):\n{last_lines(process.stderr)}"
     return process

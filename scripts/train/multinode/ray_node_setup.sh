@@ -47,6 +47,9 @@ block="${BLOCK:-$([[ "$role" == worker ]] && echo 1 || echo 0)}"
 
 find_python_and_ray
 export RAY_USAGE_STATS_ENABLED="${RAY_USAGE_STATS_ENABLED:-0}"  # Ray sends usage statistics home unless told not to
+# Ray starts its workers at nice 15; the learner ranks and engines are the run's work, not background tasks: at nice 15
+# any other busy process on the node takes the CPU from them (open_instruct/run/cluster.py says what was measured).
+export RAY_worker_niceness="${RAY_worker_niceness:-0}"
 ray_auth_env "$([[ "$role" == head ]] && echo create)"
 
 flags=()
