@@ -12,8 +12,9 @@ node's memory: 7 and 4 tests failed); every other pair of files fitted, a Ray fi
 
 Two parts keep to these rules. `FileTurnScheduling` (the controller's xdist scheduler) gives a worker that needs
 its next file the first file of `worker_file_order` that may start beside the files the other worker holds (or,
-when none may, beside the most of them), so the workers rarely wait; `turn` (each file's module fixture, a lock between the workers' processes) makes a file that
-must wait, wait: the scheduler picks before the current files end and a file's tests can take longer than measured.
+when none may, beside the most of them), so the workers rarely wait; `turn` (each file's module fixture, a lock
+between the workers' processes) makes a file that must wait, wait: the scheduler picks before the current files end
+and a file's tests can take longer than measured.
 Threads: scripts/test.sh gives each worker, and so every process its tests start (trainers, Ray's nodes and actors,
 engines), one torch thread: OpenMP threads spin while they wait for each other, so a process with two threads beside
 another busy one on two cores crawls (the fast tier took 255 s with two threads per worker, 125 s with one; a Ray
@@ -86,9 +87,12 @@ def next_file(queue_kinds: list[str], running: Iterable[str]) -> int:
     Why the fallback matters: on a machine half as fast, the other worker held the two-node file and a Ray file, no
     light file was left, and "the first of all" gave a second Ray file, which waited ~500 s for the first with a core
     idle; a heavy file only waits for the two-node file to end, then runs beside the Ray file."""
-    running = list(running)
-    beside = [sum(may_start_beside(kind, [other]) for other in running) for kind in queue_kinds]
-    return max(range(len(queue_kinds)), key=lambda i: (may_start_beside(queue_kinds[i], running), beside[i], -i))
+    running = list(running)  # may start beside them all = beside each of them, so the most is "all" when one may
+
+    def files_beside(i: int) -> int:
+        return sum(may_start_beside(queue_kinds[i], [other]) for other in running)
+
+    return max(range(len(queue_kinds)), key=lambda i: (files_beside(i), -i))
 
 
 def write_file_kinds(run_folder: Path, kinds: dict[str, str]) -> None:
