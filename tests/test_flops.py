@@ -63,9 +63,35 @@ def test_datasheet_peaks_by_gpu_name():
     assert devices.datasheet_peak_flops("Some Future GPU", torch.bfloat16) is None
 
 
-def test_cpu_peak_is_the_probe_matmul_measured_once():
+def test_cpu_peak_is_the_probe_matmul_measured_once(monkeypatch):
     peak, source = devices.peak_flops_per_second(torch.device("cpu"), torch.float32)
-    best = devices.matmul_best_seconds()
-    assert peak == 2 * devices.PROBE_SIZE**3 / best[torch.float32]
-    assert 1e9 < peak < 1e14 and "measured" in source  # 1 GFLOP/s .. 100 TFLOP/s: a CPU
-    assert devices.matmul_best_seconds() is best  # cached: the start-up probe is not run again
+    flops, size = devices.cpu_matmul_flops((torch.float32,))[torch.float32]
+    assert peak == flops and f"measured {size}^3 float32" in source
+    assert 1e9 < peak < 1e14  # 1 GFLOP/s .. 100 TFLOP/s: a CPU
+    monkeypatch.setattr(devices, "_seconds", lambda a, b: pytest.fail("the probe ran again"))
+    assert devices.peak_flops_per_second(torch.device("cpu"), torch.float32)[0] == peak  # cached
+
+
+def test_the_probe_times_only_the_dtypes_asked_for_at_a_size_each_dtype_runs_fast(monkeypatch):
+    """A dtype the CPU emulates (bf16 on AVX2 only: 1.3 GFLOP/s at every size, measured) gets a small probe: the
+    fixed 1024^3 one took 2.3 s a matmul there, ~14 s of every trainer start. Rates here are made up per dtype."""
+    rates = {torch.float32: 78e9, torch.bfloat16: 1.3e9, torch.float16: 20e9}
+    timed = []
+
+    def seconds(a, b):
+        timed.append((a.dtype, a.shape[0]))
+        return 2 * a.shape[0] ** 3 / rates[a.dtype]
+
+    monkeypatch.setattr(devices, "_seconds", seconds)
+    monkeypatch.setattr(devices, "_cpu_matmul_flops", {})
+    peak, source = devices.peak_flops_per_second(torch.device("cpu"), torch.float32)
+    assert peak == pytest.approx(78e9) and "1024^3 float32" in source
+    assert {dtype for dtype, _ in timed} == {torch.float32}  # fp32 compute: bf16 is not timed at all
+    timed.clear()
+    flops = devices.cpu_matmul_flops((torch.float32, torch.bfloat16, torch.float16), repeats=3)
+    # 256^3 at 1.3 GFLOP/s: 0.026 s (512^3 would take 0.21 s > PROBE_MATMUL_S); 20 GFLOP/s: 512^3 in 0.013 s,
+    # 1024^3 in 0.11 s.
+    assert flops == {torch.float32: (pytest.approx(78e9), 1024), torch.bfloat16: (pytest.approx(1.3e9), 256),
+                     torch.float16: (pytest.approx(20e9), 512)}  # fmt: skip
+    assert torch.float32 not in {dtype for dtype, _ in timed}  # measured once per process
+    assert devices.bf16_matmul_speedup() == pytest.approx(1.3 / 78)

@@ -149,7 +149,7 @@ def test_learner_compute_dtype_follows_the_flag_the_cpu_and_the_probe(monkeypatc
 
 
 def test_bf16_probe_measures_a_positive_speedup():
-    assert 0.01 < devices.bf16_matmul_speedup(size=256, repeats=2) < 100
+    assert 0.001 < devices.bf16_matmul_speedup(repeats=2) < 100  # AVX2 only (emulated bf16): ~0.015
 
 
 def test_weight_snapshots_copy_into_reused_buffers_one_per_slot():

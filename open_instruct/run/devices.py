@@ -102,34 +102,50 @@ def native_bf16_cpu_flags(cpuinfo_path: str = "/proc/cpuinfo") -> list[str]:
     return [flag for flag in NATIVE_BF16_CPU_FLAGS if flag in flags]
 
 
-PROBE_SIZE = 1024  # the CPU matmul probe's n x n x n: 2.1 GFLOP, ~0.1 s for both dtypes on a 2-core EPYC
+PROBE_SIZES = (256, 512, 1024)  # the CPU matmul probe's n x n x n, the largest whose matmul fits PROBE_MATMUL_S
+PROBE_MATMUL_S = 0.1  # the longest one timed matmul may take (1024^3: 0.03 s fp32 on a 2-core EPYC, 2.3 s emulated bf16)
+_cpu_matmul_flops: dict[torch.dtype, tuple[float, int]] = {}  # dtype -> (FLOP/s, size): measured once per process
 
 
-@functools.cache
-def matmul_best_seconds(size: int = PROBE_SIZE, repeats: int = 5) -> dict[torch.dtype, float]:
-    """Best seconds of a size x size matmul on the CPU in fp32 and in bf16 (`repeats` each), measured once per process:
-    the bf16 probe and the peak FLOP/s both read it.
+def _seconds(a: torch.Tensor, b: torch.Tensor) -> float:
+    start = time.perf_counter()
+    a @ b
+    return time.perf_counter() - start
 
-    The two dtypes are timed in turns, so a load that starts or stops during the probe (another process, the
-    engine loading) slows both alike instead of only the one measured second: on 2 busy cores the old
-    all-fp32-then-all-bf16 probe gave anything from 2.2x to 9.7x on a machine that measures 4.3x when quiet."""
-    matrices = {dtype: (torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype))
-                for dtype in (torch.float32, torch.bfloat16)}  # fmt: skip
-    for a, b in matrices.values():
-        a @ b  # warm-up: oneDNN builds its kernel on the first call
-    best = {dtype: math.inf for dtype in matrices}
+
+def cpu_matmul_flops(dtypes: tuple[torch.dtype, ...], repeats: int = 5) -> dict[torch.dtype, tuple[float, int]]:
+    """FLOP/s of the best of `repeats` n x n matmuls on the CPU for each of `dtypes`, and the n: measured once per
+    process and dtype (the bf16 probe and the peak FLOP/s both read it), only for the dtypes asked for.
+
+    n is the largest of PROBE_SIZES whose matmul a 256^3 one predicts under PROBE_MATMUL_S: 1024 for fp32 and native
+    bf16; 256 for bf16 without native support (AVX2 only), where a 1024^3 matmul takes 2.3 s and the old fixed probe
+    spent ~14 s of every trainer start measuring that (its rate is the same at every size: 1.3 GFLOP/s).
+    The dtypes are timed in turns, so a load that starts or stops during the probe (another process, the engine
+    loading) slows both alike instead of only the one measured second: on 2 busy cores an all-fp32-then-all-bf16
+    probe gave anything from 2.2x to 9.7x on a machine that measures 4.3x when quiet."""
+    missing = [dtype for dtype in dtypes if dtype not in _cpu_matmul_flops]
+    matrices = {}
+    for dtype in missing:
+        small = torch.randn(PROBE_SIZES[0], PROBE_SIZES[0], dtype=dtype)
+        small @ small  # warm-up: oneDNN builds its kernel on the first call
+        small_s = _seconds(small, small)
+        size = max([n for n in PROBE_SIZES if small_s * (n / PROBE_SIZES[0]) ** 3 <= PROBE_MATMUL_S], default=PROBE_SIZES[0])
+        matrices[dtype] = (torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype))
+        if size != PROBE_SIZES[0]:
+            matrices[dtype][0] @ matrices[dtype][1]  # warm-up at the probe's size
+    best = {dtype: math.inf for dtype in missing}
     for _ in range(repeats):
         for dtype, (a, b) in matrices.items():
-            start = time.perf_counter()
-            a @ b
-            best[dtype] = min(best[dtype], time.perf_counter() - start)
-    return best
+            best[dtype] = min(best[dtype], _seconds(a, b))
+    for dtype, (a, _) in matrices.items():
+        _cpu_matmul_flops[dtype] = (2 * a.shape[0] ** 3 / best[dtype], a.shape[0])
+    return {dtype: _cpu_matmul_flops[dtype] for dtype in dtypes}
 
 
-def bf16_matmul_speedup(size: int = PROBE_SIZE, repeats: int = 5) -> float:
-    """fp32 time / bf16 time of a size x size matmul on the CPU (`matmul_best_seconds`)."""
-    best = matmul_best_seconds(size, repeats)
-    return best[torch.float32] / best[torch.bfloat16]
+def bf16_matmul_speedup(repeats: int = 5) -> float:
+    """bf16 FLOP/s / fp32 FLOP/s of the CPU's matmul (`cpu_matmul_flops`, both timed in turns)."""
+    flops = cpu_matmul_flops((torch.float32, torch.bfloat16), repeats)
+    return flops[torch.bfloat16][0] / flops[torch.float32][0]
 
 
 # Dense (no sparsity) tensor-core peaks from the vendors' datasheets, FLOP/s: (name fragment, bf16, fp32). fp32 is
@@ -174,15 +190,15 @@ def measured_gpu_peak_flops(device: torch.device, dtype: torch.dtype, size: int 
 
 def peak_flops_per_second(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """The learner device's peak FLOP/s in its compute dtype, and where the number comes from: the datasheet on a
-    known GPU, else a measured matmul (on CPUs the start-up probe's, `matmul_best_seconds`, run once)."""
+    known GPU, else a measured matmul (on CPUs the start-up probe's, `cpu_matmul_flops`, run once per dtype)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = datasheet_peak_flops(name, dtype)
         if peak is not None:
             return peak, f"{name} datasheet, {dtype_name(dtype)}"
         return measured_gpu_peak_flops(device, dtype), f"{name}, measured {dtype_name(dtype)} matmul"
-    best = matmul_best_seconds()
-    return 2 * PROBE_SIZE**3 / best[dtype], f"CPU, measured {PROBE_SIZE}^3 {dtype_name(dtype)} matmul"
+    flops, size = cpu_matmul_flops((dtype,))[dtype]
+    return flops, f"CPU, measured {size}^3 {dtype_name(dtype)} matmul"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
