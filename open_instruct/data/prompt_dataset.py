@@ -16,7 +16,6 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,8 +24,8 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-from open_instruct import MayChangeOnResume
 from open_instruct.data.chat_templates import render_prompt, resolve_chat_template
+from open_instruct.data.dataset_args import DatasetArgs  # noqa: F401 (its flags, re-exported for the callers)
 from open_instruct.data.sources import PROMPT_FEATURES, count_rows, normalise_row, open_source, take_rows
 
 if TYPE_CHECKING:  # only for annotations: the converters need no transformers import
@@ -40,44 +39,6 @@ INPUT_IDS_PROMPT_KEY = "input_ids_prompt"
 # Bump when the cached layout or the tokenisation rules change, so old caches are not reused.
 TOKENIZATION_CACHE_VERSION = 1
 CACHE_REPORT_FILE = "tokenization_report.json"
-
-
-@dataclass
-class DatasetArgs:
-    dataset_mixer_list: list[str] = field(
-        default_factory=list,
-        metadata={"help": "Sources and amounts, alternating: `name_or_path frac_or_count ...` (e.g. `a.parquet 1.0`); "
-                          "`embedded_arithmetic`, `embedded_word_problems` and `embedded_tool_arithmetic` name the built-in "
-                          "tasks."},
-    )
-    dataset_mixer_list_splits: list[str] = field(
-        default_factory=lambda: ["train"],
-        metadata={"help": "One split for every training source, or one split per source."},
-    )
-    dataset_mixer_eval_list: list[str] = field(
-        default_factory=list,
-        metadata={"help": "Eval sources and amounts, same syntax as dataset_mixer_list; empty means no eval set."},
-    )
-    dataset_mixer_eval_list_splits: list[str] = field(
-        default_factory=lambda: ["test"],
-        metadata={"help": "One split for every eval source, or one split per eval source."},
-    )
-    max_prompt_token_length: int = field(
-        default=256,
-        metadata={"help": "Prompts with more tokens than this (after the chat template) are dropped and counted."},
-    )
-    chat_template_name: str | None = field(
-        default=None,
-        metadata={"help": "A named chat template (tulu, simple_concat, plain, chatml); unset: the tokenizer's own."},
-    )
-    dataset_cache_dir: MayChangeOnResume[str | None] = field(
-        default=None,
-        metadata={"help": "Folder for the tokenised-prompt cache; unset: tokenise every run, cache nothing."},
-    )
-    dataset_seed: int = field(
-        default=42,
-        metadata={"help": "Seed for drawing and shuffling the mixed rows."},
-    )
 
 
 def parse_mixer_list(mixer_list: list[str], argument: str = "dataset_mixer_list") -> list[tuple[str, str]]:
