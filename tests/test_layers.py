@@ -115,6 +115,58 @@ def test_lower_layers_keep_off_the_heavy_frameworks(floor):
     assert not offending, "\n".join(offending)
 
 
+def module_level_imports(path: Path) -> list[str]:
+    """What importing the file imports: its module-level and class-level imports, not those inside functions (run
+    when called) or under `if TYPE_CHECKING:`."""
+    found = []
+
+    def visit(statements) -> None:
+        for node in statements:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                found.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    found.append(submodule if submodule in MODULES else node.module)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, field, []))
+
+    visit(ast.parse(path.read_text()).body)
+    return found
+
+
+def imported_on_start(module: str) -> dict[str, str]:
+    """Third-party package -> the chain of our modules that imports it when `module` is imported (packages'
+    __init__ files included)."""
+    chains, packages, todo = {module: module}, {}, [module]
+    while todo:
+        name = todo.pop()
+        parents = [".".join(name.split(".")[:end]) for end in range(1, name.count(".") + 1)]
+        for imported in [*parents, *module_level_imports(MODULES[name])]:
+            if imported in MODULES:
+                if imported not in chains:
+                    chains[imported] = f"{chains[name]} -> {imported}"
+                    todo.append(imported)
+            elif imported.split(".")[0] != "open_instruct":
+                packages.setdefault(imported.split(".")[0], chains[name])
+    return packages
+
+
+# What a Ray learner rank and an engine actor import (engine_actors imports vllm_engine in the actor): they never build
+# a dataset. run.args once imported `datasets`, `pyarrow` and `pandas` into every such process (~0.6 s of each start).
+@pytest.mark.parametrize("module", ["open_instruct.learner.ray_group", "open_instruct.generation.vllm_engine"])
+def test_learner_ranks_and_engine_actors_start_without_the_dataset_libraries(module):
+    packages = imported_on_start(module)
+    assert "torch" in packages  # the walk sees what it imports
+    loaded = {name: chain for name, chain in packages.items() if name in ("datasets", "pyarrow", "pandas")}
+    assert not loaded, "\n".join(f"{name}: {chain}" for name, chain in loaded.items())
+
+
 def test_the_layer_test_sees_an_upward_import_and_a_circle(tmp_path, monkeypatch):
     """The checks above can fail: a fake package with a circle between two floors trips both."""
     fake = tmp_path / "open_instruct"
