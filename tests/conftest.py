@@ -20,6 +20,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # run them (open_instruct/run/cluster.py): at Ray's default nice 15, a Ray file's ranks beside a heavy file on the other
 # worker got a few percent of a core and took 2.1x their time (tests/README.md, "Two workers").
 os.environ.setdefault("RAY_worker_niceness", "0")
+# Every process the tests start (trainer runs, Ray's nodes and their workers, spawned ranks, scripts) imports this
+# checkout's open_instruct. Without it a trainer started from a test's temporary folder imports the one the venv's
+# editable install points at: for a second checkout sharing a venv (OPEN_INSTRUCT_VENV), the other checkout's code.
+CHECKOUT = str(Path(__file__).resolve().parent.parent)
+if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != CHECKOUT:
+    os.environ["PYTHONPATH"] = os.pathsep.join([CHECKOUT, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 # ---- Two workers: scripts/test.sh runs pytest-xdist, a file per worker at a time (--dist loadfile) -----------------
