@@ -1,4 +1,4 @@
-"""DeepSpeed learner ranks without Ray: two real ranks spawned here, joined over gloo on 127.0.0.1, tiny model.
+"""DeepSpeed learner ranks without Ray: two real rank processes started here, joined over gloo on 127.0.0.1, tiny model.
 
 - ZeRO-3 loading: every rank holds only its share of each model (the value model's new head included), and the
   shares put together are exactly the whole load of the single process.
