@@ -48,15 +48,17 @@ def floor_of(module: str) -> int:
 
 def imports_of(path: Path) -> list[tuple[str, int]]:
     """(imported module, line) for every import in the file; `from open_instruct import rl` names open_instruct.rl."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found += [(alias.name, node.lineno) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            for alias in node.names:
-                submodule = f"{node.module}.{alias.name}"
-                found.append((submodule if submodule in MODULES else node.module, node.lineno))
-    return found
+    return [(name, node.lineno) for node in ast.walk(ast.parse(path.read_text())) for name in imported_names(node)]
+
+
+def imported_names(node: ast.AST) -> list[str]:
+    """The modules an import statement imports (none for any other node)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module
+                for alias in node.names]  # fmt: skip
+    return []
 
 
 def internal_imports(path: Path) -> list[tuple[str, int]]:
@@ -127,12 +129,7 @@ def module_level_imports(path: Path) -> list[str]:
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
                 visit(node.orelse)
                 continue
-            if isinstance(node, ast.Import):
-                found.extend(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for alias in node.names:
-                    submodule = f"{node.module}.{alias.name}"
-                    found.append(submodule if submodule in MODULES else node.module)
+            found.extend(imported_names(node))
             for field in ("body", "orelse", "finalbody", "handlers"):
                 visit(getattr(node, field, []))
 

@@ -129,7 +129,8 @@ def cpu_matmul_flops(dtypes: tuple[torch.dtype, ...], repeats: int = 5) -> dict[
         small = torch.randn(PROBE_SIZES[0], PROBE_SIZES[0], dtype=dtype)
         small @ small  # warm-up: oneDNN builds its kernel on the first call
         small_s = _seconds(small, small)
-        size = max([n for n in PROBE_SIZES if small_s * (n / PROBE_SIZES[0]) ** 3 <= PROBE_MATMUL_S], default=PROBE_SIZES[0])
+        fitting = [n for n in PROBE_SIZES if small_s * (n / PROBE_SIZES[0]) ** 3 <= PROBE_MATMUL_S]
+        size = max(fitting, default=PROBE_SIZES[0])
         matrices[dtype] = (torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype))
         if size != PROBE_SIZES[0]:
             matrices[dtype][0] @ matrices[dtype][1]  # warm-up at the probe's size
