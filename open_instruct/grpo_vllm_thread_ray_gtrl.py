@@ -10,6 +10,13 @@ responses to its prompt) and GRPO's defaults for a few flags (`run/args.py`'s `A
 reference as a k3 loss term, one epoch per rollout, no batch whitening, output/grpo). See docs/grpo.md.
 """
 
+import sys
+
+from open_instruct.run.command_line import exit_on_bad_command_line
+
+if __name__ == "__main__":  # --help or a mistyped flag: answered before the trainer's imports (run/command_line.py)
+    exit_on_bad_command_line(sys.argv[1:], "grpo")
+
 from open_instruct import ppo_vllm_thread_ray_gtrl as trainer
 from open_instruct.run import console
 

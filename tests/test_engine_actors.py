@@ -411,7 +411,7 @@ def test_engine_actors_take_in_flight_updates_with_every_token_tagged_and_checke
 def test_an_engine_slower_to_get_ready_than_the_transfer_deadline_delays_the_transfer_and_the_run_goes_on(
     ray_cluster, tiny_model_dir, tmp_path
 ):
-    """The engine is still generating the previous batch for GENERATION_S, longer than --vllm_sync_timeout_s, when the
+    """The engine is still generating the previous batch for `generation_s`, longer than --vllm_sync_timeout_s, when the
     learner sends the next policy. The learner waits for it under --queue_timeout_s and starts the transfer only once
     it said it is ready; the transfer then takes a fraction of its own deadline and the next batch comes from the new
     weights. (Before the handshake, learner rank 0 sat in the broadcast while the engine generated, and the transfer
@@ -420,7 +420,11 @@ def test_an_engine_slower_to_get_ready_than_the_transfer_deadline_delays_the_tra
     from open_instruct.generation.generation_thread import GenerationRequest
     from open_instruct.generation.rollout_requests import broadcast_metrics, check_weight_sync
 
-    generation_s, transfer_timeout_s = 8.0, 4.0
+    # The transfer deadline also bounds joining the weight group at the start. At 4 s, in two full suite runs (CI's and
+    # one here), the engine's rendezvous client gave up while learner rank 0 was still importing vLLM's group helper
+    # (~1.6 s alone; rank 0 now imports it before it names the address) beside other tests. The deadline leaves
+    # room for a busy machine, and the first batch's generation outlasts it by as much again.
+    generation_s, transfer_timeout_s = 15.0, 10.0
 
     class SlowToFinishGenerating(EngineActor):  # defined here: Ray ships it to the actor by value
         batches_run = 0
@@ -441,7 +445,7 @@ def test_an_engine_slower_to_get_ready_than_the_transfer_deadline_delays_the_tra
     engines = EngineGroup(config, 1, timeout_s=180, sync_timeout_s=transfer_timeout_s, actor_class=SlowToFinishGenerating)
     with generation_beside_learners(args, engines, settings, tokenizer, tiny_model_dir) as (_, generator, rollouts):
         prompts = prompt_ids(tiny_model_dir, 2)
-        rollouts.send_weights_and(GenerationRequest(0, None, prompts, batch_id=0))  # the engine generates this for 8 s
+        rollouts.send_weights_and(GenerationRequest(0, None, prompts, batch_id=0))  # the engine generates this for 15 s
         sent = rollouts.send_weights_and(GenerationRequest(1, None, prompts, batch_id=1))  # policy version 1, meanwhile
         first, second = generator.receive(), generator.receive()
     metrics = broadcast_metrics(sent)

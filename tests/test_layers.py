@@ -164,6 +164,16 @@ def test_learner_ranks_and_engine_actors_start_without_the_dataset_libraries(mod
     assert not loaded, "\n".join(f"{name}: {chain}" for name, chain in loaded.items())
 
 
+# What both entry points import before they check the command line (run/command_line.py): a mistyped flag is answered
+# without torch, vLLM or the dataset libraries. (Any import of the rl package once loaded its torch math.)
+def test_the_command_line_check_starts_without_torch_or_the_engines():
+    packages = imported_on_start("open_instruct.run.command_line")
+    assert "transformers" in packages  # the walk sees what it imports: the flag parser
+    heavy = ("torch", "vllm", "datasets", "deepspeed", "ray", "peft")
+    loaded = {name: chain for name, chain in packages.items() if name in heavy}
+    assert not loaded, "\n".join(f"{name}: {chain}" for name, chain in loaded.items())
+
+
 def test_the_layer_test_sees_an_upward_import_and_a_circle(tmp_path, monkeypatch):
     """The checks above can fail: a fake package with a circle between two floors trips both."""
     fake = tmp_path / "open_instruct"

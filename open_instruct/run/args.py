@@ -21,7 +21,7 @@ from transformers import HfArgumentParser
 
 from open_instruct import MayChangeOnResume
 from open_instruct.data.dataset_args import DatasetArgs
-from open_instruct.rl.rewards import RewardConfig
+from open_instruct.rl.reward_config import RewardConfig
 from open_instruct.rl.tools import DEFAULT_OUTPUT_WRAPPER, absolute_names
 
 

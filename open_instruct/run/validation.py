@@ -16,10 +16,8 @@ import math
 import os
 from collections.abc import Iterable, Iterator
 
-import torch
-
+from open_instruct.rl.reward_config import CODE_VERIFIER, code_limits
 from open_instruct.rl.reward_function import load_reward_function
-from open_instruct.rl.rewards import CODE_VERIFIER, code_limits
 from open_instruct.rl.tools import tool_names_problem
 from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, VERIFIER_ALIASES, VERIFIERS, resolve_verifier_name
 from open_instruct.run.args import (
@@ -32,7 +30,6 @@ from open_instruct.run.args import (
     batches_in_engine,
     needs_off_policy_correction,
 )
-from open_instruct.run.devices import split_cpu_cores
 from open_instruct.sandbox import MODES as SANDBOX_MODES
 from open_instruct.sandbox import Sandbox, SandboxUnavailable
 
@@ -289,6 +286,10 @@ def validate_async_flags(args: Args) -> None:
     """--async_steps, --inflight_updates and --vllm_cpu_cores: what they combine with."""
     gen, ppo, dist = args.gen, args.ppo, args.dist
     if gen.vllm_cpu_cores > 0:
+        import torch
+
+        from open_instruct.run.devices import split_cpu_cores
+
         if dist.uses_ray or torch.cuda.is_available():
             raise ConfigError(
                 f"--vllm_cpu_cores {gen.vllm_cpu_cores} splits a CPU machine's cores between the learner and the engine in "

@@ -44,7 +44,9 @@ HEADER = """# Flags
 
 Every flag of `python -m open_instruct.ppo_vllm_thread_ray_gtrl` (and of the GRPO entry point, which is the same
 trainer with `--algorithm grpo`). A YAML config given first sets flags by name (`learning_rate: 1e-5`), and flags
-on the command line override it. Flags take their full names only.
+on the command line override it. Flags take their full names only. `--help` lists them, and a flag that is not
+one, a value of the wrong type or batch sizes that do not fit together are answered in ~2 s, before the trainer's
+imports (open_instruct/run/command_line.py); the other checks follow the imports, still before any model loads.
 
 - **default**: with `--algorithm grpo`, a second value says what GRPO's defaults change it to.
 - **accepted**: what the start-up check requires (anything else fails in one line before any model loads);
