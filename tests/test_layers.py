@@ -154,14 +154,19 @@ def imported_on_start(module: str) -> dict[str, str]:
     return packages
 
 
+def chains_to(packages: dict[str, str], unwanted: tuple[str, ...]) -> str:
+    """How each of the `unwanted` packages that `imported_on_start` found gets imported, a line each ("" if none)."""
+    return "\n".join(f"{name}: {chain}" for name, chain in packages.items() if name in unwanted)
+
+
 # What a Ray learner rank and an engine actor import (engine_actors imports vllm_engine in the actor): they never build
 # a dataset. run.args once imported `datasets`, `pyarrow` and `pandas` into every such process (~0.6 s of each start).
 @pytest.mark.parametrize("module", ["open_instruct.learner.ray_group", "open_instruct.generation.vllm_engine"])
 def test_learner_ranks_and_engine_actors_start_without_the_dataset_libraries(module):
     packages = imported_on_start(module)
     assert "torch" in packages  # the walk sees what it imports
-    loaded = {name: chain for name, chain in packages.items() if name in ("datasets", "pyarrow", "pandas")}
-    assert not loaded, "\n".join(f"{name}: {chain}" for name, chain in loaded.items())
+    loaded = chains_to(packages, ("datasets", "pyarrow", "pandas"))
+    assert not loaded, loaded
 
 
 # What both entry points import before they check the command line (run/command_line.py): a mistyped flag is answered
@@ -169,9 +174,8 @@ def test_learner_ranks_and_engine_actors_start_without_the_dataset_libraries(mod
 def test_the_command_line_check_starts_without_torch_or_the_engines():
     packages = imported_on_start("open_instruct.run.command_line")
     assert "transformers" in packages  # the walk sees what it imports: the flag parser
-    heavy = ("torch", "vllm", "datasets", "deepspeed", "ray", "peft")
-    loaded = {name: chain for name, chain in packages.items() if name in heavy}
-    assert not loaded, "\n".join(f"{name}: {chain}" for name, chain in loaded.items())
+    loaded = chains_to(packages, ("torch", "vllm", "datasets", "deepspeed", "ray", "peft"))
+    assert not loaded, loaded
 
 
 def test_the_layer_test_sees_an_upward_import_and_a_circle(tmp_path, monkeypatch):
