@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.trainer_runs import run_command
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "check_gpu.py"
 
@@ -40,8 +42,8 @@ def test_every_check_has_a_runner_and_the_list_names_them(capsys):
 def test_on_a_cpu_machine_the_gpu_checks_are_skipped_with_their_reason_and_bf16_step_passes(tmp_path):
     """The whole script, as check_gpu.sh runs it, on this CPU machine with the tiny model."""
     rows_path = tmp_path / "rows.json"
-    process = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--json", str(rows_path)],
-                             capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
+    process, _ = run_command([sys.executable, str(SCRIPT), "--model", "tiny", "--json", str(rows_path)], REPO,
+                             timeout_s=600)  # fmt: skip
     assert process.returncode == 0, process.stderr[-3000:]
     rows = {row["check"]: row for row in json.loads(rows_path.read_text())}
     assert rows["bf16_step"]["status"] == "PASS", rows["bf16_step"]

@@ -37,6 +37,7 @@ from open_instruct.generation.generation_thread import GenerationSettings
 from open_instruct.generation.vllm_engine import EngineConfig
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
+from tests.support.forked_runs import start_run
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step
 from tests.support.ray_runs import needs_loopback_namespace, wait_for
 from tests.support.trainer_runs import TRAINER, last_lines
@@ -198,8 +199,7 @@ def test_killing_an_engine_actor_ends_the_run_naming_it(ray_cluster, engines, ti
     ]  # fmt: skip
     engines.shutdown()  # the run needs the cluster's CPUs for its own engines
     stdout_path, stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
-        process = subprocess.Popen(command, cwd=tmp_path, stdout=stdout, stderr=stderr)
+    process = start_run(command, tmp_path, dict(os.environ), stdout_path, stderr_path)
     try:
         def trainer_output() -> str:
             return last_lines(stdout_path.read_text()) + "\n" + last_lines(stderr_path.read_text())

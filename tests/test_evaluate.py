@@ -1,10 +1,11 @@
 """`python -m open_instruct.evaluate`: a fresh engine per saved folder, greedy and sampled correct rates, a table."""
 
 import json
-import subprocess
 import sys
 
 import pytest
+
+from tests.support.trainer_runs import run_command
 
 
 @pytest.mark.e2e
@@ -19,7 +20,7 @@ def test_evaluate_reports_greedy_and_sampled_rates_per_split_for_each_model(tiny
         "--samples", "2", "--response_length", "8", "--output_json", str(output),
         "--reward_function", "accept.py:every_response",
     ]  # fmt: skip
-    process = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    process, _ = run_command(command, tmp_path, timeout_s=600)
     assert process.returncode == 0, process.stderr[-3000:]
     results = json.loads(output.read_text())["results"]
     assert [r["model"] for r in results] == [tiny_model_dir, "tiny"]
@@ -35,6 +36,8 @@ ANSWER_AT_EVERY_LETTER = '''
 import string
 
 from open_instruct.rl import tools
+
+from tests.support.trainer_runs import run_command
 
 
 class AnswerAtEveryLetter(tools.Environment):
@@ -60,7 +63,7 @@ def test_evaluate_with_tools_answers_the_calls_and_grades_the_text_with_their_ou
         "--tools", "answer.py:AnswerAtEveryLetter", "--max_tool_calls", "2", "--output_json", str(output),
         "--reward_function", "marked.py:has_output",
     ]  # fmt: skip
-    process = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    process, _ = run_command(command, tmp_path, timeout_s=600)
     assert process.returncode == 0, process.stderr[-3000:]
     result = json.loads(output.read_text())["results"][0]
     assert (result["greedy_test_responses"], result["sampled_test_responses"]) == (20, 40)

@@ -10,7 +10,6 @@ import copy
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.run.memory_plan import plan_memory
 from open_instruct.run.model_shapes import run_model_shapes
 from open_instruct.run.tracking import read_metrics
+from tests.support.forked_runs import start_run
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step
 from tests.support.resume_runs import (
     assert_same_model,
@@ -362,8 +362,7 @@ def test_lora_run_killed_9_after_its_first_checkpoint_and_resumed_equals_the_uni
     run's."""
     output_dir = tmp_path / "output"
     command = lora_command(tiny_model_dir, eval_file, output_dir)
-    with open(tmp_path / "killed.log", "w") as log:
-        process = subprocess.Popen(command, cwd=tmp_path, env=offline_env(), stdout=log, stderr=subprocess.STDOUT)
+    process = start_run(command, tmp_path, offline_env(), tmp_path / "killed.log")
     process.log_path = tmp_path / "killed.log"
     checkpoint = output_dir / "checkpoints" / "step_1"
     wait_for_step(process, output_dir, 1)

@@ -27,6 +27,7 @@ from open_instruct.run import devices
 from open_instruct.run.args import ConfigError, parse_args
 from open_instruct.run.memory_plan import layer_bytes_per_token, plan_memory
 from open_instruct.run.model_shapes import ModelShape, model_shape, run_model_shapes
+from tests.support.trainer_runs import run_command
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE_8B = REPO / "configs" / "train_configs" / "ppo_tulu3_8b.yaml"
@@ -246,10 +247,9 @@ def test_a_run_that_cannot_fit_is_refused_naming_the_biggest_item_and_its_flag()
 
 
 def run_trainer(*flags: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl", "--model_name_or_path",
-                           "tiny", "--output_dir", str(tmp_path / "out"), *flags],
-                          capture_output=True, text=True, env=env, timeout=120, cwd=REPO)  # fmt: skip
+    command = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl", "--model_name_or_path", "tiny",
+               "--output_dir", str(tmp_path / "out"), *flags]  # fmt: skip
+    return run_command(command, REPO, timeout_s=120)[0]  # tests/conftest.py puts this checkout first on PYTHONPATH
 
 
 def test_the_trainer_prints_the_plan_and_refuses_before_any_model_loads(tmp_path):

@@ -3,7 +3,9 @@ on the real trainer (tiny model, real vLLM engine, a few steps). Runs are subpro
 
 - `same_command_twice`: on a fresh $OPEN_INSTRUCT_CACHE, a run (it builds the tiny model), a start with
   --overwrite_output_dir whose model folder is broken (it must leave the first run's files byte-identical), and the
-  first command again (it must give the very same run, and replace the first one). The command is the stalled
+  first command again (it must give the very same run, and replace the first one). The first run is a new
+  interpreter, the second is forked from the pytest worker's zygote (tests/support/forked_runs.py): the same run
+  also shows that a forked run is the run `python -m` gives. The command is the stalled
   run's below (sync mode, 2 steps), so that same run is also the uninterrupted reference of the stall test.
 - A full disk (a small tmpfs as output_dir, tests/small_disk.py): a checkpoint that does not fit stops the run with
   one line and keeps the newest complete checkpoint; a final model that does not fit goes to --fallback_save_dir.
@@ -35,6 +37,7 @@ from open_instruct.learner.saving import weights_sha256
 from open_instruct.run.tracking import read_metrics
 from tests.inject_fault import STALL_MESSAGE
 from tests.small_disk import on_small_disk, small_disk_unavailable
+from tests.support.forked_runs import start_run
 from tests.support.resume_runs import assert_same_run, comparable, finish, offline_env, wait_for_step
 from tests.support.trainer_runs import FP32_LEARNER, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
 
@@ -99,7 +102,9 @@ def same_command_twice(smollm2_dir, tmp_path_factory) -> TwoRuns:
     seconds = {}
 
     start = time.time()
-    first, _ = run_command(command, cwd=workdir, env=env)
+    # A new interpreter, as a user starts it; the second run is forked from the worker's zygote, as most of the suite's
+    # are (tests/support/forked_runs.py): their equality below is also what shows that forking changes no run.
+    first, _ = run_command(command, cwd=workdir, env=env, fork=False)
     seconds["first run (builds the tiny model)"] = time.time() - start
     assert first.returncode == 0, last_lines(first.stderr)
     first_metrics = read_metrics(str(output_dir / "metrics.jsonl"))
@@ -273,11 +278,10 @@ def test_two_sigterms_to_the_process_group_give_one_checkpoint_and_exit_143(tmp_
     output_dir = tmp_path / "output"
     output_dir.mkdir()
     command = TRAINER + TINY_RUN + ["--total_episodes", "64", "--output_dir", str(output_dir)]
-    log = open(tmp_path / "run.log", "w")
     start = time.time()
-    process = subprocess.Popen(command, cwd=tmp_path, env=offline_env(), stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)  # its own process group, as under `timeout` or SLURM
-    process.log_path = Path(log.name)
+    process = start_run(command, tmp_path, offline_env(), tmp_path / "run.log",
+                        start_new_session=True)  # its own process group, as under `timeout` or SLURM
+    process.log_path = tmp_path / "run.log"
     wait_for_step(process, output_dir, 1)
     # GNU timeout signals the child, then the whole group. Two signals that arrive before Python runs the handler
     # are merged into one call, so the second is sent once the trainer has taken the first (its line is out): the
@@ -305,9 +309,8 @@ def start_stalled_run(tmp_path: Path, output_dir: Path) -> subprocess.Popen:
     """The stalled run, once the learner waits on the stalled generation (step 1 logged)."""
     command = [sys.executable, str(TESTS_DIR / "inject_fault.py"), "generation_stalls", *STALLED_RUN,
                "--output_dir", str(output_dir)]  # fmt: skip
-    log = open(tmp_path / f"{output_dir.name}.log", "w")
-    process = subprocess.Popen(command, cwd=tmp_path, env=offline_env(), stdout=log, stderr=subprocess.STDOUT)
-    process.log_path = Path(log.name)
+    process = start_run(command, tmp_path, offline_env(), tmp_path / f"{output_dir.name}.log")
+    process.log_path = tmp_path / f"{output_dir.name}.log"
     wait_for_step(process, output_dir, 1)
     deadline = time.time() + 60
     while STALL_MESSAGE not in process.log_path.read_text(errors="replace"):

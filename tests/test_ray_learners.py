@@ -34,6 +34,7 @@ from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.run.flops import is_timing
 from tests.fake_hub import FakeHub, download_env, folder_files
 from tests.support.deepspeed_ranks import run_two_ranks
+from tests.support.forked_runs import start_run
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step, single_process_ppo_step
 from tests.support.ray_runs import needs_loopback_namespace, ray_trainer_command, wait_for
 from tests.support.trainer_runs import (
@@ -320,8 +321,7 @@ def test_killing_a_learner_actor_ends_the_run_naming_it(ray_cluster, tiny_model_
         tiny_model_dir, ray_cluster, eval_file, output_dir, "--total_episodes", "400", "--num_evals", "0"
     )
     stdout_path, stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
-        process = subprocess.Popen(command, cwd=tmp_path, stdout=stdout, stderr=stderr)
+    process = start_run(command, tmp_path, dict(os.environ), stdout_path, stderr_path)
     try:
         def trainer_output() -> str:
             return last_lines(stdout_path.read_text()) + "\n" + last_lines(stderr_path.read_text())

@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from open_instruct.run.tracking import read_metrics
+from tests.support.forked_runs import start_run
 from tests.support.resume_runs import (
     assert_same_model,
     assert_same_run,
@@ -79,9 +80,8 @@ def mode_flags(request, varied_length_model_dir) -> list[str]:
 def start(output_dir: Path, log_name: str, *extra: str) -> subprocess.Popen:
     """Start a run in the background; its output goes to a file (a full pipe would block it)."""
     command = TRAINER + RUN_FLAGS + [*extra, "--output_dir", str(output_dir)]
-    log = open(output_dir.parent / log_name, "w")
-    process = subprocess.Popen(command, cwd=output_dir.parent, env=offline_env(), stdout=log, stderr=subprocess.STDOUT)
-    process.log_path = Path(log.name)
+    process = start_run(command, output_dir.parent, offline_env(), output_dir.parent / log_name)
+    process.log_path = output_dir.parent / log_name
     return process
 
 

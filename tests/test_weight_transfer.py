@@ -26,6 +26,7 @@ from open_instruct.generation.weight_transfer import WeightTransfer, choose_tran
 from open_instruct.run.args import ConfigError, parse_args
 from open_instruct.run.cluster import folder_problem, write_folder_token
 from open_instruct.run.validation import validate_flags, validate_memory
+from tests.support.trainer_runs import run_command
 
 
 def gpu(uuid: str, transfer_engine: str | None = None, dtype: str = "bfloat16") -> dict:
@@ -254,12 +255,11 @@ def test_an_engine_with_a_vllm_transfer_engine_reports_the_checksum_of_what_its_
     engine joined twice, as after an engine restart: still summed once), and the engine then holds and decodes with
     the new weights."""
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parent / "vllm_transfer_glue.py"
-    process = subprocess.run([sys.executable, str(script), tiny_model_dir], capture_output=True, text=True, timeout=600)
+    process, _ = run_command([sys.executable, str(script), tiny_model_dir], Path.cwd(), timeout_s=600)
     assert process.returncode == 0, process.stderr[-3000:]
     result = json.loads(process.stdout.strip().splitlines()[-1])
     assert [report["transfer_engine"] for report in result["reports"]] == ["stand_in"]

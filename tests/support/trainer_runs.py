@@ -1,8 +1,9 @@
 """Running the trainer as a user does, in a subprocess with a timeout, and reading what a finished run left.
 
-Every run is a subprocess (`python -m open_instruct.ppo_vllm_thread_ray_gtrl ...`), because one process cannot
-reliably create a second in-process vLLM engine, and has a timeout, so that a hang fails a test instead of the
-CI job.
+Every run is a process of its own (`python -m open_instruct.ppo_vllm_thread_ray_gtrl ...`), because one process
+cannot reliably create a second in-process vLLM engine, forked from a process that has done the trainer's imports
+where it may be (tests/support/forked_runs.py), and has a timeout, so that a hang fails a test instead of the CI
+job.
 """
 
 import json
@@ -10,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from transformers import AutoConfig, AutoTokenizer
 from open_instruct.generation.vllm_engine import engine_dtype
 from open_instruct.learner.saving import weights_sha256
 from open_instruct.run.tracking import read_metrics
+from tests.support.forked_runs import start_run
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 TRAINER = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]
@@ -65,20 +68,32 @@ def last_lines(text: str | bytes | None, count: int = 40) -> str:
 
 
 def run_command(
-    command: list[str], cwd: Path, env: dict[str, str | None] | None = None
+    command: list[str],
+    cwd: Path,
+    env: dict[str, str | None] | None = None,
+    timeout_s: float = RUN_TIMEOUT_S,
+    fork: bool = True,
 ) -> tuple[subprocess.CompletedProcess, float]:
-    """Run `command` offline (no hub, wandb offline) unless `env` says otherwise (None: unset); fail the test on a
-    timeout."""
+    """Run `command` offline (no hub, wandb offline) unless `env` says otherwise (None: unset), forked from the
+    worker's zygote where it may be and `fork` (tests/support/forked_runs.py; else a new interpreter); fail the test
+    on a timeout."""
     full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **(env or {})}
     full_env = {name: value for name, value in full_env.items() if value is not None}
     start = time.time()
-    try:
-        process = subprocess.run(
-            command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    with tempfile.TemporaryDirectory(prefix="run_output_") as output:
+        stdout, stderr = Path(output) / "stdout", Path(output) / "stderr"
+        process = start_run(command, cwd, full_env, stdout, stderr, fork=fork)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            pytest.fail(f"`{' '.join(command)}` did not end within {timeout_s:.0f}s:\n"
+                        f"{last_lines(stderr.read_text(errors='replace'))}")  # fmt: skip
+        completed = subprocess.CompletedProcess(
+            command, process.returncode, stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
         )
-    except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"`{' '.join(command)}` did not end within {RUN_TIMEOUT_S}s:\n{last_lines(expired.stderr)}")
-    return process, time.time() - start
+    return completed, time.time() - start
 
 
 def run_to_completion(

@@ -1,0 +1,357 @@
+"""Trainer runs forked from a process that has already imported the trainer, instead of started by `python -m`.
+
+A trainer process spends ~12 CPU-s of a 2-core machine importing torch, transformers, vLLM and Ray (~8 before it
+reads its first flag, ~4 more as its engine and plots start), and the suite starts ~60 of them. Each pytest worker
+keeps one *zygote*: a process started once, with the environment the runs get, that imports `PRELOAD_AT_START` and
+`PRELOAD_LATER` and then only forks. A forked child becomes the run: it takes the run's working folder, environment
+(the zygote's, which the imports may have added to, as in a new process), argv, standard output and error (files),
+prints what the imports of `PRELOAD_AT_START` printed, and runs the entry module as `__main__` (or the script, for
+tests/inject_fault.py and the engine scripts) as `python -m` would, through the interpreter's normal exit. The
+imports it finds done are the difference; tests/test_forked_runs.py compares a forked script with a new interpreter,
+and test_never_lose_a_run.py's `same_command_twice` a forked trainer run with a `python -m` one (the same metrics and
+weights, bit for bit).
+
+What stays a new interpreter (`subprocess`): any command that is not `python -m <module>` or `python <script.py>`,
+and any run whose environment differs from the zygote's in a variable a library may read at import time (only
+`MAY_DIFFER`'s may), so a test that sets e.g. `HF_HUB_OFFLINE` or `HF_ENDPOINT` for its run gets a new process. Tests
+about start-up itself (what a command imports, how fast a typo is answered) start their own subprocesses.
+`OPEN_INSTRUCT_TEST_FORK=0` turns the zygote off (every run a new interpreter), e.g. to compare.
+
+What a fork cannot give: a new interpreter's string-hash seed (every run forked from one zygote hashes strings
+alike, so two runs compared for equality cannot differ by set order), and what `PRELOAD_LATER`'s imports print
+(a new process writes it to its logs/libraries.log).
+
+The zygote reaps its children and writes each one's exit status (`subprocess`'s convention: -N for signal N) to
+the run's status file; `ForkedProcess` offers the `subprocess.Popen` methods the tests use (pid, poll, wait,
+send_signal, terminate, kill, returncode). It must have no other thread when it forks (a lock another thread
+holds stays held in the child forever): it refuses to serve, and every run falls back to `subprocess`, when its
+imports left one running (e.g. torch's OpenMP workers where OMP_NUM_THREADS is not 1), but for pyarrow's jemalloc
+thread (`FORK_SAFE_THREADS`).
+"""
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parent.parent.parent
+# What a trainer run imports first: its entry point (torch, transformers, vLLM's top, the open_instruct it uses; ~8 s
+# of a 2-core machine). What these print when imported, each forked run prints first, as a new process would.
+PRELOAD_AT_START = ["open_instruct.ppo_vllm_thread_ray_gtrl", "open_instruct.grpo_vllm_thread_ray_gtrl"]
+# What it imports later, as its engine, learner and plots start (~5 s more; from `python -X importtime`, 2026-11-29):
+# forked runs find them done. What these print when imported (vLLM: "Triton is installed, but doesn't include CPU
+# backend") a new process writes to its logs/libraries.log; a forked run does not have it.
+PRELOAD_LATER = [
+    "ray", "vllm._custom_ops", "vllm.config", "vllm.engine.arg_utils", "vllm.entrypoints.common.offline",
+    "vllm.entrypoints.pooling.offline", "vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.gpu_worker",
+    "vllm.model_executor.models.llama", "matplotlib.backends.backend_agg", "matplotlib.figure",
+]  # fmt: skip
+# Read after start-up only (our own, by functions at run time), or by nothing a forked child shares with its zygote
+# (pytest names the running test in PYTEST_CURRENT_TEST, which a run inherits).
+MAY_DIFFER = {"PYTHONUNBUFFERED", "OPEN_INSTRUCT_CACHE", "OPEN_INSTRUCT_DEBUG", "PYTEST_CURRENT_TEST"}
+
+
+# pyarrow's jemalloc starts a background thread when it loads (every run imports it through `datasets`); jemalloc
+# holds all its locks across a fork (pthread_atfork), as `datasets`' own forked workers rely on.
+FORK_SAFE_THREADS = {"jemalloc_bg_thd"}
+
+
+def fork_enabled() -> bool:
+    return os.environ.get("OPEN_INSTRUCT_TEST_FORK", "1") != "0"
+
+
+# ---- the zygote's side -----------------------------------------------------------------------------------------
+
+
+def _exit_status(wait_status: int) -> int:
+    return -os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else os.WEXITSTATUS(wait_status)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    staging = path + ".writing"
+    with open(staging, "w") as f:
+        f.write(text)
+    os.replace(staging, path)
+
+
+def other_threads() -> list[str]:
+    """The names of this process's threads but the main one and the fork-safe native ones."""
+    names = []
+    for thread in os.listdir("/proc/self/task"):
+        if int(thread) != os.getpid():
+            with open(f"/proc/self/task/{thread}/comm") as f:
+                names.append(f.read().strip())
+    return [name for name in names if name not in FORK_SAFE_THREADS]
+
+
+def _import_printing_to(modules: list[str], stdout: str, stderr: str) -> None:
+    """Import `modules` with this process's fds 1 and 2 sent to the files `stdout` and `stderr`."""
+    import importlib
+
+    kept = os.dup(1), os.dup(2)
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved in zip((1, 2), kept):
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
+def _serve(requests: int, replies: int, at_start: list[str], later: list[str], printed: str) -> dict:
+    """Import the modules, then fork a child per request read from the fd `requests` (a JSON line each), answering
+    each with the child's pid on the fd `replies`, until `requests` closes. Returns only in a child: its request."""
+    _import_printing_to(at_start, printed + ".stdout", printed + ".stderr")
+    _import_printing_to(later, os.devnull, os.devnull)
+    others = other_threads()
+    os.write(replies, (json.dumps({"ready": not others, "threads": others}) + "\n").encode())
+    if others:
+        sys.exit(0)
+    status_of = {}  # pid -> the status file of the run
+    pending = b""
+    while True:
+        readable, _, _ = select.select([requests], [], [], 0.05)
+        while status_of:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            _write_atomically(status_of.pop(pid), str(_exit_status(wait_status)))
+        if not readable:
+            continue
+        chunk = os.read(requests, 1 << 16)
+        if not chunk:  # the pytest worker is gone: so is the zygote (its running children go on, as orphans)
+            os._exit(0)
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                os.close(requests)
+                os.close(replies)
+                return request
+            status_of[pid] = request["status"]
+            os.write(replies, (json.dumps({"pid": pid}) + "\n").encode())
+
+
+def _become(request: dict) -> None:
+    """In the forked child: take the run's folder, environment, streams and argv, as a new process would have them.
+    Its signal handlers are already a new interpreter's: the zygote is one, started by the same pytest worker, and
+    never sets any."""
+    if request["new_session"]:
+        os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    stdout = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    stderr = (
+        stdout
+        if request["stderr"] == request["stdout"]
+        else os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    )
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    for fd in {stdout, stderr}:
+        os.close(fd)
+    for fd, suffix in ((1, ".stdout"), (2, ".stderr")):  # what the imports of PRELOAD_AT_START printed
+        with open(request["printed"] + suffix, "rb") as f:
+            os.write(fd, f.read())
+    os.chdir(request["cwd"])
+    # The run's environment equals the zygote's but for MAY_DIFFER (forkable): keep what the imports added to it, as
+    # they would have in a new process, and take the run's MAY_DIFFER variables.
+    for name in MAY_DIFFER:
+        if name in request["env"]:
+            os.environ[name] = request["env"][name]
+        else:
+            os.environ.pop(name, None)
+
+
+def _run(request: dict) -> None:
+    """Run the request's module or script as `__main__`; its SystemExit ends this interpreter as it would end one
+    started by `python -m`."""
+    import runpy
+
+    _become(request)
+    argv = request["argv"]
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.realpath(argv[0])
+        sys.argv = [argv[0], *argv[1:]]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+
+
+def zygote_main(requests: int, replies: int, at_start: list[str], later: list[str], printed: str) -> None:
+    """The zygote process's code (`python -c`): serve, and in each child, run its request."""
+    request = _serve(requests, replies, at_start, later, printed)
+    _run(request)
+
+
+# ---- the pytest worker's side ----------------------------------------------------------------------------------
+
+
+class ForkedProcess:
+    """A run forked by the zygote, with the `subprocess.Popen` methods the tests use."""
+
+    def __init__(self, args: list[str], pid: int, status_path: Path):
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+        self._status_path = status_path
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._status_path.exists():
+            self.returncode = int(self._status_path.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.time() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """A process that imports `at_start` and `later` once, then forks a run per `start`."""
+
+    def __init__(self, env: dict[str, str], at_start: list[str], later: list[str]):
+        self.env = dict(env)
+        self._lock = threading.Lock()
+        self._folder = Path(tempfile.mkdtemp(prefix="zygote_"))  # the runs' status files, what the imports printed
+        self._count = 0
+        requests_read, self._requests = os.pipe()
+        self._replies, replies_write = os.pipe()
+        code = (f"from tests.support.forked_runs import zygote_main; zygote_main({requests_read}, {replies_write}, "
+                f"{list(at_start)!r}, {list(later)!r}, {str(self._folder / 'printed')!r})")  # fmt: skip
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", code], cwd=CHECKOUT, env=self.env, pass_fds=(requests_read, replies_write)
+        )
+        os.close(requests_read)
+        os.close(replies_write)
+        self._reply_lines = os.fdopen(self._replies, "rb")
+        ready = json.loads(self._reply_lines.readline() or b'{"ready": false, "threads": "none: it failed"}')
+        self.ready = ready["ready"]
+        self.why_not = (
+            "" if self.ready else f"threads other than the main one after the zygote's imports: {ready['threads']}"
+        )
+
+    def start(
+        self,
+        argv: list[str],
+        cwd: Path,
+        env: dict[str, str],
+        stdout: Path,
+        stderr: Path,
+        start_new_session: bool = False,
+    ) -> ForkedProcess:
+        """Fork a run of `python *argv` (argv[0] is "-m" or a script)."""
+        differing = differing_variables(env, self.env) - MAY_DIFFER
+        if differing:
+            raise ValueError(f"a forked run would have the zygote's {sorted(differing)}: start it as a new process")
+        with self._lock:
+            self._count += 1
+            status_path = self._folder / f"run_{self._count}"
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(stdout), "stderr": str(stderr),
+                       "status": str(status_path), "new_session": start_new_session,
+                       "printed": str(self._folder / "printed")}  # fmt: skip
+            os.write(self._requests, (json.dumps(request) + "\n").encode())
+            reply = self._reply_lines.readline()
+        if not reply:
+            raise RuntimeError(f"the zygote died (exit {self._process.poll()})")
+        return ForkedProcess([sys.executable, *argv], json.loads(reply)["pid"], status_path)
+
+    def close(self) -> None:
+        """End the zygote (runs it forked go on); its folder stays for the runs' status files."""
+        if not self._reply_lines.closed:
+            os.close(self._requests)  # the zygote reads the end of its requests and exits
+            self._process.wait(timeout=30)
+            self._reply_lines.close()
+
+
+def zygote_env() -> dict[str, str]:
+    """The environment every forked run must have (tests/support/resume_runs.offline_env's)."""
+    return {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1"}  # fmt: skip
+
+
+_zygote: Zygote | None = None
+
+
+def _shared_zygote() -> Zygote | None:
+    global _zygote
+    if _zygote is None:
+        import atexit
+
+        _zygote = Zygote(zygote_env(), PRELOAD_AT_START, PRELOAD_LATER)
+        atexit.register(_zygote.close)
+    return _zygote if _zygote.ready else None
+
+
+def forkable(command: list[str], env: dict[str, str], zygote_env_: dict[str, str]) -> bool:
+    """Whether `command` with `env` may run forked from a zygote with `zygote_env_`."""
+    if len(command) < 2 or command[0] != sys.executable:
+        return False
+    if not (command[1] == "-m" and len(command) > 2 or command[1].endswith(".py")):
+        return False
+    return differing_variables(env, zygote_env_) <= MAY_DIFFER
+
+
+def differing_variables(env: dict[str, str], other: dict[str, str]) -> set[str]:
+    return {name for name in env.keys() | other.keys() if env.get(name) != other.get(name)}
+
+
+def start_run(
+    command: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    stdout: Path,
+    stderr: Path | None = None,
+    start_new_session: bool = False,
+    fork: bool = True,
+):
+    """`command` (`[sys.executable, "-m", module, ...]` or `[sys.executable, script.py, ...]`) writing to the new
+    files `stdout` and `stderr` (or both to `stdout`): forked from this worker's zygote when it may be (and `fork`),
+    else `subprocess.Popen`. The result has Popen's pid, poll, wait, send_signal, terminate, kill and returncode."""
+    stderr = stderr or stdout
+    for path in {stdout, stderr}:
+        open(path, "wb").close()
+    if fork and fork_enabled() and forkable(command, env, zygote_env()):
+        zygote = _shared_zygote()
+        if zygote is not None and forkable(command, env, zygote.env):
+            return zygote.start(command[1:], cwd, env, stdout, stderr, start_new_session)
+    out = open(stdout, "ab")
+    err = out if stderr == stdout else open(stderr, "ab")
+    try:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                start_new_session=start_new_session)  # fmt: skip
+    finally:
+        out.close()
+        if err is not out:
+            err.close()

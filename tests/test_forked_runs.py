@@ -1,0 +1,181 @@
+"""The suite's forked runs (tests/support/forked_runs.py) are the runs a new interpreter gives: the same argv, folder,
+`sys.path[0]`, environment, streams, signal handlers, exit codes, atexit hooks and threads joined at exit, for a
+script and for `-m`. (That a forked *trainer* run logs and saves what a `python -m` run does is checked on the
+real trainer by test_never_lose_a_run.py's same_command_twice: its first run is a new interpreter, its second is
+forked.) A small zygote with no preloaded modules serves these tests, so they run in the fast tier."""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.forked_runs import MAY_DIFFER, Zygote, forkable, start_run, zygote_env
+
+PROBE = """
+import atexit, json, os, signal, sys, threading, time
+
+report = {
+    "name": __name__, "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "stdin": sys.stdin.read(),
+    "env": {name: os.environ.get(name) for name in ("PROBE", "PYTHONUNBUFFERED", "OPEN_INSTRUCT_DEBUG")},
+    "handlers": {name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGINT", "SIGTERM", "SIGPIPE")},
+    "own_process_group": os.getpgid(0) == os.getpid(), "threads": threading.active_count(),
+}
+print(json.dumps(report), flush=True)
+print("to stderr", file=sys.stderr)
+atexit.register(lambda: print("atexit ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), print("a non-daemon thread finished"))).start()
+mode = sys.argv[1]
+if mode == "exit_3":
+    sys.exit(3)
+if mode == "raise":
+    raise ValueError("boom")
+if mode.startswith("wait"):
+    time.sleep(60)
+"""
+
+
+@pytest.fixture(scope="module")
+def bare_zygote():
+    zygote = Zygote(zygote_env(), at_start=[], later=[])
+    assert zygote.ready, zygote.why_not
+    yield zygote
+    zygote.close()
+
+
+def run_both_ways(zygote: Zygote, command: list[str], cwd: Path, env: dict, then=None, **options) -> list[dict]:
+    """`command` forked from `zygote` and as a new interpreter: for each, the exit code, stdout, stderr."""
+    results = []
+    for way in ("forked", "new"):
+        stdout, stderr = cwd / f"{way}.out", cwd / f"{way}.err"
+        if way == "forked":
+            for path in (stdout, stderr):
+                path.write_bytes(b"")
+            process = zygote.start(command[1:], cwd, env, stdout, stderr, **options)
+        else:
+            process = start_run(command, cwd, env, stdout, stderr, fork=False, **options)
+        if then is not None:
+            then(process, stdout)
+        code = process.wait(timeout=60)
+        results.append({"code": code, "stdout": stdout.read_text(), "stderr": stderr.read_text()})
+    return results
+
+
+def report_of(result: dict) -> dict:
+    return json.loads(result["stdout"].splitlines()[0])
+
+
+def test_a_forked_script_sees_what_a_new_interpreter_sees_and_exits_the_same_way(bare_zygote, tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = {**zygote_env(), "OPEN_INSTRUCT_DEBUG": "1"}
+    forked, new = run_both_ways(bare_zygote, [sys.executable, str(script), "ok", "--flag"], tmp_path, env)
+    assert report_of(forked) == report_of(new)
+    assert report_of(forked)["argv"] == [str(script), "ok", "--flag"] and report_of(forked)["path0"] == str(tmp_path)
+    assert report_of(forked)["env"] == {"PROBE": None, "PYTHONUNBUFFERED": "1", "OPEN_INSTRUCT_DEBUG": "1"}
+    assert report_of(forked)["threads"] == 1 and not report_of(forked)["own_process_group"]
+    # Interpreter shutdown as a new process's: the non-daemon thread is joined, then the atexit hooks run.
+    assert forked["stdout"].splitlines()[1:] == new["stdout"].splitlines()[1:] == [
+        "a non-daemon thread finished", "atexit ran"
+    ]  # fmt: skip
+    assert forked["stderr"] == new["stderr"] == "to stderr\n"
+    assert forked["code"] == new["code"] == 0
+
+
+def test_a_forked_module_is_run_as_python_m_runs_it(bare_zygote, tmp_path):
+    (tmp_path / "probe_module.py").write_text(PROBE)
+    env = {name: value for name, value in zygote_env().items() if name != "PYTHONUNBUFFERED"}  # may differ
+    forked, new = run_both_ways(bare_zygote, [sys.executable, "-m", "probe_module", "exit_3"], tmp_path, env)
+    assert report_of(forked) == report_of(new)
+    assert report_of(forked)["name"] == "__main__" and report_of(forked)["path0"] == str(tmp_path)
+    assert report_of(forked)["argv"] == [str(tmp_path / "probe_module.py"), "exit_3"]
+    assert report_of(forked)["env"]["PYTHONUNBUFFERED"] is None
+    assert forked["code"] == new["code"] == 3
+
+
+def test_an_uncaught_exception_a_kill_and_a_sigterm_end_a_forked_run_as_a_new_ones(bare_zygote, tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    forked, new = run_both_ways(bare_zygote, [sys.executable, str(script), "raise"], tmp_path, zygote_env())
+    assert forked["code"] == new["code"] == 1
+    assert forked["stderr"].splitlines()[-1] == new["stderr"].splitlines()[-1] == "ValueError: boom"
+
+    def once_running(process, stdout: Path):
+        deadline = time.time() + 30
+        while not stdout.read_text() and time.time() < deadline:
+            time.sleep(0.02)
+        process.send_signal(signal.SIGTERM if process.args[-1] == "wait" else signal.SIGKILL)
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        mode = "wait" if sig == signal.SIGTERM else "wait_for_kill"
+        forked, new = run_both_ways(bare_zygote, [sys.executable, str(script), mode], tmp_path, zygote_env(),
+                                    then=once_running)  # fmt: skip
+        assert forked["code"] == new["code"] == -sig
+
+
+def test_a_forked_run_in_its_own_session_leads_its_process_group(bare_zygote, tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    command = [sys.executable, str(script), "ok"]
+    forked, new = run_both_ways(bare_zygote, command, tmp_path, zygote_env(), start_new_session=True)
+    assert report_of(forked)["own_process_group"] and report_of(new)["own_process_group"]
+
+
+def test_a_zygote_refuses_a_run_whose_environment_it_cannot_give(bare_zygote, tmp_path):
+    with pytest.raises(ValueError, match="PROBE"):
+        bare_zygote.start(["probe.py"], tmp_path, {**zygote_env(), "PROBE": "1"}, tmp_path / "out", tmp_path / "err")
+
+
+def test_only_python_commands_whose_environment_libraries_read_at_import_is_the_zygotes_are_forked():
+    env = zygote_env()
+    assert forkable([sys.executable, "-m", "open_instruct.evaluate"], env, env)
+    assert forkable([sys.executable, "tests/vllm_greedy.py", "x"], env, env)
+    assert not forkable([sys.executable, "-c", "print(1)"], env, env)
+    assert not forkable(["bash", "scripts/test.sh"], env, env)
+    for name in MAY_DIFFER:
+        assert forkable([sys.executable, "-m", "x"], {**env, name: "changed"}, env)
+    # huggingface_hub reads HF_HUB_OFFLINE and HF_ENDPOINT when imported: a run that changes them needs a new process.
+    for changed in ({**env, "HF_HUB_OFFLINE": "0"}, {**env, "HF_ENDPOINT": "http://127.0.0.1:1"}):
+        assert not forkable([sys.executable, "-m", "x"], changed, env)
+
+
+def env_importing_from(folder: Path) -> dict[str, str]:
+    env = zygote_env()
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(folder)])
+    return env
+
+
+def test_a_forked_run_prints_first_what_its_start_imports_printed_and_not_what_the_later_ones_did(tmp_path):
+    """A new process prints what its entry module's imports print before anything else; a module the trainer imports
+    later prints into its logs/libraries.log, which a forked run cannot reproduce: that is dropped."""
+    (tmp_path / "says_hello.py").write_text("import sys\nprint('hello')\nprint('warning', file=sys.stderr)\n")
+    (tmp_path / "says_later.py").write_text("print('imported later')\n")
+    (tmp_path / "run.py").write_text("import says_hello, says_later\nprint('the run')\n")
+    env = env_importing_from(tmp_path)
+    zygote = Zygote(env, at_start=["says_hello"], later=["says_later"])
+    try:
+        stdout, stderr = tmp_path / "out", tmp_path / "err"
+        process = start_run([sys.executable, str(tmp_path / "run.py")], tmp_path, env, stdout, stderr, fork=False)
+        assert process.wait(timeout=60) == 0
+        assert stdout.read_text() == "hello\nimported later\nthe run\n" and stderr.read_text() == "warning\n"
+        for path in (stdout, stderr):
+            path.write_bytes(b"")
+        assert zygote.start([str(tmp_path / "run.py")], tmp_path, env, stdout, stderr).wait(timeout=60) == 0
+        assert stdout.read_text() == "hello\nthe run\n" and stderr.read_text() == "warning\n"
+    finally:
+        zygote.close()
+
+
+def test_a_zygote_whose_imports_leave_a_thread_running_refuses_to_fork(tmp_path):
+    (tmp_path / "starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    )
+    zygote = Zygote(env_importing_from(tmp_path), at_start=["starts_a_thread"], later=[])
+    try:
+        assert not zygote.ready
+        assert zygote.why_not == "threads other than the main one after the zygote's imports: ['python']"
+    finally:
+        zygote.close()
