@@ -124,6 +124,16 @@ def test_a_forked_run_in_its_own_session_leads_its_process_group(bare_zygote, tm
     assert report_of(forked)["own_process_group"] and report_of(new)["own_process_group"]
 
 
+def test_a_retired_zygote_still_reports_the_runs_it_forked_then_ends(tmp_path):
+    """What the shared zygote does when the worker's environment changes: a new one takes the next runs."""
+    (tmp_path / "slow.py").write_text("import sys, time\ntime.sleep(1)\nsys.exit(5)\n")
+    zygote = Zygote(zygote_env(), at_start=[], later=[])
+    process = zygote.start([str(tmp_path / "slow.py")], tmp_path, zygote_env(), tmp_path / "out", tmp_path / "err")
+    zygote.close(wait=False)
+    assert process.wait(timeout=30) == 5
+    zygote.close()  # it has ended: nothing left to wait for
+
+
 def test_a_zygote_refuses_a_run_whose_environment_it_cannot_give(bare_zygote, tmp_path):
     with pytest.raises(ValueError, match="PROBE"):
         bare_zygote.start(["probe.py"], tmp_path, {**zygote_env(), "PROBE": "1"}, tmp_path / "out", tmp_path / "err")

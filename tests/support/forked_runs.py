@@ -32,6 +32,7 @@ thread (`FORK_SAFE_THREADS`).
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,9 +111,10 @@ def _import_printing_to(modules: list[str], stdout: str, stderr: str) -> None:
             os.close(saved)
 
 
-def _serve(requests: int, replies: int, at_start: list[str], later: list[str], printed: str) -> dict:
+def _serve(requests: int, replies: int, at_start: list[str], later: list[str], printed: str) -> dict | None:
     """Import the modules, then fork a child per request read from the fd `requests` (a JSON line each), answering
-    each with the child's pid on the fd `replies`, until `requests` closes. Returns only in a child: its request."""
+    each with the child's pid on the fd `replies`, until `requests` closes and the children have ended. Returns the
+    request in a child, None in the zygote at the end."""
     _import_printing_to(at_start, printed + ".stdout", printed + ".stderr")
     _import_printing_to(later, os.devnull, os.devnull)
     others = other_threads()
@@ -121,8 +123,9 @@ def _serve(requests: int, replies: int, at_start: list[str], later: list[str], p
         sys.exit(0)
     status_of = {}  # pid -> the status file of the run
     pending = b""
-    while True:
-        readable, _, _ = select.select([requests], [], [], 0.05)
+    open_for_requests = True
+    while open_for_requests or status_of:
+        readable, _, _ = select.select([requests] if open_for_requests else [], [], [], 0.05)
         while status_of:
             pid, wait_status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
@@ -131,8 +134,8 @@ def _serve(requests: int, replies: int, at_start: list[str], later: list[str], p
         if not readable:
             continue
         chunk = os.read(requests, 1 << 16)
-        if not chunk:  # the pytest worker is gone: so is the zygote (its running children go on, as orphans)
-            os._exit(0)
+        if not chunk:  # closed (a retired zygote, the end of the session): exit once the runs have ended
+            open_for_requests = False
         pending += chunk
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
@@ -199,6 +202,8 @@ def _run(request: dict) -> None:
 def zygote_main(requests: int, replies: int, at_start: list[str], later: list[str], printed: str) -> None:
     """The zygote process's code (`python -c`): serve, and in each child, run its request."""
     request = _serve(requests, replies, at_start, later, printed)
+    if request is None:
+        os._exit(0)
     _run(request)
 
 
@@ -251,7 +256,11 @@ class Zygote:
         code = (f"from tests.support.forked_runs import zygote_main; zygote_main({requests_read}, {replies_write}, "
                 f"{list(at_start)!r}, {list(later)!r}, {str(self._folder / 'printed')!r})")  # fmt: skip
         self._process = subprocess.Popen(
-            [sys.executable, "-c", code], cwd=CHECKOUT, env=self.env, pass_fds=(requests_read, replies_write)
+            [sys.executable, "-c", code],
+            cwd=CHECKOUT,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(requests_read, replies_write),
         )
         os.close(requests_read)
         os.close(replies_write)
@@ -287,12 +296,17 @@ class Zygote:
             raise RuntimeError(f"the zygote died (exit {self._process.poll()})")
         return ForkedProcess([sys.executable, *argv], json.loads(reply)["pid"], status_path)
 
-    def close(self) -> None:
-        """End the zygote (runs it forked go on); its folder stays for the runs' status files."""
+    def close(self, wait: bool = True) -> None:
+        """No more runs: the zygote exits once those it forked have ended (`wait`: wait for that)."""
         if not self._reply_lines.closed:
-            os.close(self._requests)  # the zygote reads the end of its requests and exits
-            self._process.wait(timeout=30)
+            os.close(self._requests)
             self._reply_lines.close()
+        if wait:
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # a run a failed test left behind: the zygote ends after it
+                return
+            shutil.rmtree(self._folder, ignore_errors=True)
 
 
 def zygote_env() -> dict[str, str]:
@@ -305,11 +319,23 @@ _zygote: Zygote | None = None
 
 
 def _shared_zygote() -> Zygote | None:
-    global _zygote
-    if _zygote is None:
-        import atexit
+    """This worker's zygote, with the worker's environment now. When that has changed since the zygote started (an
+    in-process engine sets vLLM's variables in the worker, Ray's driver its own), the runs after it get a new zygote
+    with it, and the old one ends once its runs have."""
+    import atexit
+    import warnings
 
-        _zygote = Zygote(zygote_env(), PRELOAD_AT_START, PRELOAD_LATER)
+    global _zygote
+    env = zygote_env()
+    changed = sorted(differing_variables(env, _zygote.env) - MAY_DIFFER) if _zygote is not None else []
+    if changed:
+        warnings.warn(
+            f"the worker's environment changed ({', '.join(changed)}): a new zygote for the runs", stacklevel=3
+        )
+        _zygote.close(wait=False)
+        _zygote = None
+    if _zygote is None:
+        _zygote = Zygote(env, PRELOAD_AT_START, PRELOAD_LATER)
         atexit.register(_zygote.close)
     return _zygote if _zygote.ready else None
 
