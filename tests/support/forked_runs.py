@@ -45,7 +45,7 @@ CHECKOUT = Path(__file__).resolve().parent.parent.parent
 # What a trainer run imports first: its entry point (torch, transformers, vLLM's top, the open_instruct it uses; ~8 s
 # of a 2-core machine). What these print when imported, each forked run prints first, as a new process would.
 PRELOAD_AT_START = ["open_instruct.ppo_vllm_thread_ray_gtrl", "open_instruct.grpo_vllm_thread_ray_gtrl"]
-# What it imports later, as its engine, learner and plots start (~5 s more; from `python -X importtime`, 2026-11-29):
+# What it imports later, as its engine, learner and plots start (~4 s more; from `python -X importtime`, 2026-11-28):
 # forked runs find them done. What these print when imported (vLLM: "Triton is installed, but doesn't include CPU
 # backend") a new process writes to its logs/libraries.log; a forked run does not have it.
 PRELOAD_LATER = [
