@@ -134,6 +134,16 @@ def test_a_retired_zygote_still_reports_the_runs_it_forked_then_ends(tmp_path):
     zygote.close()  # it has ended: nothing left to wait for
 
 
+def test_a_run_whose_zygote_was_killed_fails_clearly_once_it_has_ended(tmp_path):
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(1)\n")
+    zygote = Zygote(zygote_env(), at_start=[], later=[])
+    process = zygote.start([str(tmp_path / "slow.py")], tmp_path, zygote_env(), tmp_path / "out", tmp_path / "err")
+    zygote._process.kill()
+    with pytest.raises(RuntimeError, match="the zygote ended .* before it reported how run"):
+        process.wait(timeout=30)
+    zygote.close()
+
+
 def test_a_zygote_refuses_a_run_whose_environment_it_cannot_give(bare_zygote, tmp_path):
     with pytest.raises(ValueError, match="PROBE"):
         bare_zygote.start(["probe.py"], tmp_path, {**zygote_env(), "PROBE": "1"}, tmp_path / "out", tmp_path / "err")

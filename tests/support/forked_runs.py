@@ -213,15 +213,22 @@ def zygote_main(requests: int, replies: int, at_start: list[str], later: list[st
 class ForkedProcess:
     """A run forked by the zygote, with the `subprocess.Popen` methods the tests use."""
 
-    def __init__(self, args: list[str], pid: int, status_path: Path):
+    def __init__(self, args: list[str], pid: int, status_path: Path, zygote: subprocess.Popen):
         self.args = args
         self.pid = pid
         self.returncode: int | None = None
         self._status_path = status_path
+        self._zygote = zygote
 
     def poll(self) -> int | None:
         if self.returncode is None and self._status_path.exists():
             self.returncode = int(self._status_path.read_text())
+        elif self.returncode is None and self._zygote.poll() is not None and not self._status_path.exists():
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:  # ended, and nobody is left to say how
+                raise RuntimeError(f"the zygote ended (exit {self._zygote.returncode}) before it reported how run "
+                                   f"{self.pid} ended: `{' '.join(self.args)}`") from None  # fmt: skip
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -294,7 +301,7 @@ class Zygote:
             reply = self._reply_lines.readline()
         if not reply:
             raise RuntimeError(f"the zygote died (exit {self._process.poll()})")
-        return ForkedProcess([sys.executable, *argv], json.loads(reply)["pid"], status_path)
+        return ForkedProcess([sys.executable, *argv], json.loads(reply)["pid"], status_path, self._process)
 
     def close(self, wait: bool = True) -> None:
         """No more runs: the zygote exits once those it forked have ended (`wait`: wait for that)."""
