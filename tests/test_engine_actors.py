@@ -199,7 +199,7 @@ def test_killing_an_engine_actor_ends_the_run_naming_it(ray_cluster, engines, ti
     ]  # fmt: skip
     engines.shutdown()  # the run needs the cluster's CPUs for its own engines
     stdout_path, stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    process = start_run(command, tmp_path, dict(os.environ), stdout_path, stderr_path)
+    process = start_run(command, tmp_path, stdout_path, stderr_path)
     try:
         def trainer_output() -> str:
             return last_lines(stdout_path.read_text()) + "\n" + last_lines(stderr_path.read_text())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.forked_runs import MAY_DIFFER, Zygote, forkable, start_run, zygote_env
+from tests.support.forked_runs import MAY_DIFFER, Zygote, forkable, offline_env, start_run
 
 PROBE = """
 import atexit, json, os, signal, sys, threading, time
@@ -40,7 +40,7 @@ if mode.startswith("wait"):
 
 @pytest.fixture(scope="module")
 def bare_zygote():
-    zygote = Zygote(zygote_env(), at_start=[], later=[])
+    zygote = Zygote(offline_env(), at_start=[], later=[])
     assert zygote.ready, zygote.why_not
     yield zygote
     zygote.close()
@@ -56,7 +56,7 @@ def run_both_ways(zygote: Zygote, command: list[str], cwd: Path, env: dict, then
                 path.write_bytes(b"")
             process = zygote.start(command[1:], cwd, env, stdout, stderr, **options)
         else:
-            process = start_run(command, cwd, env, stdout, stderr, fork=False, **options)
+            process = start_run(command, cwd, stdout, stderr, env=env, fork=False, **options)
         if then is not None:
             then(process, stdout)
         code = process.wait(timeout=60)
@@ -71,7 +71,7 @@ def report_of(result: dict) -> dict:
 def test_a_forked_script_sees_what_a_new_interpreter_sees_and_exits_the_same_way(bare_zygote, tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    env = {**zygote_env(), "OPEN_INSTRUCT_DEBUG": "1"}
+    env = {**offline_env(), "OPEN_INSTRUCT_DEBUG": "1"}
     forked, new = run_both_ways(bare_zygote, [sys.executable, str(script), "ok", "--flag"], tmp_path, env)
     assert report_of(forked) == report_of(new)
     assert report_of(forked)["argv"] == [str(script), "ok", "--flag"] and report_of(forked)["path0"] == str(tmp_path)
@@ -87,7 +87,7 @@ def test_a_forked_script_sees_what_a_new_interpreter_sees_and_exits_the_same_way
 
 def test_a_forked_module_is_run_as_python_m_runs_it(bare_zygote, tmp_path):
     (tmp_path / "probe_module.py").write_text(PROBE)
-    env = {name: value for name, value in zygote_env().items() if name != "PYTHONUNBUFFERED"}  # may differ
+    env = {name: value for name, value in offline_env().items() if name != "PYTHONUNBUFFERED"}  # may differ
     forked, new = run_both_ways(bare_zygote, [sys.executable, "-m", "probe_module", "exit_3"], tmp_path, env)
     assert report_of(forked) == report_of(new)
     assert report_of(forked)["name"] == "__main__" and report_of(forked)["path0"] == str(tmp_path)
@@ -99,7 +99,7 @@ def test_a_forked_module_is_run_as_python_m_runs_it(bare_zygote, tmp_path):
 def test_an_uncaught_exception_a_kill_and_a_sigterm_end_a_forked_run_as_a_new_ones(bare_zygote, tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    forked, new = run_both_ways(bare_zygote, [sys.executable, str(script), "raise"], tmp_path, zygote_env())
+    forked, new = run_both_ways(bare_zygote, [sys.executable, str(script), "raise"], tmp_path, offline_env())
     assert forked["code"] == new["code"] == 1
     assert forked["stderr"].splitlines()[-1] == new["stderr"].splitlines()[-1] == "ValueError: boom"
 
@@ -111,7 +111,7 @@ def test_an_uncaught_exception_a_kill_and_a_sigterm_end_a_forked_run_as_a_new_on
 
     for sig in (signal.SIGTERM, signal.SIGKILL):
         mode = "wait" if sig == signal.SIGTERM else "wait_for_kill"
-        forked, new = run_both_ways(bare_zygote, [sys.executable, str(script), mode], tmp_path, zygote_env(),
+        forked, new = run_both_ways(bare_zygote, [sys.executable, str(script), mode], tmp_path, offline_env(),
                                     then=once_running)  # fmt: skip
         assert forked["code"] == new["code"] == -sig
 
@@ -120,15 +120,15 @@ def test_a_forked_run_in_its_own_session_leads_its_process_group(bare_zygote, tm
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     command = [sys.executable, str(script), "ok"]
-    forked, new = run_both_ways(bare_zygote, command, tmp_path, zygote_env(), start_new_session=True)
+    forked, new = run_both_ways(bare_zygote, command, tmp_path, offline_env(), start_new_session=True)
     assert report_of(forked)["own_process_group"] and report_of(new)["own_process_group"]
 
 
 def test_a_retired_zygote_still_reports_the_runs_it_forked_then_ends(tmp_path):
     """What the shared zygote does when the worker's environment changes: a new one takes the next runs."""
     (tmp_path / "slow.py").write_text("import sys, time\ntime.sleep(1)\nsys.exit(5)\n")
-    zygote = Zygote(zygote_env(), at_start=[], later=[])
-    process = zygote.start([str(tmp_path / "slow.py")], tmp_path, zygote_env(), tmp_path / "out", tmp_path / "err")
+    zygote = Zygote(offline_env(), at_start=[], later=[])
+    process = zygote.start([str(tmp_path / "slow.py")], tmp_path, offline_env(), tmp_path / "out", tmp_path / "err")
     zygote.close(wait=False)
     assert process.wait(timeout=30) == 5
     zygote.close()  # it has ended: nothing left to wait for
@@ -136,8 +136,8 @@ def test_a_retired_zygote_still_reports_the_runs_it_forked_then_ends(tmp_path):
 
 def test_a_run_whose_zygote_was_killed_fails_clearly_once_it_has_ended(tmp_path):
     (tmp_path / "slow.py").write_text("import time\ntime.sleep(1)\n")
-    zygote = Zygote(zygote_env(), at_start=[], later=[])
-    process = zygote.start([str(tmp_path / "slow.py")], tmp_path, zygote_env(), tmp_path / "out", tmp_path / "err")
+    zygote = Zygote(offline_env(), at_start=[], later=[])
+    process = zygote.start([str(tmp_path / "slow.py")], tmp_path, offline_env(), tmp_path / "out", tmp_path / "err")
     zygote._process.kill()
     with pytest.raises(RuntimeError, match="the zygote ended .* before it reported how run"):
         process.wait(timeout=30)
@@ -146,11 +146,11 @@ def test_a_run_whose_zygote_was_killed_fails_clearly_once_it_has_ended(tmp_path)
 
 def test_a_zygote_refuses_a_run_whose_environment_it_cannot_give(bare_zygote, tmp_path):
     with pytest.raises(ValueError, match="PROBE"):
-        bare_zygote.start(["probe.py"], tmp_path, {**zygote_env(), "PROBE": "1"}, tmp_path / "out", tmp_path / "err")
+        bare_zygote.start(["probe.py"], tmp_path, {**offline_env(), "PROBE": "1"}, tmp_path / "out", tmp_path / "err")
 
 
 def test_only_python_commands_whose_environment_libraries_read_at_import_is_the_zygotes_are_forked():
-    env = zygote_env()
+    env = offline_env()
     assert forkable([sys.executable, "-m", "open_instruct.evaluate"], env, env)
     assert forkable([sys.executable, "tests/vllm_greedy.py", "x"], env, env)
     assert not forkable([sys.executable, "-c", "print(1)"], env, env)
@@ -163,7 +163,7 @@ def test_only_python_commands_whose_environment_libraries_read_at_import_is_the_
 
 
 def env_importing_from(folder: Path) -> dict[str, str]:
-    env = zygote_env()
+    env = offline_env()
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(folder)])
     return env
 
@@ -178,7 +178,7 @@ def test_a_forked_run_prints_first_what_its_start_imports_printed_and_not_what_t
     zygote = Zygote(env, at_start=["says_hello"], later=["says_later"])
     try:
         stdout, stderr = tmp_path / "out", tmp_path / "err"
-        process = start_run([sys.executable, str(tmp_path / "run.py")], tmp_path, env, stdout, stderr, fork=False)
+        process = start_run([sys.executable, str(tmp_path / "run.py")], tmp_path, stdout, stderr, env=env, fork=False)
         assert process.wait(timeout=60) == 0
         assert stdout.read_text() == "hello\nimported later\nthe run\n" and stderr.read_text() == "warning\n"
         for path in (stdout, stderr):

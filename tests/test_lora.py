@@ -35,7 +35,6 @@ from tests.support.resume_runs import (
     assert_same_model,
     assert_same_run,
     log_of,
-    offline_env,
     sampled_tokens,
     wait_for_step,
 )
@@ -362,7 +361,7 @@ def test_lora_run_killed_9_after_its_first_checkpoint_and_resumed_equals_the_uni
     run's."""
     output_dir = tmp_path / "output"
     command = lora_command(tiny_model_dir, eval_file, output_dir)
-    process = start_run(command, tmp_path, offline_env(), tmp_path / "killed.log")
+    process = start_run(command, tmp_path, tmp_path / "killed.log")
     process.log_path = tmp_path / "killed.log"
     checkpoint = output_dir / "checkpoints" / "step_1"
     wait_for_step(process, output_dir, 1)

@@ -38,7 +38,7 @@ from open_instruct.run.tracking import read_metrics
 from tests.inject_fault import STALL_MESSAGE
 from tests.small_disk import on_small_disk, small_disk_unavailable
 from tests.support.forked_runs import start_run
-from tests.support.resume_runs import assert_same_run, comparable, finish, offline_env, wait_for_step
+from tests.support.resume_runs import assert_same_run, comparable, finish, wait_for_step
 from tests.support.trainer_runs import FP32_LEARNER, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
 
 pytestmark = [pytest.mark.e2e]
@@ -279,7 +279,7 @@ def test_two_sigterms_to_the_process_group_give_one_checkpoint_and_exit_143(tmp_
     output_dir.mkdir()
     command = TRAINER + TINY_RUN + ["--total_episodes", "64", "--output_dir", str(output_dir)]
     start = time.time()
-    process = start_run(command, tmp_path, offline_env(), tmp_path / "run.log",
+    process = start_run(command, tmp_path, tmp_path / "run.log",
                         start_new_session=True)  # its own process group, as under `timeout` or SLURM
     process.log_path = tmp_path / "run.log"
     wait_for_step(process, output_dir, 1)
@@ -309,7 +309,7 @@ def start_stalled_run(tmp_path: Path, output_dir: Path) -> subprocess.Popen:
     """The stalled run, once the learner waits on the stalled generation (step 1 logged)."""
     command = [sys.executable, str(TESTS_DIR / "inject_fault.py"), "generation_stalls", *STALLED_RUN,
                "--output_dir", str(output_dir)]  # fmt: skip
-    process = start_run(command, tmp_path, offline_env(), tmp_path / f"{output_dir.name}.log")
+    process = start_run(command, tmp_path, tmp_path / f"{output_dir.name}.log")
     process.log_path = tmp_path / f"{output_dir.name}.log"
     wait_for_step(process, output_dir, 1)
     deadline = time.time() + 60

@@ -321,7 +321,7 @@ def test_killing_a_learner_actor_ends_the_run_naming_it(ray_cluster, tiny_model_
         tiny_model_dir, ray_cluster, eval_file, output_dir, "--total_episodes", "400", "--num_evals", "0"
     )
     stdout_path, stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    process = start_run(command, tmp_path, dict(os.environ), stdout_path, stderr_path)
+    process = start_run(command, tmp_path, stdout_path, stderr_path)
     try:
         def trainer_output() -> str:
             return last_lines(stdout_path.read_text()) + "\n" + last_lines(stderr_path.read_text())

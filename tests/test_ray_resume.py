@@ -26,7 +26,7 @@ import pytest
 from open_instruct.run.tracking import read_metrics
 from tests.support.forked_runs import start_run
 from tests.support.ray_runs import needs_loopback_namespace, ray_trainer_command
-from tests.support.resume_runs import assert_same_model, assert_same_run, finish, logged_steps, offline_env
+from tests.support.resume_runs import assert_same_model, assert_same_run, finish, logged_steps
 from tests.support.trainer_runs import FP32_LEARNER, RUN_TIMEOUT_S, TESTS_DIR, last_lines, run_command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow, needs_loopback_namespace]
@@ -57,7 +57,7 @@ def command(tiny_model_dir, ray_cluster, eval_file, output_dir: Path, stage: int
 
 
 def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
-    process = start_run(cmd, log_path.parent, offline_env(), log_path)
+    process = start_run(cmd, log_path.parent, log_path)
     process.log_path = log_path
     return process
 

@@ -38,7 +38,6 @@ from tests.support.resume_runs import (
     assert_same_run,
     finish,
     logged_steps,
-    offline_env,
     wait_for_step,
 )
 from tests.support.trainer_runs import FP32_LEARNER, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
@@ -80,7 +79,7 @@ def mode_flags(request, varied_length_model_dir) -> list[str]:
 def start(output_dir: Path, log_name: str, *extra: str) -> subprocess.Popen:
     """Start a run in the background; its output goes to a file (a full pipe would block it)."""
     command = TRAINER + RUN_FLAGS + [*extra, "--output_dir", str(output_dir)]
-    process = start_run(command, output_dir.parent, offline_env(), output_dir.parent / log_name)
+    process = start_run(command, output_dir.parent, output_dir.parent / log_name)
     process.log_path = output_dir.parent / log_name
     return process
 

@@ -221,9 +221,11 @@ class ForkedProcess:
         self._zygote = zygote
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._status_path.exists():
+        if self.returncode is not None:
+            return self.returncode
+        if self._status_path.exists():
             self.returncode = int(self._status_path.read_text())
-        elif self.returncode is None and self._zygote.poll() is not None and not self._status_path.exists():
+        elif self._zygote.poll() is not None:
             try:
                 os.kill(self.pid, 0)
             except ProcessLookupError:  # ended, and nobody is left to say how
@@ -316,8 +318,8 @@ class Zygote:
             shutil.rmtree(self._folder, ignore_errors=True)
 
 
-def zygote_env() -> dict[str, str]:
-    """The environment every forked run must have (tests/support/resume_runs.offline_env's)."""
+def offline_env() -> dict[str, str]:
+    """The tests' runs' environment (no hub, wandb offline, unbuffered output), which the zygote is started with."""
     return {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1"}  # fmt: skip
 
@@ -333,7 +335,7 @@ def _shared_zygote() -> Zygote | None:
     import warnings
 
     global _zygote
-    env = zygote_env()
+    env = offline_env()
     changed = sorted(differing_variables(env, _zygote.env) - MAY_DIFFER) if _zygote is not None else []
     if changed:
         warnings.warn(
@@ -363,21 +365,23 @@ def differing_variables(env: dict[str, str], other: dict[str, str]) -> set[str]:
 def start_run(
     command: list[str],
     cwd: Path,
-    env: dict[str, str],
     stdout: Path,
     stderr: Path | None = None,
+    env: dict[str, str] | None = None,
     start_new_session: bool = False,
     fork: bool = True,
 ):
     """`command` (`[sys.executable, "-m", module, ...]` or `[sys.executable, script.py, ...]`) writing to the new
-    files `stdout` and `stderr` (or both to `stdout`): forked from this worker's zygote when it may be (and `fork`),
-    else `subprocess.Popen`. The result has Popen's pid, poll, wait, send_signal, terminate, kill and returncode."""
+    files `stdout` and `stderr` (or both to `stdout`), with `env` (default: offline_env()): forked from this worker's
+    zygote when it may be (and `fork`), else `subprocess.Popen`. The result has Popen's pid, poll, wait, send_signal,
+    terminate, kill and returncode."""
     stderr = stderr or stdout
+    env = offline_env() if env is None else env
     for path in {stdout, stderr}:
         open(path, "wb").close()
-    if fork and fork_enabled() and forkable(command, env, zygote_env()):
-        zygote = _shared_zygote()
-        if zygote is not None and forkable(command, env, zygote.env):
+    if fork and fork_enabled() and forkable(command, env, offline_env()):
+        zygote = _shared_zygote()  # its environment is offline_env()'s but for MAY_DIFFER
+        if zygote is not None:
             return zygote.start(command[1:], cwd, env, stdout, stderr, start_new_session)
     out = open(stdout, "ab")
     err = out if stderr == stdout else open(stderr, "ab")

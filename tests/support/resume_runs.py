@@ -14,12 +14,6 @@ from open_instruct.run.tracking import read_metrics
 from tests.support.trainer_runs import RUN_TIMEOUT_S, last_lines
 
 
-def offline_env() -> dict:
-    import os
-
-    return {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-
 def log_of(process: subprocess.Popen) -> str:
     return process.log_path.read_text(errors="replace")
 

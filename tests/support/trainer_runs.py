@@ -8,7 +8,6 @@ job.
 
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from transformers import AutoConfig, AutoTokenizer
 from open_instruct.generation.vllm_engine import engine_dtype
 from open_instruct.learner.saving import weights_sha256
 from open_instruct.run.tracking import read_metrics
-from tests.support.forked_runs import start_run
+from tests.support.forked_runs import offline_env, start_run
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 TRAINER = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]
@@ -77,12 +76,12 @@ def run_command(
     """Run `command` offline (no hub, wandb offline) unless `env` says otherwise (None: unset), forked from the
     worker's zygote where it may be and `fork` (tests/support/forked_runs.py; else a new interpreter); fail the test
     on a timeout."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1", **(env or {})}
+    full_env = {**offline_env(), **(env or {})}
     full_env = {name: value for name, value in full_env.items() if value is not None}
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="run_output_") as output:
         stdout, stderr = Path(output) / "stdout", Path(output) / "stderr"
-        process = start_run(command, cwd, full_env, stdout, stderr, fork=fork)
+        process = start_run(command, cwd, stdout, stderr, env=full_env, fork=fork)
         try:
             process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
