@@ -1,8 +1,10 @@
 """Shared fixtures (the embedded model folders and data, built once per machine and cached; the eval prompts; the
 Ray cluster) and the tiers: tests/README.md says which marker means what and which command runs which tier."""
 
+import contextlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -137,11 +139,40 @@ def ray_cluster(request):
     import ray
     from ray.cluster_utils import Cluster
 
+    from tests.support.forked_runs import fork_enabled
+    from tests.support.ray_zygote import RayWorkerZygote, setup_worker_path
+
     cpus = getattr(request.module, "RAY_CPUS_PER_NODE", 3)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "include_dashboard": False})
-    cluster.add_node(num_cpus=cpus)
+    node_args = {"num_cpus": cpus}
+    zygote = RayWorkerZygote(dict(os.environ)) if fork_enabled() else None
+    if zygote is not None and zygote.ready:  # the nodes start their Python workers forked from it
+        node_args["setup_worker_path"] = setup_worker_path()
+    elif zygote is not None:
+        warnings.warn(f"the Ray workers start as new interpreters: the worker zygote refused ({zygote.why_not})",
+                      stacklevel=2)
+    # The raylets inherit this process's environment, with the zygote's socket for the workers' starter; the pytest
+    # worker itself keeps its own (a change to it would retire the trainer runs' zygote).
+    with environment_with(zygote.variables() if zygote is not None and zygote.ready else {}):
+        cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
+        cluster.add_node(**node_args)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+    if zygote is not None:
+        zygote.close()
+
+
+@contextlib.contextmanager
+def environment_with(variables: dict[str, str]):
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

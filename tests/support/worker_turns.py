@@ -38,7 +38,7 @@ KINDS_FILE = "file_kinds.json"  # in the run's temporary folder: the workers wri
 # wrong number costs time, never a result.
 MEASURED_FILE_SECONDS = {
     "test_ray_resume.py": 211, "test_engine_actors.py": 258, "test_ray_learners.py": 185,
-    "test_multinode_local.py": 177, "test_placement.py": 27, "test_never_lose_a_run.py": 202, "test_resume.py": 134,
+    "test_multinode_local.py": 177, "test_placement.py": 27, "test_ray_zygote.py": 24, "test_never_lose_a_run.py": 202, "test_resume.py": 134,
     "test_ppo_trainer.py": 115, "test_weight_broadcast.py": 82, "test_deepspeed_ranks.py": 86, "test_lora.py": 74,
     "test_packing.py": 70, "test_grpo.py": 40, "test_vllm_engine.py": 29, "test_ppo_learner.py": 28,
     "test_evaluate.py": 27, "test_bad_inputs.py": 25, "test_micro_batches.py": 23, "test_preemption.py": 22,
