@@ -182,6 +182,7 @@ def test_a_zygote_refuses_a_worker_whose_environment_it_cannot_give(two_kinds_of
     socket.send_fds(connection, [json.dumps(request).encode()], [0, 1, 2, read_end])
     reply = json.loads(connection.recv(1 << 16))
     assert "HF_HUB_OFFLINE" in reply["refused"] and "RAY_JOB_ID" not in reply["refused"], reply
+    connection.close()
     for fd in (read_end, write_end):
         os.close(fd)
 

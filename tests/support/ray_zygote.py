@@ -1,7 +1,7 @@
 """Ray workers forked from a process that has already imported what they import, for the tests' Ray clusters.
 
 A Ray worker that becomes a learner rank or an engine actor spends ~8-10 CPU-s of a 2-core machine importing torch,
-transformers, peft, DeepSpeed, vLLM and open_instruct before its first call, and a suite run starts ~60 of them on
+transformers, peft, DeepSpeed, vLLM and open_instruct before its first call, and a suite run starts ~50 of them on
 the `ray_cluster` fixture's nodes. The fixture starts one *worker zygote* beside the cluster, with the environment
 the raylets get, that imports `PRELOAD` once and then only forks; the raylets start each worker through
 tests/support/ray_worker_start.py, which asks the zygote for it (its docstring says how the worker's end and signals
