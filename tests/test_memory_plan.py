@@ -68,6 +68,24 @@ def items_of(*flags: str, device: str = "cpu") -> dict[str, tuple[float, float]]
 TWO_RANKS = ["--num_learners_per_node", "2"]
 
 
+def test_the_plans_meta_model_waits_for_a_model_being_built_in_another_thread(tiny_model_dir):
+    """transformers' from_config sets torch's (process-wide) default dtype to the config's (the tiny model's says
+    bfloat16) while it builds: built beside the generation thread's vLLM engine, it gave a float32 engine bfloat16
+    layers (a resumed Ray run failed at its first generate). It waits for `devices.MODEL_CONSTRUCTION`, which the
+    engine's build and the learner's loads hold, and leaves the default dtype as it found it."""
+    import threading
+
+    shapes = []
+    builder = threading.Thread(target=lambda: shapes.append(model_shape("policy", tiny_model_dir, True, False)))
+    with devices.MODEL_CONSTRUCTION:  # another thread building a model
+        builder.start()
+        builder.join(timeout=1.0)
+        assert builder.is_alive() and not shapes, "the meta model was built while another model was being built"
+        assert torch.get_default_dtype() == torch.float32
+    builder.join(timeout=60)
+    assert shapes and shapes[0].num_params > 0 and torch.get_default_dtype() == torch.float32
+
+
 def test_zero2_at_two_ranks_keeps_whole_weights_and_halves_the_optimizer():
     items = items_of(*TWO_RANKS, "--deepspeed_stage", "2")
     assert items["policy weights (fp32)"] == (4 * MILLION, 4 * MILLION)  # whole, fp32 on a CPU

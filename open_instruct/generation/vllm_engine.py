@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from open_instruct.run.args import VLLM_LORA_RANKS
-from open_instruct.run.devices import dtype_name, inference_dtype, learner_device
+from open_instruct.run.devices import MODEL_CONSTRUCTION, dtype_name, inference_dtype, learner_device
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,8 @@ def create_engine(config: EngineConfig):
 
     start = time.time()
     kwargs = engine_kwargs(config, on_cuda)
-    llm = LLM(**kwargs)
+    with MODEL_CONSTRUCTION:  # vLLM builds its model under its dtype as torch's default: no other build meanwhile
+        llm = LLM(**kwargs)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(ExplainedReloadWarnings())
     # Read by `load_weights`: each sync copies in place where every worker's weights allow it, else vLLM's reload.
     llm.open_instruct_loads_in_place = all(llm.apply_model(weights_load_in_place))

@@ -14,7 +14,7 @@ from open_instruct.data.tokenizer import explain_load_error
 from open_instruct.learner.varlen_attention import use_varlen_attention
 from open_instruct.rl.logprobs import logprobs_and_entropy, projected_logprobs
 from open_instruct.rl.packing import PackedRows
-from open_instruct.run.devices import autocast, inference_dtype
+from open_instruct.run.devices import MODEL_CONSTRUCTION, autocast, inference_dtype
 from open_instruct.run.model_shapes import keep_first_layers
 
 log = logging.getLogger(__name__)
@@ -86,9 +86,10 @@ def load_model(spec: ModelSpec, device: torch.device) -> nn.Module:
     deepspeed_backend). A new score head gets PPO's init; dropout is off; a frozen model does not train."""
     config = spec.config()
     try:
-        model, loading = spec.auto_class.from_pretrained(
-            spec.path, revision=spec.revision, config=config, dtype=spec.dtype(device), output_loading_info=True
-        )
+        with MODEL_CONSTRUCTION:  # (from_pretrained sets torch's default dtype while it builds; the engine's thread too)
+            model, loading = spec.auto_class.from_pretrained(
+                spec.path, revision=spec.revision, config=config, dtype=spec.dtype(device), output_loading_info=True
+            )
     except (OSError, ValueError) as error:
         raise explain_load_error(spec.role, spec.path, error) from error
     # transformers reports a new score head as MISSING in its log (logs/libraries.log): expected for a causal-LM

@@ -10,11 +10,20 @@ driver about its device, and the driver decides from the reports (see generation
 import functools
 import math
 import os
+import threading
 import time
 from contextlib import nullcontext
 from typing import Callable
 
 import torch
+
+# torch's default dtype is one per process, and model constructors set it while they build: transformers'
+# `from_pretrained`/`from_config` to the dtype they are given (or the config's), vLLM's engine to its own. Two threads
+# building at once give each other's layers their dtype: a float32 vLLM engine built in the generation thread while
+# the driver built the memory plan's meta model (the tiny model's config says bfloat16) got bfloat16 layers and failed
+# at its first generate ("expected m1 and m2 to have the same dtype"), and a policy loaded in fp32 beside a bf16
+# engine can get bf16 master weights. Every model built in a process that may host an engine is built holding this.
+MODEL_CONSTRUCTION = threading.Lock()
 
 
 def learner_device() -> torch.device:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from open_instruct.run.args import Args, ConfigError
+from open_instruct.run.devices import MODEL_CONSTRUCTION
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "model_configs"
 
@@ -127,7 +128,7 @@ def model_shape(
         config.num_labels = 1
     keep_first_layers(config, num_layers)
     auto_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
-    with torch.device("meta"):
+    with MODEL_CONSTRUCTION, torch.device("meta"):  # (from_config sets torch's default dtype to the config's)
         model = auto_class.from_config(config)
     params = list(model.parameters())  # a tied embedding is one parameter: counted once
     module_sizes = [sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()]

@@ -44,11 +44,12 @@ def end_like(status: int) -> None:
     os._exit(status if status >= 0 else 128 - status)
 
 
-def worker_status_through_zygote(path: str) -> int | None:
-    """Have the zygote at `path` fork the worker and wait for its end; its exit status, or None if refused."""
+def forked_by_zygote(path: str) -> tuple[socket.socket, int, int] | None:
+    """Have the zygote at `path` fork the worker: (the connection, the worker's pid, the end of the pipe the worker
+    watches that this process holds open until it ends), or None when the zygote refused it."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     connection.connect(path)
-    watched, held = os.pipe()  # the worker watches `watched`; this process holds `held` open until it ends
+    watched, held = os.pipe()
     request = {"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(),
                "niceness": os.getpriority(os.PRIO_PROCESS, 0)}  # fmt: skip
     socket.send_fds(connection, [json.dumps(request).encode()], [0, 1, 2, watched])
@@ -57,10 +58,17 @@ def worker_status_through_zygote(path: str) -> int | None:
     if "pid" not in reply:
         print(f"[ray_worker_start] the zygote did not fork this worker: {reply.get('refused')}", file=sys.stderr)
         return None
-    pid = reply["pid"]
+    return connection, reply["pid"], held
+
+
+def worker_status(connection: socket.socket, pid: int) -> int:
+    """Pass signals on to the worker until it ends; its exit status, as the zygote reaped it."""
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, lambda number, _frame: os.kill(pid, number))
-    end = connection.recv(1 << 16)
+    try:
+        end = connection.recv(1 << 16)
+    except OSError:
+        end = b""
     if end:
         return json.loads(end)["exit"]
     try:  # the zygote ended before the worker: wait for the worker itself (its status is lost with the zygote)
@@ -72,15 +80,16 @@ def worker_status_through_zygote(path: str) -> int | None:
 
 def main() -> None:
     path = os.environ.get(ZYGOTE_VARIABLE)
-    status = None
+    forked = None
     if path:
         try:
-            status = worker_status_through_zygote(path)
+            forked = forked_by_zygote(path)
         except OSError as error:  # no zygote listening (it refused to serve, or has ended)
             print(f"[ray_worker_start] no worker zygote at {path}: {error}", file=sys.stderr)
-    if status is None:
+    if forked is None:  # (never once a worker was forked: the raylet would get two)
         become_rays_own()
-    end_like(status)
+    connection, pid, _held = forked
+    end_like(worker_status(connection, pid))
 
 
 if __name__ == "__main__":
