@@ -24,6 +24,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from open_instruct.run.devices import MODEL_CONSTRUCTION
 from open_instruct.run.model_shapes import lora_targets
 
 ADAPTER = "default"  # peft's name of the one adapter a model gets
@@ -72,7 +73,8 @@ def add_adapters(hf_model: nn.Module, settings: LoraSettings, seed: int, train_h
         lora_dropout=0.0,  # validation.py refuses anything else: the engine samples without dropout
         bias="none",
     )
-    peft_model = get_peft_model(hf_model, config)
+    with MODEL_CONSTRUCTION:  # peft builds the adapter layers under torch's default dtype (devices says why)
+        peft_model = get_peft_model(hf_model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in lora_layers(hf_model):
