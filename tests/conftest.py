@@ -135,7 +135,8 @@ def eval_file(tmp_path_factory) -> Path:
 def ray_cluster(request):
     """Two Ray nodes on this machine with the test process connected as a driver, for one module: a module that
     kills actors or leaves placement groups leaves nothing to the next. Logical CPUs per node: the module's
-    RAY_CPUS_PER_NODE (default 3: 2 engines beside 2 learners or a trainer's actors; the learner modules take 1)."""
+    RAY_CPUS_PER_NODE (default 3: 2 engines beside 2 learners or a trainer's actors; the learner modules take 1). The
+    nodes' Python workers are forked from a worker zygote (tests/support/ray_zygote.py) unless OPEN_INSTRUCT_TEST_FORK=0."""
     import ray
     from ray.cluster_utils import Cluster
 
