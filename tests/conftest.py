@@ -141,19 +141,16 @@ def ray_cluster(request):
     from ray.cluster_utils import Cluster
 
     from tests.support.forked_runs import fork_enabled
-    from tests.support.ray_zygote import RayWorkerZygote, setup_worker_path
+    from tests.support.ray_zygote import RayWorkerZygote
 
     cpus = getattr(request.module, "RAY_CPUS_PER_NODE", 3)
-    node_args = {"num_cpus": cpus}
     zygote = RayWorkerZygote(dict(os.environ)) if fork_enabled() else None
-    if zygote is not None and zygote.ready:  # the nodes start their Python workers forked from it
-        node_args["setup_worker_path"] = setup_worker_path()
-    elif zygote is not None:
-        warnings.warn(f"the Ray workers start as new interpreters: the worker zygote refused ({zygote.why_not})",
-                      stacklevel=2)
-    # The raylets inherit this process's environment, with the zygote's socket for the workers' starter; the pytest
-    # worker itself keeps its own (a change to it would retire the trainer runs' zygote).
-    with environment_with(zygote.variables() if zygote is not None and zygote.ready else {}):
+    if zygote is not None and not zygote.ready:
+        warnings.warn(
+            f"the Ray workers start as new interpreters: the worker zygote refused ({zygote.why_not})", stacklevel=2
+        )
+    node_args = {"num_cpus": cpus, **(zygote.node_args() if zygote is not None else {})}
+    with zygote.raylet_environment() if zygote is not None else contextlib.nullcontext():
         cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
         cluster.add_node(**node_args)
     cluster.wait_for_nodes()
@@ -164,16 +161,3 @@ def ray_cluster(request):
     if zygote is not None:
         zygote.close()
 
-
-@contextlib.contextmanager
-def environment_with(variables: dict[str, str]):
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.ray_runs import needs_loopback_namespace
 from tests.support.ray_worker_start import ZYGOTE_VARIABLE
-from tests.support.ray_zygote import RayWorkerZygote, setup_worker_path
+from tests.support.ray_zygote import RayWorkerZygote
 
 pytestmark = [pytest.mark.ray, needs_loopback_namespace]
 
@@ -69,11 +69,8 @@ def two_kinds_of_node(tmp_path_factory):
     assert zygote.ready, zygote.why_not
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"new_interpreter": 2},
                                                             "include_dashboard": False})  # fmt: skip
-    os.environ.update(zygote.variables())  # for the second raylet, and so for its workers' starter
-    try:
-        cluster.add_node(num_cpus=2, resources={"forked": 2}, setup_worker_path=setup_worker_path())
-    finally:
-        os.environ.pop(ZYGOTE_VARIABLE)
+    with zygote.raylet_environment():
+        cluster.add_node(num_cpus=2, resources={"forked": 2}, **zygote.node_args())
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     yield ray.remote(reporter_class()), zygote

@@ -19,6 +19,7 @@ product's own `ray start`) never see it. `OPEN_INSTRUCT_TEST_FORK=0` turns it of
 """
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -196,6 +197,29 @@ class RayWorkerZygote:
 
     def variables(self) -> dict[str, str]:
         return {ZYGOTE_VARIABLE: self.socket_path}
+
+    def node_args(self) -> dict[str, str]:
+        """What a Ray node (`Cluster.add_node`) takes to start its Python workers through this zygote: nothing when
+        it refused to serve (the node starts them as Ray does)."""
+        return {"setup_worker_path": setup_worker_path()} if self.ready else {}
+
+    @contextlib.contextmanager
+    def raylet_environment(self):
+        """While nodes start: their raylets inherit this process's environment with the zygote's socket, for the
+        workers' starter; afterwards this process has its own again (a change to it would retire the trainer runs'
+        zygote, tests/support/forked_runs.py)."""
+        if not self.ready:
+            yield
+            return
+        saved = os.environ.get(ZYGOTE_VARIABLE)
+        os.environ[ZYGOTE_VARIABLE] = self.socket_path
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop(ZYGOTE_VARIABLE)
+            else:
+                os.environ[ZYGOTE_VARIABLE] = saved
 
     def close(self) -> None:
         """No more workers (the cluster has shut down): end the zygote. A worker still running is ended by its
