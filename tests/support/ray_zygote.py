@@ -38,6 +38,7 @@ from tests.support.forked_runs import (
     PRELOAD_LATER,
     _exit_status,
     _import_printing_to,
+    compile_vllm_logprob_ranks,
     differing_variables,
     other_threads,
 )
@@ -72,6 +73,7 @@ def _serve(socket_path: str, preload: list[str], start_env: dict[str, str]) -> t
     it has ended, its exit status, until the parent (the pytest worker) is gone. Returns (request, fds) in a child."""
     parent = os.getppid()
     _import_printing_to(preload, os.devnull, os.devnull)
+    compile_vllm_logprob_ranks()
     others = other_threads()
     if "ray._raylet" in sys.modules:
         others.append("(none, but Ray's core was loaded: a preloaded module imports ray)")
