@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import forked_runs
 from tests.support.worker_turns import FileTurnScheduling, file_kind, turn, worker_file_order, write_file_kinds
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -25,6 +26,9 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 CHECKOUT = str(Path(__file__).resolve().parent.parent)
 if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != CHECKOUT:
     os.environ["PYTHONPATH"] = os.pathsep.join([CHECKOUT, *filter(None, [os.environ.get("PYTHONPATH")])])
+# The runs the tests start get this environment, not what in-process tests add to the worker's later
+# (tests/support/forked_runs.py, `offline_env`).
+forked_runs.remember_starting_environment()
 
 
 # ---- Two workers: scripts/test.sh runs pytest-xdist, a file per worker at a time (--dist loadfile) -----------------

@@ -3,7 +3,8 @@
 A trainer process spends ~12 CPU-s of a 2-core machine importing torch, transformers, vLLM and Ray (~8 before it
 reads its first flag, ~4 more as its engine and plots start), and the suite starts ~60 of them. Each pytest worker
 keeps one *zygote*: a process started once, with the environment the runs get, that imports `PRELOAD_AT_START` and
-`PRELOAD_LATER` and then only forks. A forked child becomes the run: it takes the run's working folder, environment
+`PRELOAD_LATER` (and compiles vLLM's logprob ranks, `compile_vllm_logprob_ranks`) and then only forks. A forked
+child becomes the run: it takes the run's working folder, environment
 (the zygote's, which the imports may have added to, as in a new process), argv, standard output and error (files),
 prints what the imports of `PRELOAD_AT_START` printed, and runs the entry module as `__main__` (or the script, for
 tests/inject_fault.py and the engine scripts) as `python -m` would, through the interpreter's normal exit. The
@@ -349,9 +350,27 @@ class Zygote:
             shutil.rmtree(self._folder, ignore_errors=True)
 
 
+class _Worker:
+    # The pytest worker's environment before its first test (`remember_starting_environment`, from conftest.py).
+    starting_environment: dict[str, str] | None = None
+
+
+def remember_starting_environment() -> None:
+    """Take the worker's environment as it is now, before any test, as the base of its runs' (`offline_env`)."""
+    _Worker.starting_environment = dict(os.environ)
+
+
 def offline_env() -> dict[str, str]:
-    """The tests' runs' environment (no hub, wandb offline, unbuffered output), which the zygote is started with."""
-    return {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
+    """The tests' runs' environment (no hub, wandb offline, unbuffered output), which the zygote is started with: the
+    worker's environment before its first test, with its `MAY_DIFFER` variables as they are now. What tests in the
+    worker's own process add to its environment stays out, as it is out of a user's shell: an engine built in the
+    worker sets ~10 of vLLM's variables (LD_PRELOAD, VLLM_DIST_IDENT, ...), Ray's driver its own (PYTHONBREAKPOINT);
+    each such change made the runs after it differ from their zygote's environment, which then had to start anew (5
+    times in a suite run, ~18 CPU-s each)."""
+    base = _Worker.starting_environment if _Worker.starting_environment is not None else os.environ
+    now = {name: os.environ[name] for name in MAY_DIFFER if name in os.environ}
+    kept = {name: value for name, value in base.items() if name not in MAY_DIFFER}
+    return {**kept, **now, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1"}  # fmt: skip
 
 
@@ -359,9 +378,9 @@ _zygote: Zygote | None = None
 
 
 def _shared_zygote() -> Zygote | None:
-    """This worker's zygote, with the worker's environment now. When that has changed since the zygote started (an
-    in-process engine sets vLLM's variables in the worker, Ray's driver its own), the runs after it get a new zygote
-    with it, and the old one ends once its runs have."""
+    """This worker's zygote, with the runs' environment (`offline_env`). Should that change (it is the worker's
+    environment before its first test, so nothing a test does in the worker changes it), the runs after it get a new
+    zygote with it, and the old one ends once its runs have."""
     import atexit
     import warnings
 
