@@ -125,21 +125,45 @@ def compile_vllm_logprob_ranks(vocab_size: int = TEST_MODELS_VOCAB_SIZE) -> None
     sampler calls it: float32 logprobs whose row count is symbolic, `vocab_size` columns (another width recompiles
     in the run, as without this). Inductor shows a progress bar when it compiles anew: the monitor thread tqdm starts
     for it is ended, so that the zygote forks with no thread but its own. Nothing in a zygote that did not import vLLM
-    (one for other commands)."""
+    (one for other commands). A compile that fails costs the runs their ~2 s, not their zygote: it is reported on the
+    zygote's stderr and the zygote serves."""
     if "vllm" not in sys.modules:
         return
-    import torch
-    from tqdm import tqdm
-    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+    import traceback
 
-    logprobs = torch.randn(2, vocab_size)
-    sampled = logprobs[:, :1].clone()
-    torch._dynamo.decorators.mark_unbacked(logprobs, 0)
-    torch._dynamo.decorators.mark_unbacked(sampled, 0)
-    batched_count_greater_than(logprobs, sampled)
+    import torch
+    from torch._inductor import config as inductor_config
+    from tqdm import tqdm
+
+    # A cache miss compiles C++ in a pool of inductor's compile threads (one per core unless
+    # TORCHINDUCTOR_COMPILE_THREADS says otherwise; vLLM's import sets it, sometimes after inductor read it), whose
+    # threads stay: measured with a cold cache, 2 cores. In this process, here, compile in it.
+    compile_threads, inductor_config.compile_threads = inductor_config.compile_threads, 1
+    try:
+        from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+        logprobs = torch.randn(2, vocab_size)
+        sampled = logprobs[:, :1].clone()
+        torch._dynamo.decorators.mark_unbacked(logprobs, 0)
+        torch._dynamo.decorators.mark_unbacked(sampled, 0)
+        batched_count_greater_than(logprobs, sampled)
+    except Exception:  # noqa: BLE001 - a speed-up only
+        print(f"the zygote could not compile vLLM's logprob ranks (each run will):\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        inductor_config.compile_threads = compile_threads
     if tqdm.monitor is not None:
         tqdm.monitor.exit()
         tqdm.monitor = None
+
+
+def threads_left(seconds: float) -> list[str]:
+    """`other_threads()`, given `seconds` to end on their own (a compile's or an import's helper thread that is
+    finishing when the imports return)."""
+    deadline = time.time() + seconds
+    while (others := other_threads()) and time.time() < deadline:
+        time.sleep(0.05)
+    return others
 
 
 def _serve(requests: int, replies: int, at_start: list[str], later: list[str], printed: str) -> dict | None:
@@ -149,7 +173,7 @@ def _serve(requests: int, replies: int, at_start: list[str], later: list[str], p
     _import_printing_to(at_start, printed + ".stdout", printed + ".stderr")
     _import_printing_to(later, os.devnull, os.devnull)
     compile_vllm_logprob_ranks()
-    others = other_threads()
+    others = threads_left(seconds=10)
     os.write(replies, (json.dumps({"ready": not others, "threads": others}) + "\n").encode())
     if others:
         sys.exit(0)
@@ -296,21 +320,28 @@ class Zygote:
         self._replies, replies_write = os.pipe()
         code = (f"from tests.support.forked_runs import zygote_main; zygote_main({requests_read}, {replies_write}, "
                 f"{list(at_start)!r}, {list(later)!r}, {str(self._folder / 'printed')!r})")  # fmt: skip
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", code],
-            cwd=CHECKOUT,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            pass_fds=(requests_read, replies_write),
-        )
+        own_stderr = self._folder / "zygote.stderr"  # the zygote's own messages (its runs write to their files)
+        with open(own_stderr, "wb") as stderr:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", code],
+                cwd=CHECKOUT,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stderr=stderr,
+                pass_fds=(requests_read, replies_write),
+            )
         os.close(requests_read)
         os.close(replies_write)
         self._reply_lines = os.fdopen(self._replies, "rb")
-        ready = json.loads(self._reply_lines.readline() or b'{"ready": false, "threads": "none: it failed"}')
+        line = self._reply_lines.readline()
+        ready = json.loads(line) if line else {"ready": False, "threads": []}
         self.ready = ready["ready"]
-        self.why_not = (
-            "" if self.ready else f"threads other than the main one after the zygote's imports: {ready['threads']}"
-        )
+        if self.ready:
+            self.why_not = ""
+        elif line:
+            self.why_not = f"threads other than the main one after the zygote's imports: {ready['threads']}"
+        else:
+            self.why_not = f"it ended before it was ready: {own_stderr.read_text(errors='replace')[-2000:]}"
 
     def start(
         self,
@@ -396,6 +427,9 @@ def _shared_zygote() -> Zygote | None:
     if _zygote is None:
         _zygote = Zygote(env, PRELOAD_AT_START, PRELOAD_LATER)
         atexit.register(_zygote.close)
+        if not _zygote.ready:
+            warnings.warn(f"this worker's runs start as new interpreters: the zygote refused ({_zygote.why_not})",
+                          stacklevel=3)  # fmt: skip
     return _zygote if _zygote.ready else None
 
 

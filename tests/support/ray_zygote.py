@@ -40,7 +40,7 @@ from tests.support.forked_runs import (
     _import_printing_to,
     compile_vllm_logprob_ranks,
     differing_variables,
-    other_threads,
+    threads_left,
 )
 from tests.support.ray_worker_start import ZYGOTE_VARIABLE, rays_own_setup_worker
 
@@ -74,7 +74,7 @@ def _serve(socket_path: str, preload: list[str], start_env: dict[str, str]) -> t
     parent = os.getppid()
     _import_printing_to(preload, os.devnull, os.devnull)
     compile_vllm_logprob_ranks()
-    others = other_threads()
+    others = threads_left(seconds=10)
     if "ray._raylet" in sys.modules:
         others.append("(none, but Ray's core was loaded: a preloaded module imports ray)")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
