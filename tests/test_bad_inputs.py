@@ -541,6 +541,26 @@ def test_the_exit_without_teardown_keeps_the_exit_code_and_what_was_printed(exit
     assert (process.returncode, process.stdout, process.stderr.strip()) == (code, "the last line", stderr)
 
 
+@pytest.mark.parametrize("ends_without_teardown", [True, False])
+def test_what_is_kept_until_exit_is_freed_with_the_process_only_when_it_ends_without_teardown(ends_without_teardown):
+    """The in-process engine is kept until exit (console.keep_until_exit: vLLM's shutdown only frees memory, ~1 s):
+    its finalizer never runs in a process that ends by os._exit, and does at once in one that goes on (tests calling
+    `main` in process)."""
+    script = ("import weakref; from open_instruct.run import console\n"
+              "class Engine: pass\n"
+              "def entry():\n"
+              "    engine = Engine()\n"
+              "    weakref.finalize(engine, print, 'engine freed', flush=True)\n"
+              "    console.keep_until_exit(engine)\n"
+              "    del engine\n"
+              "    print('entry returned', flush=True)\n"
+              + ("console.exit_without_teardown(entry)\n" if ends_without_teardown else "entry()\n"))  # fmt: skip
+    process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert process.returncode == 0, process.stderr[-2000:]
+    lines = process.stdout.splitlines()
+    assert lines == (["entry returned"] if ends_without_teardown else ["engine freed", "entry returned"]), lines
+
+
 def test_print_the_table():
     """Not a check: prints the table of every case run above (pytest -s shows it)."""
     print("\n| case | exit code | seconds | message |\n| --- | --- | --- | --- |")

@@ -2,7 +2,8 @@
 `sys.path[0]`, environment, streams, signal handlers, exit codes, atexit hooks and threads joined at exit, for a
 script and for `-m`. (That a forked *trainer* run logs and saves what a `python -m` run does is checked on the
 real trainer by test_never_lose_a_run.py's same_command_twice: its first run is a new interpreter, its second is
-forked.) A small zygote with no preloaded modules serves these tests, so they run in the fast tier."""
+forked.) A small zygote with no preloaded modules serves these tests, so they run in the fast tier, but for one (e2e)
+whose zygote imports vLLM and compiles, as the suite's do."""
 
 import json
 import os
@@ -36,6 +37,42 @@ if mode == "raise":
 if mode.startswith("wait"):
     time.sleep(60)
 """
+
+
+def test_runs_get_the_workers_environment_from_before_its_first_test_and_only_may_differ_from_now(monkeypatch):
+    """What a test in the worker's process sets (an engine built in process sets vLLM's variables) does not reach the
+    runs, so their zygote never has to start anew for it; the variables that may differ do."""
+    monkeypatch.setenv("VLLM_DIST_IDENT", "set-by-an-in-process-engine")
+    monkeypatch.setenv("OPEN_INSTRUCT_DEBUG", "1")
+    env = offline_env()
+    assert "VLLM_DIST_IDENT" not in env and env["OPEN_INSTRUCT_DEBUG"] == "1"
+    assert env["PATH"] == os.environ["PATH"] and env["HF_HUB_OFFLINE"] == "1"
+
+
+@pytest.mark.e2e
+def test_a_zygote_that_imports_vllm_compiles_its_logprob_ranks_even_on_a_cold_cache_and_serves(tmp_path):
+    """~15 s (vLLM's import, a compile from an empty inductor cache): the zygotes compile vLLM's logprob ranks
+    (`compile_vllm_logprob_ranks`); on a cache miss inductor compiled in a pool of threads that stayed, and the zygote
+    refused to fork (every run of that worker a new interpreter, ~12 s more each: a suite run took 20 minutes more)."""
+    env = {**offline_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # a fresh machine's: empty
+    # Inductor's config read before vLLM's import sets TORCHINDUCTOR_COMPILE_THREADS=1, as the trainer's imports do:
+    # inductor then compiles with one thread per core.
+    zygote = Zygote(env, at_start=[], later=["torch._inductor.config", "vllm.v1.sample.ops.logprobs"])
+    try:
+        assert zygote.ready, zygote.why_not
+        assert any((tmp_path / "inductor").rglob("*.py")), "nothing was compiled"
+        script = tmp_path / "ranks.py"
+        script.write_text("import time, torch\n"
+                          "from vllm.v1.sample.ops.logprobs import batched_count_greater_than\n"
+                          "x = torch.randn(5, 49152); v = x[:, :1].clone()\n"
+                          "torch._dynamo.decorators.mark_unbacked(x, 0); torch._dynamo.decorators.mark_unbacked(v, 0)\n"
+                          "start = time.time(); batched_count_greater_than(x, v); print(time.time() - start)\n")  # fmt: skip
+        process = zygote.start([str(script)], tmp_path, env, tmp_path / "out", tmp_path / "err")
+        assert process.wait(timeout=120) == 0, (tmp_path / "err").read_text()[-2000:]
+        seconds = float((tmp_path / "out").read_text().split()[-1])
+        assert seconds < 0.5, f"the forked process compiled again ({seconds:.2f} s)"  # ~1.5-2 s when it compiles
+    finally:
+        zygote.close()
 
 
 @pytest.fixture(scope="module")
