@@ -17,6 +17,7 @@ import torch
 from open_instruct.run.args import VLLM_LORA_RANKS
 from open_instruct.run.devices import MODEL_CONSTRUCTION, dtype_name, inference_dtype, learner_device
 from open_instruct.run.memory_plan import cpu_kv_cache_bytes, kv_cache_bytes_per_token
+from open_instruct.run.model_shapes import attention_sizes, find_config
 
 log = logging.getLogger(__name__)
 
@@ -328,12 +329,9 @@ def engine_kwargs(config: EngineConfig, on_cuda: bool, kv_bytes_per_token: int =
 
 def model_kv_bytes_per_token(config: EngineConfig) -> int:
     """`kv_cache_bytes_per_token` of the engine's model in the engine's dtype, from the model's config."""
-    from transformers import AutoConfig
-
-    text = AutoConfig.from_pretrained(config.model_path).get_text_config()
-    num_heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    model_config, _ = find_config(config.model_path)
+    text = model_config.get_text_config()
+    _, num_kv_heads, head_dim = attention_sizes(text)
     dtype_bytes = getattr(torch, engine_dtype(config.dtype)).itemsize
     return kv_cache_bytes_per_token(text.num_hidden_layers, num_kv_heads, head_dim, dtype_bytes)
 

@@ -108,6 +108,14 @@ def lora_params(model: torch.nn.Module, rank: int, targets: list[str]) -> int:
                for name, layer in decoder_linear_layers(model).items() if name.rsplit(".", 1)[-1] in targets)  # fmt: skip
 
 
+def attention_sizes(text) -> tuple[int, int, int]:
+    """(heads, KV heads, head_dim) of a text model's config: without `num_key_value_heads` every head has its own keys
+    and values; without `head_dim` the heads split the hidden size."""
+    num_heads = text.num_attention_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    return num_heads, num_kv_heads, getattr(text, "head_dim", None) or text.hidden_size // num_heads
+
+
 def model_shape(
     role: str, path_or_id: str, trainable: bool, scalar_head: bool, revision: str | None = None,
     lora_rank: int = 0, lora_target_modules: list[str] | None = None, num_layers: int = 0,
@@ -137,8 +145,7 @@ def model_shape(
     if trainable and lora_rank > 0:
         head = sum(p.numel() for p in model.score.parameters()) if scalar_head else 0
         trained_params = lora_params(model, lora_rank, lora_targets(model, lora_target_modules or [])) + head
-    num_heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    num_heads, num_kv_heads, head_dim = attention_sizes(text)
     return ModelShape(
         role=role,
         trainable=trainable,
@@ -150,7 +157,7 @@ def model_shape(
         intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
         num_layers=text.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         causal_lm=not scalar_head,
         source=source,
