@@ -50,8 +50,14 @@ def test_tests_are_parsed_in_each_form():
     stdio = parse_tests(json.dumps({"inputs": [["1 2", "3"]], "outputs": ["3"]}))
     assert (stdio.kind, stdio.inputs, stdio.outputs) == ("stdio", ("1 2\n3\n",), ("3",))
     call = parse_tests(json.dumps({"inputs": [[1, 2], 5], "outputs": [3, 5], "fn_name": "f"}))
-    assert (call.kind, call.inputs, call.fn_name) == ("call", ([1, 2], [5]), "f")
-    assert parse_tests(ADD_ASSERTS).kind == "assert" and len(parse_tests(ADD_ASSERTS)) == 3
+    assert call.kind == "call" and [(test.fn_name, test.args, test.expected) for test in call.inputs] == [
+        ("f", (1, 2), 3), ("f", (5,), 5)
+    ]
+    asserts = parse_tests(ADD_ASSERTS)
+    assert (asserts.kind, asserts.from_asserts, len(asserts)) == ("call", True, 3)
+    assert [(test.fn_name, test.args, test.check, test.expected) for test in asserts.inputs][0] == (
+        "add", (1, 2), "equal", 3
+    )
     assert parse_tests(json.dumps({"inputs": ["1"], "outputs": ["1"], "fn_name": ""})).kind == "stdio"  # verl's blank
 
 
@@ -67,6 +73,15 @@ def test_tests_are_parsed_in_each_form():
         ('{"inputs": [1], "outputs": [1]}', "test 0's input is int"),
         ('{"inputs": [[1]], "outputs": [1], "fn_name": "not a name"}', "is not a Python function name"),
         ("42", "have no `inputs` and `outputs` lists"),
+        # Asserts that cannot be checked outside the program are refused, naming the statement.
+        ('["x = add(1, 2)\\nassert x == 3"]', "'x = add.1, 2.' cannot be checked outside the program .a statement that is not an assert"),
+        ('["assert add(1, 2) > 2"]', "the comparison Gt"),
+        ('["assert add(two(), 2) == 4"]', "neither side is a call with literal arguments"),
+        ('["assert add(1, 2) == 1 < 2"]', "a chained comparison"),
+        ('["assert add(1, 2) is 3"]', "`is` against something other than True, False or None"),
+        ('["assert all(add(i, 0) == i for i in range(3))"]', "not a call with literal arguments"),
+        ('["for i in range(3): assert add(i, 0) == i"]', "a statement that is not an assert"),
+        ('["assert add(1, 2) ==="]', "not valid Python"),
     ],
 )
 def test_tests_the_verifier_cannot_run_are_refused_in_one_line(ground_truth, message):
@@ -202,7 +217,8 @@ def test_the_shipped_code_fixture_loads_and_each_problem_can_be_solved(verifier)
     rows = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
     loaded = load_prompt_dataset([str(FIXTURE), str(len(rows))], ["train"], seed=0)
     assert sorted(loaded["ground_truth"]) == sorted(row["ground_truth"] for row in rows)
-    assert {form for form in (parse_tests(row["ground_truth"]).kind for row in rows)} == {"stdio", "call", "assert"}
+    forms = {(tests.kind, tests.from_asserts) for tests in (parse_tests(row["ground_truth"]) for row in rows)}
+    assert forms == {("stdio", False), ("call", False), ("call", True)}
     for row, solution in zip(rows, FIXTURE_SOLUTIONS, strict=True):
         GROUND_TRUTH_CHECKS[resolve_verifier_name(row["dataset"])](row["ground_truth"])
         assert verifier.score(fenced(solution), row["ground_truth"]) == 1.0, row["messages"][0]["content"]
