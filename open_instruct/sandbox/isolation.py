@@ -7,23 +7,34 @@ How it isolates (mode "isolated", needs root; CI and the training machines run a
   read-only, holding /usr, /bin, /lib... bound read-only, /dev/null and /dev/urandom, a size-limited
   private /tmp (the only writable place, and the working directory) and /sandbox, the run's own folder (its program,
   read-only). The checkout, /root, /home, /etc, /proc and everything else of the machine are not there.
+- The setup script moves itself into the run's own memory and pids cgroups (`cgroups.py`): every process of the run
+  is in them, and together they may use `run_memory_mb` of memory and `max_processes` processes.
 - `chroot` into it, then `setpriv` drops to an unprivileged user (a uid of its own per concurrent run, so one run's
-  process limit cannot starve another's), clears supplementary groups, sets no_new_privs and drops every capability.
+  process limit cannot starve another's; each caller process draws its range of uids at random), clears
+  supplementary groups, sets no_new_privs and drops every capability.
 - `prlimit` caps processes (threads count), address space, CPU seconds, file size, and core dumps to 0.
+- A seccomp filter (`seccomp.py`) denies the system calls that open the kernel's wider attack surface (io_uring,
+  keyrings, bpf, perf, ptrace, new namespaces, socket families other than Unix and IP), installed before the
+  program's interpreter starts.
 - The caller reads stdout and stderr with a cap on their total size and a wall-clock deadline; past either, it kills
   the PID namespace's init, and the kernel kills every process in the namespace with it (forked, daemonised or
   orphaned ones included). `unshare --kill-child` and `setpriv --pdeathsig` kill the run if its parent dies.
 
 The program is never read back into the caller's process: only its stdout/stderr text and exit code come back.
-It does NOT protect against kernel exploits (it shares the host's kernel; no seccomp filter), CPU and memory-bandwidth
-contention with the trainer, or a program reading its own harness (code_tests' checks share its process).
+It does NOT protect against kernel exploits through the system calls it still allows (it shares the host's kernel),
+CPU and memory-bandwidth contention with the trainer, or timing side channels. Where a wall cannot be built here
+(no libseccomp, no cgroup the caller may create children in) the run goes on without it, and the log says once per
+process which walls are active.
 
 Mode "unsafe_no_isolation" runs the program as the caller's user with only the resource limits and the wall-clock
 kill: for machines where isolation cannot start (no root), and only when asked for by that name.
 """
 
 import itertools
+import logging
 import os
+import re
+import secrets
 import selectors
 import shutil
 import signal
@@ -32,6 +43,11 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import cache
+
+from open_instruct.sandbox import cgroups, seccomp
+
+logger = logging.getLogger(__name__)
 
 ISOLATED = "isolated"
 UNSAFE_NO_ISOLATION = "unsafe_no_isolation"
@@ -45,11 +61,16 @@ OUTPUT_LIMIT = "output_limit"  # wrote more than max_output_bytes to stdout and 
 SANDBOX_ERROR = "sandbox_error"  # the sandbox itself could not start
 
 TOOLS = ("setpriv", "unshare", "prlimit", "mount", "chroot")
-# Unprivileged uids for the sandboxed programs: no user on a Debian/Ubuntu machine has one this high. Each process
-# of the caller gets UID_SLOTS of its own (by pid), and concurrent runs cycle through them.
+# Unprivileged uids for the sandboxed programs: no user on a Debian/Ubuntu machine has one this high (and below 2**31,
+# which some tools read as signed). Each process of the caller draws a range of UID_SLOTS at random, and concurrent
+# runs cycle through it: a uid comes back every UID_SLOTS runs, so what the kernel keeps per uid (keyrings: denied by
+# the seccomp filter) must not carry anything from one run to the next.
 UID_BASE = 2_000_000_000
 UID_SLOTS = 64
-PID_LIMIT = 4_194_304  # the largest pid_max of 64-bit Linux
+UID_RANGES = (2**31 - UID_BASE) // UID_SLOTS
+# The run folders: the owner's pid in the name, so that a Sandbox made later removes those whose owner is gone.
+FOLDER_PREFIX = "open_instruct_sandbox_"
+STALE_FOLDER = re.compile(rf"{FOLDER_PREFIX}(\d+)_.+")
 SETUP_FAILED_EXIT = 125
 SETUP_FAILED_PREFIX = "sandbox setup failed:"
 SANDBOX_FOLDER = "/sandbox"
@@ -59,12 +80,13 @@ CPU_LIMIT_EXIT = 128 + signal.SIGXCPU
 # Runs as root in the new namespaces, before anything untrusted; arguments: root mount point, the run's folder, uid,
 # /tmp size in MiB, an interpreter prefix to bind ("" when the interpreter lies under /usr), the targets of /'s
 # symbolic links to recreate (bin -> usr/bin: each named after its target's last part), the top-level folders to
-# bind, then the command. Few processes: each costs milliseconds, and a run pays for all of them.
+# bind, the run's cgroup folders to join, then the command. Few processes: each costs milliseconds, and a run pays
+# for all of them. The environment loses PWD and OLDPWD (the shell sets them to the host's path of the run folder).
 SETUP_SCRIPT = r"""
 set -u
 fail() { echo "sandbox setup failed: $*" >&2; exit 125; }
-root=$1 work=$2 uid=$3 tmp_mb=$4 prefix=$5 links=$6 folders=$7
-shift 7
+root=$1 work=$2 uid=$3 tmp_mb=$4 prefix=$5 links=$6 folders=$7 cgroups=$8
+shift 8
 mount -t tmpfs -o size=1m,mode=755 sandbox-root "$root" || fail "tmpfs on $root"
 mkdir "$root/usr" "$root/tmp" "$root/sandbox" "$root/dev" || fail "folders in $root"
 if [ -n "$links" ]; then (cd "$root" && ln -s $links .) || fail "links $links"; fi
@@ -81,8 +103,9 @@ touch "$root/dev/null" "$root/dev/urandom" || fail "/dev in $root"
 mount --bind -o nosuid,noexec /dev/null "$root/dev/null" || fail "/dev/null"
 mount --bind -o nosuid,noexec /dev/urandom "$root/dev/urandom" || fail "/dev/urandom"
 mount -o remount,ro "$root" || fail "read-only $root"
+for cgroup in $cgroups; do echo 0 > "$cgroup/cgroup.procs" || fail "join $cgroup"; done
 chroot "$root" /usr/bin/setpriv --reuid="$uid" --regid="$uid" --clear-groups --no-new-privs \
-  --inh-caps=-all --bounding-set=-all -- /usr/bin/env --chdir=/tmp "$@"
+  --inh-caps=-all --bounding-set=-all -- /usr/bin/env -u PWD -u OLDPWD --chdir=/tmp "$@"
 """
 # The system folders a program may need besides /usr (on merged-/usr systems, links into it).
 SYSTEM_FOLDERS = ("bin", "lib", "lib32", "lib64", "libx32", "sbin")
@@ -112,10 +135,12 @@ class Limits:
 
     wall_time_s: float = 2.0  # wall-clock seconds before the whole process tree is killed
     memory_mb: int = 512  # address space of each process (RLIMIT_AS)
-    max_processes: int = 16  # processes and threads of the run's user (RLIMIT_NPROC)
+    max_processes: int = 16  # processes and threads of the run's user (RLIMIT_NPROC) and of the run (pids cgroup)
     max_file_mb: int = 16  # the largest file it may write (RLIMIT_FSIZE)
     tmp_mb: int = 64  # the size of its private /tmp
     max_output_bytes: int = 1 << 20  # stdout and stderr together; past it the run is killed
+    run_memory_mb: int = 0  # memory of all the run's processes together (memory cgroup); 0: run_memory_share_mb
+    concurrent_runs: int = 4  # how many runs go at once (the code workers): the default run memory divides by it
 
     @property
     def cpu_time_s(self) -> int:
@@ -169,11 +194,72 @@ def python_interpreter() -> tuple[str, str]:
 
 
 _run_numbers = itertools.count()
+_first_uids: dict[int, int] = {}
+
+
+def first_uid() -> int:
+    """The first uid of this process's range, drawn at random (again in a forked child: its pid differs)."""
+    pid = os.getpid()
+    if pid not in _first_uids:  # setdefault: of two threads drawing at once, both keep the first draw
+        _first_uids.setdefault(pid, UID_BASE + secrets.randbelow(UID_RANGES) * UID_SLOTS)
+    return _first_uids[pid]
 
 
 def next_uid() -> int:
     """A uid for the next run: this process's own range, cycling through UID_SLOTS (more than any pool's workers)."""
-    return UID_BASE + (os.getpid() % PID_LIMIT) * UID_SLOTS + next(_run_numbers) % UID_SLOTS
+    return first_uid() + next(_run_numbers) % UID_SLOTS
+
+
+def run_memory_share_mb(limits: Limits) -> int:
+    """The default memory of one run's processes together: a quarter of what this process may use (the machine's
+    memory, or its cgroup's limit) shared by the concurrent runs, at least 256 MiB and at most what its processes'
+    address spaces add up to."""
+    share = cgroups.memory_mb() // (4 * max(1, limits.concurrent_runs))
+    return max(256, min(share, limits.max_processes * limits.memory_mb))
+
+
+@cache
+def cgroup_hierarchies() -> tuple[tuple[cgroups.Hierarchy, ...], str]:
+    """(where this process's runs get their memory and pids cgroups, what the log says of it): tried once per process
+    by making and removing a child cgroup."""
+    found = cgroups.find_hierarchies(cgroups.read("/proc/self/mountinfo"), cgroups.read("/proc/self/cgroup"))
+    missing = [c for c in cgroups.CONTROLLERS if not any(c in h.controllers for h in found)]
+    if missing:
+        return (), f"cgroup off (no {' or '.join(missing)} controller this process can use)"
+    probe = f"{cgroups.PREFIX}{os.getpid()}_{next(_run_numbers)}"  # named as a run's: a sweep removes it if left
+    try:
+        for hierarchy in found:
+            if hierarchy.version == 2:
+                cgroups.delegate(hierarchy)
+            if any(char.isspace() for char in hierarchy.parent):
+                raise OSError(f"a space in {hierarchy.parent}")
+        cgroups.remove(cgroups.create(found, probe, 1 << 30, 1), wait_s=0)
+    except OSError as error:
+        return (), f"cgroup off (cannot make a child cgroup: {error})"
+    versions = " and ".join(sorted({f"v{h.version}" for h in found}))
+    return tuple(found), f"cgroup {versions} memory and pids per run"
+
+
+def sweep_folders(folder: str) -> None:
+    """Remove the run folders in `folder` whose owner process is gone (a caller killed with SIGKILL leaves them)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        match = STALE_FOLDER.fullmatch(name)
+        if match and not cgroups.owner_alive(int(match[1])):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+_walls_said: set[str] = set()
+
+
+def say_walls(line: str) -> None:
+    """Log which walls a sandbox has, once per process for each different set."""
+    if line not in _walls_said:
+        _walls_said.add(line)
+        logger.info(line)
 
 
 class Sandbox:
@@ -193,6 +279,24 @@ class Sandbox:
         self.limits = limits or Limits()
         self.interpreter, self.interpreter_prefix = python_interpreter()
         self.links, self.folders = system_layout()
+        sweep_folders(tempfile.gettempdir())
+        self.run_memory_mb = self.limits.run_memory_mb or run_memory_share_mb(self.limits)
+        if mode == ISOLATED:
+            self.cgroups, cgroup_wall = cgroup_hierarchies()
+            cgroups.sweep(list(self.cgroups))
+            self.seccomp_program, seccomp_wall = seccomp.filter_program()
+            if self.cgroups:
+                cgroup_wall += f" ({self.run_memory_mb} MiB, {self.limits.max_processes} processes)"
+            say_walls(f"code sandbox walls: namespaces (network, PID, mount, IPC, UTS), read-only root, unprivileged uid; "
+                      f"{seccomp_wall}; {cgroup_wall}; rlimits ({self.rlimits_text()})")  # fmt: skip
+        else:
+            self.cgroups, self.seccomp_program = (), None
+            say_walls(f"code sandbox walls ({UNSAFE_NO_ISOLATION}): rlimits only ({self.rlimits_text()})")
+
+    def rlimits_text(self) -> str:
+        limits = self.limits
+        return (f"{limits.memory_mb} MiB address space and {limits.max_processes} processes, {limits.cpu_time_s} CPU s, "
+                f"{limits.max_file_mb} MiB files")  # fmt: skip
 
     def run_python(self, source: str, stdin: str = "", files: dict[str, str] | None = None,
                    argv: tuple[str, ...] = ()) -> RunResult:  # fmt: skip
@@ -202,7 +306,8 @@ class Sandbox:
         for name in files:
             if not name or "/" in name or name.startswith("."):
                 raise ValueError(f"sandbox file name {name!r} must be a plain file name (no '/', not hidden)")
-        folder = tempfile.mkdtemp(prefix="open_instruct_sandbox_")
+        folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}_")
+        run_cgroups = []
         try:
             work = os.path.join(folder, "work")
             os.mkdir(work, 0o755)
@@ -217,7 +322,11 @@ class Sandbox:
                 file.write(stdin)
             os.mkdir(os.path.join(folder, "root"))
             if self.mode == ISOLATED:
-                command = self.isolated_command(folder, argv)
+                try:
+                    run_cgroups = self.make_cgroups()
+                except OSError as error:
+                    return RunResult(SANDBOX_ERROR, None, "", f"{SETUP_FAILED_PREFIX} run cgroup: {error}", 0.0)
+                command = self.isolated_command(folder, argv, run_cgroups)
                 cwd = folder
             else:
                 command = self.unconfined_command(os.path.join(work, "main.py"), argv)
@@ -225,7 +334,13 @@ class Sandbox:
             with open(stdin_path, "rb") as stdin_file:
                 return self.execute(command, stdin_file, cwd)
         finally:
+            cgroups.remove(run_cgroups)
             shutil.rmtree(folder, ignore_errors=True)
+
+    def make_cgroups(self) -> list[str]:
+        name = f"{cgroups.PREFIX}{os.getpid()}_{next(_run_numbers)}"
+        # One process more than the program's: the setup shell stays in the cgroup as the PID namespace's init.
+        return cgroups.create(list(self.cgroups), name, self.run_memory_mb << 20, self.limits.max_processes + 1)
 
     def resource_limits(self) -> list[str]:
         limits = self.limits
@@ -236,17 +351,18 @@ class Sandbox:
             "--core=0",
         ]
 
-    def isolated_command(self, folder: str, argv: tuple[str, ...]) -> list[str]:
+    def isolated_command(self, folder: str, argv: tuple[str, ...], run_cgroups: list[str]) -> list[str]:
         limits = self.limits
+        loader = [] if self.seccomp_program is None else seccomp.loader_command(self.seccomp_program, self.interpreter)
         return [
             "setpriv", "--pdeathsig", "KILL", "--",  # the caller dies: so does the run
             "unshare", "--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child",
             "--propagation", "private", "--",
             "/bin/sh", "-c", SETUP_SCRIPT, "sandbox-setup",
             os.path.join(folder, "root"), os.path.join(folder, "work"), str(next_uid()), str(limits.tmp_mb),
-            self.interpreter_prefix, self.links, self.folders,
+            self.interpreter_prefix, self.links, self.folders, " ".join(run_cgroups),
             "/usr/bin/prlimit", f"--nproc={limits.max_processes}", *self.resource_limits(), "--",
-            self.interpreter, "-I", "-S", f"{SANDBOX_FOLDER}/main.py", *argv,
+            *loader, self.interpreter, "-I", "-S", f"{SANDBOX_FOLDER}/main.py", *argv,
         ]  # fmt: skip
 
     def unconfined_command(self, main_path: str, argv: tuple[str, ...]) -> list[str]:

@@ -2,8 +2,10 @@
 
     python scripts/benchmark/sandbox_throughput.py [--runs 40] [--rows 32] [--workers 1 2 4] [--json out.json]
 
-Per-test overhead: the median wall time of a trivial program (`pass`) run `--runs` times in the isolated sandbox, in
-the unsafe mode (limits only) and as a bare `python -I -S` subprocess; the isolation's own cost is the difference.
+Per-test overhead: the median wall time of a trivial program (`pass`) run `--runs` times in the isolated sandbox (also
+without its seccomp filter, and without its cgroups, to show what each wall costs), in the unsafe mode (limits only)
+and as a bare `python -I -S` subprocess; the isolation's own cost is the difference. The variants take turns, run by
+run, so that a change in the machine's load falls on all of them alike.
 Rows per second: `--rows` rows of the shipped fixture (open_instruct/data/fixtures/code_problems.jsonl, 3-4 tests
 each), each answered by a right program, scored through `CodeVerifier.score_many` with each worker count.
 Needs root for the isolated sandbox (as the trainer does).
@@ -37,14 +39,17 @@ SOLUTIONS = [  # a right program for each fixture row, in its order
 ]
 
 
-def median_wall(run_once, runs: int) -> float:
-    run_once()  # warm-up: page cache, first namespace
-    times = []
+def median_walls(variants: dict, runs: int) -> dict[str, float]:
+    """name -> the median wall seconds of `variants[name]()`, the variants taking turns run by run."""
+    times = {name: [] for name in variants}
+    for run_once in variants.values():
+        run_once()  # warm-up: page cache, first namespace
     for _ in range(runs):
-        start = time.perf_counter()
-        run_once()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, run_once in variants.items():
+            start = time.perf_counter()
+            run_once()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main() -> None:
@@ -57,16 +62,20 @@ def main() -> None:
 
     limits = Limits(wall_time_s=10.0)
     isolated = Sandbox(ISOLATED, limits)
-    overhead = {
-        "isolated": median_wall(lambda: isolated.run_python("pass"), args.runs),
-        "unsafe_no_isolation": median_wall(lambda: Sandbox(UNSAFE_NO_ISOLATION, limits).run_python("pass"), args.runs),
-        "bare python -I -S": median_wall(
-            lambda: subprocess.run([isolated.interpreter, "-I", "-S", "-c", "pass"], check=True), args.runs
-        ),
-    }
+    # The same sandbox less one wall: what that wall costs a run.
+    no_seccomp, no_cgroups = Sandbox(ISOLATED, limits), Sandbox(ISOLATED, limits)
+    no_seccomp.seccomp_program, no_cgroups.cgroups = None, ()
+    unsafe = Sandbox(UNSAFE_NO_ISOLATION, limits)
+    overhead = median_walls({
+        "isolated": lambda: isolated.run_python("pass"),
+        "isolated without seccomp": lambda: no_seccomp.run_python("pass"),
+        "isolated without cgroups": lambda: no_cgroups.run_python("pass"),
+        "unsafe_no_isolation": lambda: unsafe.run_python("pass"),
+        "bare python -I -S": lambda: subprocess.run([isolated.interpreter, "-I", "-S", "-c", "pass"], check=True),
+    }, args.runs)  # fmt: skip
     print(f"per-test overhead, median of {args.runs} runs of `pass` ({os.cpu_count()} CPUs):")
     for mode, seconds in overhead.items():
-        print(f"  {mode:<22} {seconds * 1000:7.1f} ms")
+        print(f"  {mode:<26} {seconds * 1000:7.1f} ms")
 
     ground_truths = [json.loads(line)["ground_truth"] for line in FIXTURE.read_text().splitlines()]
     rows = [(SOLUTIONS[i % len(SOLUTIONS)], ground_truths[i % len(SOLUTIONS)]) for i in range(args.rows)]
