@@ -167,9 +167,14 @@ def test_a_program_that_forges_its_reward_scores_zero(verifier, hack, form):
     assert verifier.score(program, ROWS[form]) == 0.0
 
 
-def test_the_harness_cannot_be_traced_or_read(verifier):
+@pytest.mark.parametrize("seccomp_filter", [True, False], ids=["with_seccomp", "undumpable_alone"])
+def test_the_harness_cannot_be_traced_or_read(seccomp_filter):
     """The program's process, beside the harness that holds the nonce: ptrace and process_vm_readv on it fail with
-    EPERM (the harness is undumpable), and no /proc exists to read its memory through."""
+    EPERM, and no /proc exists to read its memory through. Two walls, each enough alone: the seccomp filter denies both
+    calls, and the harness is undumpable (without either, the attach succeeds and stops the harness)."""
+    verifier = CodeVerifier(Sandbox(ISOLATED, Limits(wall_time_s=5.0)))
+    if not seccomp_filter:
+        verifier.sandbox.seccomp_program = None
     probe = """
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
