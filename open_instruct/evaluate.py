@@ -24,6 +24,7 @@ and `{mode}_{split}_tool_calls` reports the share of responses that called a too
 import gc
 import itertools
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field, fields, make_dataclass
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from transformers import HfArgumentParser
 
 from open_instruct.data.batches import PromptBatch, prompt_batch
-from open_instruct.data.embedded import resolve_dataset_name, resolve_model_path
+from open_instruct.data.embedded import EMBEDDED_ALIASES, resolve_dataset_name, resolve_model_path
 from open_instruct.data.prompt_dataset import DatasetArgs, build_prompt_datasets
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.engine_batches import generate_batch
@@ -40,7 +41,10 @@ from open_instruct.generation.vllm_engine import EngineConfig, create_engine, ge
 from open_instruct.rl.rewards import RewardConfig, RewardManager
 from open_instruct.run import console
 from open_instruct.run.args import ConfigError, GenerationArgs, tool_settings
-from open_instruct.run.validation import validate_tool_flags
+from open_instruct.run.command_line import debug_requested, exit_for_config_error
+from open_instruct.run.hub import looks_like_hub_id
+from open_instruct.run.hub_models import download_snapshot
+from open_instruct.run.validation import as_config_errors, validate_tool_flags
 
 
 @dataclass
@@ -81,15 +85,30 @@ def eval_prompts(data_args: DatasetArgs, tokenizer) -> dict[str, PromptBatch]:
     return sets
 
 
+def model_folder(model: str) -> str:
+    """The local folder of one MODEL argument, before any engine starts: a saved folder or an embedded alias as it is,
+    a hub id's snapshot (downloaded as the trainer does); anything else is a ConfigError in one line."""
+    if model in EMBEDDED_ALIASES or model == "tiny" or os.path.isdir(os.path.expanduser(model)):
+        return resolve_model_path(model)
+    if looks_like_hub_id(model):
+        return download_snapshot(model, "main", "MODEL")
+    raise ConfigError(
+        f"MODEL {model} is not a folder; give a saved model folder (a run's OUTPUT_DIR/model), a hub id like "
+        "HuggingFaceTB/SmolLM2-135M-Instruct, or 'embedded' for the built-in SmolLM2-135M."
+    )
+
+
 def evaluate_model(model: str, args: EvalArgs, data_args: DatasetArgs, reward: RewardConfig | None = None,
-                   tools: dict | None = None) -> dict:  # fmt: skip
+                   tools: dict | None = None, path: str | None = None) -> dict:  # fmt: skip
     """`reward`: how responses are graded, as the trainer's flags say (`--reward_function`, ...); default: each row's
-    verifier. `tools`: the engine's tool settings (eval_tool_settings), None for single-turn answers."""
-    path = resolve_model_path(model)
-    tokenizer = load_tokenizer(path)
-    prompt_sets = eval_prompts(data_args, tokenizer)
-    reward_manager = RewardManager(reward or RewardConfig())
-    reward_manager.validate(prompt_sets["train"].verifier_names)
+    verifier. `tools`: the engine's tool settings (eval_tool_settings), None for single-turn answers. `path`: the
+    model's folder (model_folder), default: resolved here."""
+    path = path or model_folder(model)
+    with as_config_errors():  # the tokenizer, the prompts and their verifiers: before this model's engine loads
+        tokenizer = load_tokenizer(path)
+        prompt_sets = eval_prompts(data_args, tokenizer)
+        reward_manager = RewardManager(reward or RewardConfig())
+        reward_manager.validate(prompt_sets["train"].verifier_names)
     llm = create_engine(EngineConfig(path, max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype))
     stop_token_ids = stop_token_ids_for(tokenizer, "eos")
     modes = {"greedy": (1, 0.0)} | ({"sampled": (args.samples, args.temperature)} if args.samples > 0 else {})
@@ -126,17 +145,26 @@ def format_table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    """Evaluate each model; a bad input (flags, a model that is not there, data) ends the process with one line
+    `error: ...` and exit code 2 before any engine loads, as the trainers do (the traceback only with --debug)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = debug_requested(argv)
+    argv = [word for word in argv if word != "--debug"]
+    try:
+        return evaluate_models(argv)
+    except ConfigError as error:
+        exit_for_config_error(error, debug)
+
+
+def evaluate_models(argv: list[str]) -> list[dict]:
     models = list(itertools.takewhile(lambda word: not word.startswith("--"), argv))
     if models:  # `evaluate A B --flag ...`: the leading words are the models
         argv = ["--models", *models, *argv[len(models) :]]
     parser = HfArgumentParser((EvalArgs, ToolArgs, DatasetArgs, RewardConfig))
     args, tool_args, data_args, reward = parser.parse_args_into_dataclasses(args=argv)
-    try:
-        tools = eval_tool_settings(tool_args)
-    except ConfigError as error:  # before any model loads, as the trainer does
-        console.say(f"error: {error}", error=True)
-        sys.exit(2)
+    tools = eval_tool_settings(tool_args)
+    with as_config_errors():
+        folders = [model_folder(model) for model in args.models]
     if not data_args.dataset_mixer_list:  # the embedded task: both splits, i.e. every question
         from open_instruct.data.embedded import arithmetic_data_path
 
@@ -144,7 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         data_args.dataset_mixer_eval_list = data_args.dataset_mixer_eval_list or [arithmetic_data_path(), "1.0"]
     for mixer in (data_args.dataset_mixer_list, data_args.dataset_mixer_eval_list):
         mixer[::2] = [resolve_dataset_name(name) for name in mixer[::2]]  # embedded_* names: the built-in tasks
-    results = [evaluate_model(model, args, data_args, reward, tools) for model in args.models]
+    results = [evaluate_model(model, args, data_args, reward, tools, folder) for model, folder in zip(args.models, folders)]
     print(format_table(results))
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -48,6 +48,7 @@ from open_instruct.generation.vllm_engine import EngineConfig
 from open_instruct.learner.algorithms import learner_class
 from open_instruct.learner.experience import check_engine_matches_learner
 from open_instruct.learner.seams import Learner
+from open_instruct.rl.reward_failures import RewardFailures
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run import checkpoint, console, disk_space, summary
 from open_instruct.run.args import (
@@ -69,7 +70,7 @@ from open_instruct.run.devices import (
     split_cpu_cores,
 )
 from open_instruct.run.divergence import DivergedError, check_divergence
-from open_instruct.run.hub_models import with_local_models
+from open_instruct.run.hub_models import describe_pins, with_local_models
 from open_instruct.run.preemption import Preempted, StopRequest
 from open_instruct.run.run_directory import RunDirectory
 from open_instruct.run.tracking import MetricsLogger, format_progress, repair_jsonl
@@ -141,7 +142,9 @@ def train(
     """Data, then models and the generation thread, then the loop, then the final eval, save and push."""
     torch.manual_seed(args.run.seed)
     start_time = time.time() - (resume.trainer_state["time_from_scratch"] if resume else 0.0)
-    data = load_data(args)  # every row checked, and the models' vocabularies and sizes, before any model loads
+    # Every row checked, and the models' vocabularies and sizes, before any model loads; a resumed run's hub models at
+    # the commits its checkpoint recorded, not where their branches point now.
+    data = load_data(args, resume.trainer_state.get("hub_commits") if resume else None)
     say(describe_models(args, data))
     if (problem := final_model_space_problem(args, data)) is not None:
         say(f"[ppo] warning: {problem}; free space there, or the final model will go to "
@@ -229,6 +232,7 @@ def train_step(run: "Run", step: int) -> None:
         **({"weight_sync/megabytes": rollout.timings["weight_sync_bytes"] / 2**20}
            if "weight_sync_bytes" in rollout.timings else {}),  # fmt: skip
         **rollout.engine_metrics,  # engine actors: engine/restarts, time/engine_restart
+        **run.rollouts.take_resume_metrics(),  # the first step after a resume that continues differently
         "time/learner_wait": learner_wait,
         "perf/learner_idle_fraction": learner_wait / step_time,
         "time/scoring": training_start - scoring_start,
@@ -313,13 +317,15 @@ class Run:
                                       ppo.filter_metric, with_tools=bool(self.args.gen.tools))  # fmt: skip
 
 
-def load_data(args: Args) -> RunData:
+def load_data(args: Args, pinned_commits: dict | None = None) -> RunData:
     """The policy's tokenizer, the prompts (every row checked), and the models' vocabularies and sizes: a problem with
-    any of them is a one-line error here, before any model loads."""
+    any of them is a one-line error here, before any model loads. `pinned_commits`: a resumed run's hub models."""
     with as_config_errors():
         # Hub ids become snapshot folders at their revisions, here, before Ray starts: ZeRO-3 ranks read safetensors
         # from a folder, and a missing repo, revision or download is one line now, not an error after the engines load.
-        local_args = with_local_models(args)
+        local_args = with_local_models(args, pinned_commits)
+        if pinned_commits:
+            say(f"[ppo] resumed with the hub models' commits of the checkpoint: {describe_pins(pinned_commits)}")
         policy_path = local_args.model.model_name_or_path
         tokenizer = load_tokenizer(policy_path)
         train_dataset, eval_dataset = build_prompt_datasets(
@@ -408,10 +414,8 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
             rollouts.load_state_dict(resume.trainer_state)
             if generator.engine is not None:  # engine actors: --max_engine_restarts counts over the whole run
                 generator.engine.restarts = resume.trainer_state.get("engine_restarts", 0)
-            for version in rollouts.send_unfinished(learner_version=resume.step):
-                say(f"[ppo] warning: the batch of policy {version} was not finished when {resume.path} was written; "
-                    f"policy {resume.step} generates it again, so from here this run differs from an uninterrupted one",
-                    error=True)  # fmt: skip
+            for warning in rollouts.send_unfinished(learner_version=resume.step).warnings(resume.path, resume.step):
+                say(f"[ppo] warning: {warning}", error=True)
         yield generator, learner, rollouts
     except BaseException:
         if learner is not None:  # Ray learner ranks are stopped now, not at exit (after a run that ends well they
@@ -542,8 +546,9 @@ def cli(argv: list[str] | None = None, algorithm: str = "ppo") -> None:
     2: the configuration (flags, files, data rows, output_dir) cannot work; nothing was trained. The traceback
        only with --debug or OPEN_INSTRUCT_DEBUG=1.
     128 + signal: stopped by SIGTERM/SIGINT after writing a checkpoint (the line says how to resume).
-    1: the run failed while training (the traceback comes first, except for non-finite values, a diverged policy
-       and a full disk), or its final model went to --fallback_save_dir (the line says where).
+    1: the run failed while training (the traceback comes first, except for non-finite values, a diverged policy,
+       a verifier failing on --reward_max_consecutive_failures responses in a row and a full disk), or its final
+       model went to --fallback_save_dir (the line says where).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested(argv)
@@ -557,7 +562,7 @@ def cli(argv: list[str] | None = None, algorithm: str = "ppo") -> None:
         # Everything is on disk (fsynced) and the logs are closed; skip the interpreter's teardown of the in-process
         # vLLM engine (measured: ~9 s on 2 cores), because the scheduler's grace period is running.
         os._exit(128 + error.signum)
-    except (checkpoint.NonFiniteError, DivergedError) as error:
+    except (checkpoint.NonFiniteError, DivergedError, RewardFailures) as error:
         if debug:
             traceback.print_exc(file=console.stream())
         say(f"error: stopped: {one_line(error)}; {resume_hint(argv, algorithm)}", error=True)

@@ -12,7 +12,7 @@ import torch
 
 from open_instruct.data.embedded import resolve_model_path
 from open_instruct.generation.evaluation import eval_metrics
-from open_instruct.run import checkpoint, disk_space, hub, summary
+from open_instruct.run import checkpoint, disk_space, hub, hub_models, summary
 from open_instruct.run.args import Args, batches_in_engine
 from open_instruct.run.console import say
 
@@ -20,6 +20,7 @@ from open_instruct.run.console import say
 def log_eval(run, eval_rollout, step: int) -> dict:
     """The eval's metrics (and one line on the console); its completions go to samples.jsonl."""
     metrics, samples = eval_metrics(eval_rollout, run.data.eval_prompts, run.reward_manager)
+    run.batches.note_cut_outputs(metrics.get("eval/tool_outputs_cut", 0.0), "the eval")
     run.logger.log_samples(samples, step, name="eval_completions")
     say(describe_eval(metrics, len(run.data.eval_prompts.token_ids), round(metrics["eval/samples_per_prompt"]), step))
     return metrics
@@ -35,6 +36,8 @@ def save_checkpoint(run, step: int, wait_s: float | None = None) -> checkpoint.S
         "run_id": run.args.run.run_name,
         "wandb_run_id": run.logger.wandb_run_id,
         "time_from_scratch": time.time() - run.start_time,
+        # The commit each hub model id resolved to at the start: a resume loads these, not the branches' newest.
+        "hub_commits": hub_models.resolved_commits(run.args, run.data.local_args),
         # engine actors: the run's count goes on (an in-process engine is never restarted)
         "engine_restarts": run.generator.engine.restarts if run.generator.engine is not None else 0,
         **run.rollouts.state_dict(learner_version=step, wait_s=wait_s,

@@ -9,6 +9,7 @@ own exit code and stderr. Printed at the end (with -s): the table of case, exit 
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,9 @@ from pathlib import Path
 import pytest
 
 from open_instruct.ppo_vllm_thread_ray_gtrl import cli
+from open_instruct.run.args import SIZE_FLAGS
+from open_instruct.run.command_line import exit_on_bad_command_line
+from tests.small_disk import small_disk_unavailable
 
 TIME_BOUND_S = 20.0  # loading the tiny model plus starting vLLM takes longer than this on the CI machines
 SUBPROCESS_TIME_BOUND_S = 60.0  # python start and imports (torch, transformers) included
@@ -75,6 +79,17 @@ CASES = [
          "--tool_output_max_tokens 0 is not valid"),
     Case("tool wrapper without output", ["--tools", "calculator", "--tool_output_wrapper", "<o></o>"],
          "--tool_output_wrapper '<o></o>' is not valid; expected a text holding {{output}} once"),
+    Case("tool limit without tools", ["--max_tool_calls", "3"],
+         "--max_tool_calls 3 shapes tool calls, and --tools is not set (no tool is called); pass --tools NAME"),
+    Case("tool whose constructor raises", ["--tools", "{tmp}/tools.py:NeedsKey"],
+         "--tools {tmp}/tools.py:NeedsKey: NeedsKey() in {tmp}/tools.py raised RuntimeError: set MY_KEY when built "
+         "(the engine builds one per sample, with no arguments); fix its __init__, or drop", setup="tool_file"),
+    Case("environment whose constructor raises", ["--tools", "{tmp}/tools.py:EnvNeedsKey"],
+         "--tools {tmp}/tools.py:EnvNeedsKey: EnvNeedsKey() in {tmp}/tools.py raised KeyError: 'MY_KEY' when built",
+         setup="tool_file"),
+    Case("python tool where the sandbox cannot isolate", ["--tools", "python"],
+         "--tools python: the python tool runs the model's programs in the code sandbox, always isolated "
+         "(--code_sandbox does not apply to it), and the code sandbox needs util-linux's", env={"PATH": "/nonexistent"}),
     Case("negative learning rate", ["--learning_rate", "-0.001"], "--learning_rate -0.001 is not valid"),
     Case("NaN learning rate", ["--learning_rate", "nan"], "--learning_rate nan is not valid"),
     Case("zero total_episodes", ["--total_episodes", "0"], "--total_episodes 0 is not valid; expected an integer >= 1"),
@@ -104,6 +119,8 @@ CASES = [
     Case("lora targets without a rank", ["--lora_target_modules", "q_proj"],
          "--lora_target_modules q_proj names the layers of LoRA adapters, and --lora_rank is 0"),
     Case("negative lora rank", ["--lora_rank", "-1"], "--lora_rank -1 is not valid"),
+    Case("lora alpha without a rank", ["--lora_alpha", "32"],
+         "--lora_alpha 32 scales LoRA adapters, and --lora_rank is 0 (full fine-tuning, no adapters); pass --lora_rank"),
     Case("adapter sync without lora", ["--lora_weight_sync", "adapter"],
          "--lora_weight_sync adapter sends LoRA adapters, and --lora_rank is 0"),
     Case("adapter sync above vllm's ranks", ["--lora_rank", "600", "--lora_weight_sync", "adapter"],
@@ -245,6 +262,9 @@ CASES = [
          setup="checkpoint_at_lr_3e_6"),  # fmt: skip
     # ---- data ----
     Case("data file missing", ["--dataset_mixer_list", "{tmp}/none.jsonl", "1.0"], "Dataset path {tmp}/none.jsonl does not exist"),
+    Case("hub dataset offline", ["--dataset_mixer_list", "no-such-owner/no-such-dataset", "1.0"],
+         "Dataset no-such-owner/no-such-dataset is not a local file or folder, so it was read as a hub dataset, and "
+         "HF_HUB_OFFLINE is set and the datasets cache has no copy of it"),  # fmt: skip
     Case("mixer amount missing", ["--dataset_mixer_list", "{data}"], "has an odd number of values"),
     Case("empty ground truth", [], "row 3: the ground truth is empty", rows=GOOD_ROWS[:3] + [arithmetic_row(ground_truth="")]),
     Case("no verifier name", [], "row 1: has a ground truth but no verifier name", rows=[arithmetic_row(), arithmetic_row(dataset=None)]),
@@ -267,12 +287,18 @@ CASES = [
          rows=[code_row(GOOD_CODE_TESTS), code_row('{"inputs": [], "outputs": []}')]),
     Case("code tests not JSON", [], "row 0: code tests 'assert add(1, 2) == 3' are not valid JSON",
          rows=[code_row("assert add(1, 2) == 3")]),
+    Case("code assert that cannot be checked outside the program", [], "row 0: code test 'total = add(1, 2)' cannot "
+         "be checked outside the program (a statement that is not an assert)",
+         rows=[code_row('["total = add(1, 2)\\nassert total == 3"]')]),
     Case("code inputs and outputs differ in length", [], "row 0: code tests have 2 inputs but 1 outputs",
          rows=[code_row('{"inputs": ["1", "2"], "outputs": ["1"]}')]),
     Case("code sandbox cannot start", [], "the data has code rows, whose tests run in a sandbox, but the code sandbox "
          "needs util-linux's", rows=[code_row(GOOD_CODE_TESTS)], env={"PATH": "/nonexistent"}),
     Case("unknown code sandbox", ["--code_sandbox", "none"], "--code_sandbox 'none' is not valid; expected one of isolated"),
     Case("zero code workers", ["--code_workers", "0"], "--code_workers 0 is not valid"),
+    Case("zero reward timeout", ["--reward_timeout_s", "0"], "--reward_timeout_s 0.0 is not valid; expected a number > 0"),
+    Case("negative reward failures in a row", ["--reward_max_consecutive_failures", "-1"],
+         "--reward_max_consecutive_failures -1 is not valid; expected an integer >= 0 (0: never stop)"),
     Case("code pass threshold above 1", ["--code_pass_threshold", "1.5"], "--code_pass_threshold 1.5 is not valid"),
 ]  # fmt: skip
 
@@ -298,6 +324,16 @@ def setup_small_vocab_model(tmp: Path, out: Path) -> None:
 def setup_reward_file(tmp: Path, out: Path) -> None:
     (tmp / "reward.py").write_text(
         "def score(response, ground_truth):\n    return 1.0\n\n\ndef one_argument(response):\n    return 1.0\n"
+    )
+
+
+def setup_tool_file(tmp: Path, out: Path) -> None:
+    (tmp / "tools.py").write_text(
+        "from open_instruct.rl import tools\n\n\n"
+        "class NeedsKey(tools.Tool):\n    name, start, end = 'k', '<k>', '</k>'\n\n"
+        "    def __init__(self):\n        raise RuntimeError('set MY_KEY')\n\n\n"
+        "class EnvNeedsKey(tools.Environment):\n    end_strings = ('</k>',)\n\n"
+        "    def __init__(self):\n        raise KeyError('MY_KEY')\n"
     )
 
 
@@ -508,6 +544,10 @@ finally:
      "error: Unknown arguments ['--learning_rat', '1e-5']"),
     ("open_instruct.grpo_vllm_thread_ray_gtrl", [*BASE, "--per_device_train_batch_size", "3"], 2,
      "error: --per_device_train_batch_size 3 does not divide the minibatch of 8 responses"),
+    ("open_instruct.grpo_vllm_thread_ray_gtrl", [*BASE, "--number_samples_per_prompt", "0"], 2,
+     "error: --number_samples_per_prompt 0 is not valid; expected an integer >= 1."),
+    ("open_instruct.ppo_vllm_thread_ray_gtrl", [*BASE, "--local_rollout_batch_size", "-4"], 2,
+     "error: --local_rollout_batch_size -4 is not valid; expected an integer >= 1."),
     ("open_instruct.ppo_vllm_thread_ray_gtrl", ["--help"], 0, "--per_device_train_batch_size"),
 ])  # fmt: skip
 def test_a_mistyped_command_line_is_answered_before_the_trainers_imports(entry, flags, code, expected, tmp_path):
@@ -526,6 +566,39 @@ def test_a_mistyped_command_line_is_answered_before_the_trainers_imports(entry, 
         assert "Traceback" not in process.stderr
     else:
         assert expected in process.stdout and "--learning_rate" in process.stdout
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+@pytest.mark.parametrize("value", ["0", "-4"])
+@pytest.mark.parametrize("flag", SIZE_FLAGS)
+def test_a_size_below_one_is_named_by_its_flag_before_the_trainers_imports(flag, value, algorithm, capsys):
+    """The command line's early check computes the batch sizes before validate_flags' ranges run: a size below 1 is
+    refused there by its own flag, not as a division by zero or as another flag's mistake."""
+    with pytest.raises(SystemExit) as exit_info:
+        exit_on_bad_command_line([*BASE, f"--{flag}", value], algorithm)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: --{flag} {value} is not valid; expected an integer >= 1."
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line(tmp_path):
+    """An --output_dir under a read-only mount (a real one: a tmpfs mounted read-only in a private mount namespace)
+    names the folder and the fix, exit code 2, instead of the run's traceback."""
+    reason = small_disk_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    command = [sys.executable, "-m", "open_instruct.ppo_vllm_thread_ray_gtrl", *BASE,
+               "--output_dir", str(read_only / "runs" / "out")]  # fmt: skip
+    script = f"mount -t tmpfs -o ro tmpfs {shlex.quote(str(read_only))} || exit 99; exec {shlex.join(command)}"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    process = subprocess.run(["unshare", "-m", "bash", "-c", script], capture_output=True, text=True, env=env,
+                             timeout=120)  # fmt: skip
+    assert process.returncode == 2, process.stderr[-2000:]
+    assert process.stderr.strip().splitlines()[-1] == (
+        f"error: --output_dir {read_only}/runs/out cannot be written (Read-only file system: {read_only}/runs); give "
+        f"an --output_dir on a disk this user can write to, or make {read_only} writable.")  # fmt: skip
+    assert "Traceback" not in process.stderr
 
 
 @pytest.mark.parametrize("exit_with, code, stderr", [

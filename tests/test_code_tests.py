@@ -194,6 +194,9 @@ def test_code_rows_through_the_reward_manager():
     assert metrics["objective/code_correct_rate"] == pytest.approx((1 + 1 / 3 + 1) / 3)
     assert metrics["objective/gsm8k_correct_rate"] == 1.0
     assert metrics["time/reward"] > 0
+    # 3 + 3 + 3 tests: 7 passed, the wrong program's last two wrong.
+    assert (metrics["code/tests_passed"], metrics["code/tests_wrong"]) == pytest.approx((7 / 9, 2 / 9))
+    assert metrics["code/tests_timeout"] == metrics["code/tests_bad_value"] == 0.0
 
 
 FIXTURE = Path(__file__).resolve().parents[1] / "open_instruct" / "data" / "fixtures" / "code_problems.jsonl"

@@ -2,6 +2,7 @@
 read back through the trainer's loader."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -238,6 +239,27 @@ def test_converter_runs_as_a_module(tmp_path):
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert "train: wrote 1 rows" in result.stdout
     assert load_split(tmp_path / "out", "train")[0]["ground_truth"] == "72"
+
+
+@pytest.mark.parametrize("flags, complaint", [
+    (["--input", "{tmp}/none.jsonl", "--splits", "train"], "error: Dataset path {tmp}/none.jsonl does not exist; check "
+     f"the path (relative to {REPO_ROOT})."),
+    (["--input", "{tmp}/other_layout.jsonl", "--splits", "train"], "error: A gsm8k row lacks the field(s) ['question', "
+     "'answer'] (it has ['q']); --input must have the column layout of the hub dataset."),
+    ([], "error: reading the hub dataset openai/gsm8k (split train) failed, HF_HUB_OFFLINE is set (ConnectionError: "
+     "Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)); pass --input with a local copy (`hf download "
+     "openai/gsm8k --repo-type dataset --local-dir DIR` where the Hub is reachable), or unset HF_HUB_OFFLINE."),
+])  # fmt: skip
+def test_a_converter_answers_bad_input_in_one_line(flags, complaint, tmp_path):
+    """Run as a user runs it: a missing --input, rows of another layout, the hub dataset offline: one line on stderr
+    and exit code 2, as the trainers answer (no traceback)."""
+    write_jsonl(tmp_path / "other_layout.jsonl", [{"q": 1}])
+    command = [sys.executable, "-m", "scripts.data_preprocess.gsm8k", "--output_dir", str(tmp_path / "out")]
+    command += [flag.format(tmp=tmp_path) for flag in flags]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == complaint.format(tmp=tmp_path)
 
 
 def test_without_input_the_hub_dataset_is_read(tmp_path, monkeypatch):

@@ -20,9 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 # Flags of programs other than ours that the pages show in commands (pip, pytest, Ray, SLURM, mkdocs, ...).
 EXTERNAL_FLAGS = set(
     "--no-deps --no-build-isolation --upgrade"  # pip
-    " --durations --strict --strict-markers --timeout --junitxml --dist --no-loadscope-reorder"  # pytest (pytest-timeout, pytest-xdist), mkdocs
+    " --durations --basetemp --strict --strict-markers --timeout --junitxml --dist --no-loadscope-reorder"  # pytest (pytest-timeout, pytest-xdist), mkdocs
     " --head --address --port --block --node-ip-address --generate"  # ray start, ray get-auth-token
-    " --signal --requeue --mount-proc --ip-address --help".split()  # sbatch, unshare, hostname
+    " --signal --requeue --mount-proc --ip-address --help"  # sbatch, unshare, hostname
+    " --repo-type --local-dir".split()  # hf download
 )
 # Names the pages use on purpose although they are no flag of ours: the abbreviation the parser refuses, a placeholder.
 NOT_FLAGS_ON_PURPOSE = {"--learn", "--flag"}

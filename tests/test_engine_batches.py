@@ -14,6 +14,7 @@ lengths:
 
 import copy
 import gc
+import itertools
 import random
 import string
 import sys
@@ -96,10 +97,15 @@ def load(llm, batches, weights, version: int) -> None:
 
 def test_one_batch_alone_is_what_vllm_generate_gives(llm):
     from open_instruct.generation import vllm_engine
-    from open_instruct.generation.engine_batches import EngineBatches, seed_sampling
+    from open_instruct.generation.engine_batches import EngineBatches, request_seed
 
-    seed_sampling(5)
-    expected = vllm_engine.generate(llm, PROMPTS, vllm_engine.sampling_params(**params()))
+    # vLLM's own generate of each sample as its own request, with the seed EngineBatches gives it.
+    each = [(prompt_index, ids) for prompt_index, ids in enumerate(PROMPTS) for _ in range(params()["n"])]
+    seeded = [vllm_engine.sampling_params(**{**params(), "n": 1, "seed": request_seed(5, index, 0, 0)})
+              for index in range(len(each))]  # fmt: skip
+    expected = vllm_engine.generate(llm, [ids for _, ids in each], seeded)
+    for completion in expected:
+        completion.prompt_index = each[completion.prompt_index][0]
     batches = EngineBatches(llm)
     batches.admit(0, PROMPTS, params(), sampling_seed=5)
     got = batches.run_until_complete(0)
@@ -314,6 +320,44 @@ def test_a_model_calling_forever_ends_at_max_tool_calls_and_timing_never_changes
     assert all(c.tool_stats["calls"] == 1 for c in ended)
 
 
+def test_environments_that_cannot_start_end_their_own_samples_and_the_batch_goes_on(llm):
+    """User environments that fail to start: a reset that raises, one that hangs far past --tool_timeout_s, a
+    constructor that raises. Each such sample ends at its first token reading why (finish reason
+    "environment_error", tools/start_errors), the hang cut at the timeout; the batch's other samples call their
+    environment as usual, and its megabyte observations are cut to --tool_output_max_tokens."""
+    from tests.support.tool_environments import BuiltBadly, StartsBadly
+
+    settings = tool_params(["bad"], temperature=1.0, n=2, max_tokens=64, timeout_s=1.0, output_max_tokens=24, max_calls=2)
+    with registered("bad", StartsBadly, "ENVIRONMENTS"):
+        start = time.monotonic()
+        got = generate_alone(llm, PROMPTS, settings, seed=0)
+        took = time.monotonic() - start
+    assert took < 60, f"{took:.0f} s: the hanging reset (120 s) held the batch"
+    why = {1: "Error: the environment could not start: RuntimeError: no environment for this prompt",
+           2: "Error: the environment could not start: it took longer than 1 s and was stopped"}  # fmt: skip
+    for completion in got:
+        runs = observations(completion)
+        assert all(len(run) <= 24 for run in runs), completion.text
+        if completion.prompt_index in why:
+            assert completion.finish_reason == "environment_error"
+            assert completion.tool_stats["start_errors"] == 1 and completion.tool_stats["calls"] == 0
+            assert completion.sampled.index(False) >= 1 and len(runs) == 1  # its first token (the learner's), then why
+            assert llm.get_tokenizer().decode(runs[0]) == why[completion.prompt_index]
+        else:  # a response that stops before its first letter calls nothing
+            stats = completion.tool_stats or {"start_errors": 0, "calls": 0, "outputs_cut": 0}
+            assert stats["start_errors"] == 0 and stats["outputs_cut"] == stats["calls"] == len(runs)
+            assert completion.finish_reason != "environment_error"
+    assert sum(len(observations(c)) for c in got if c.prompt_index not in why) >= 2
+
+    BuiltBadly.built = itertools.count()
+    with registered("bad", BuiltBadly, "ENVIRONMENTS"):
+        got = generate_alone(llm, PROMPTS, settings, seed=0)
+    failed = [c for c in got if c.finish_reason == "environment_error"]
+    assert len(failed) == len(got) // 2
+    assert all("could not start: ValueError: cannot build this environment" in c.text for c in failed)
+    assert all(c.finish_reason != "environment_error" for c in got if c not in failed)
+
+
 def test_an_in_flight_update_across_a_tool_call(llm, split_end, perturbed_weights, initial_weights):
     """Weights change right after the call: the model's tokens before it carry version 0, the tool's none, the
     model's after it version 1, and their logprobs are the new policy's given exactly these tokens."""
@@ -346,18 +390,34 @@ def test_a_stop_string_split_across_an_in_flight_update_ends_the_response_there(
     from open_instruct.generation.engine_batches import EngineBatches
 
     end, k, seed, sampled = split_end
+    tokenizer = llm.get_tokenizer()
     settings = params(n=1) | {"stop_strings": [end]}
-    expected = (sampled.token_ids[:k], llm.get_tokenizer().decode(sampled.token_ids[:k]), "stop")
+    expected = (sampled.token_ids[:k], tokenizer.decode(sampled.token_ids[:k]), "stop")
     alone = generate_alone(llm, PROMPTS[:1], settings, seed=seed)[0]
     assert (alone.token_ids, alone.text, alone.finish_reason) == expected
-    batches = EngineBatches(llm)
-    batches.admit(0, PROMPTS[:1], settings, sampling_seed=seed)
-    sample = batches.batches[0][0]
-    while len(sample.token_ids) < k - 1:
-        batches.step()
-    load(llm, batches, initial_weights, version=1)  # the same weights: the resubmitted request samples the same token
-    got = batches.run_until_complete(0)[0]
-    assert (got.token_ids, got.text, got.finish_reason) == expected
+
+    def updated_after(tokens: int, stop_strings) -> object:
+        """The sample, its request resubmitted (the same weights, as version 1) once it has `tokens` tokens."""
+        batches = EngineBatches(llm)
+        batches.admit(0, PROMPTS[:1], params(n=1) | {"stop_strings": stop_strings}, sampling_seed=seed)
+        while len(batches.batches[0][0].token_ids) < tokens:
+            batches.step()
+        load(llm, batches, initial_weights, version=1)
+        return batches.run_until_complete(0)[0]
+
+    # The resubmitted request draws its own noise (engine_batches.request_seed): find, among the places of the update,
+    # one where the text of the tokens on either side of it makes an end string, as `split_end` does.
+    for k in range(2, 20):
+        full = updated_after(k - 1, None)
+        before, upto = tokenizer.decode(full.token_ids[: k - 1]), tokenizer.decode(full.token_ids[:k])
+        if full.text.startswith(upto) and len(upto) > len(before) >= 1 and "\ufffd" not in upto:
+            end = full.text[len(before) - 1 : len(upto)]
+            if full.text.find(end) + len(end) == len(upto) and len(full.token_ids) > k:
+                break
+    else:
+        pytest.fail("no place of the update splits an end string over the tokens on either side of it")
+    got = updated_after(k - 1, [end])
+    assert (got.token_ids, got.text, got.finish_reason) == (full.token_ids[:k], upto, "stop")
     assert got.versions == [0] * (k - 1) + [1]
 
 
@@ -372,7 +432,7 @@ def test_a_snapshot_taken_after_tool_calls_restores_into_a_fresh_engine_bit_for_
     """Resume with tools: the batch's samples hold tool outputs when the snapshot is taken (a call is answered within
     its step, so none is mid-call); a fresh engine that restores it calls the same tools and ends with the same
     tokens, logprobs, versions, masks and counts as the engine it was taken from."""
-    from open_instruct.generation.engine_batches import EngineBatches, seed_sampling
+    from open_instruct.generation.engine_batches import EngineBatches
 
     with registered("turn_length", TurnLength, "ENVIRONMENTS"):
         settings = tool_params(["turn_length"], temperature=1.0, n=2, max_calls=4)
@@ -380,12 +440,12 @@ def test_a_snapshot_taken_after_tool_calls_restores_into_a_fresh_engine_bit_for_
         batches.admit(0, PROMPTS, settings, sampling_seed=5)
         batches.step()  # each sample's first token: a letter ends a turn, so most now hold an output
         snapshot = copy.deepcopy(batches.partial_batches())
-        seed_sampling(7)  # the sampling noise from here on, as the run's next admission would seed it
+        torch.manual_seed(7)  # the process's global generator: each request has its own, so it matters not
         expected = batches.run_until_complete(0)
         assert any(s["tool_stats"]["calls"] and not s["finish_reason"] for s in snapshot[0]["samples"])
         restored = EngineBatches(second_llm)
         restored.restore(snapshot)
-        seed_sampling(7)
+        torch.manual_seed(8)
         got = restored.run_until_complete(0)
     fields = lambda c: (c.token_ids, c.logprobs, c.versions, c.sampled, c.text, c.finish_reason,  # noqa: E731
                         {k: v for k, v in (c.tool_stats or {}).items() if k != "seconds"})  # fmt: skip
@@ -394,12 +454,17 @@ def test_a_snapshot_taken_after_tool_calls_restores_into_a_fresh_engine_bit_for_
 
 def test_a_snapshot_restored_into_a_fresh_engine_continues_bit_for_bit(llm, second_llm, perturbed_weights,
                                                                         initial_weights):  # fmt: skip
-    """Two batches in flight (the second admitted later), a snapshot, then an in-flight update and a third batch: the
-    engine it was taken from and a fresh engine that restored it generate the same tokens, logprobs and versions."""
+    """Two batches in flight (the second admitted later), a snapshot, then an in-flight update, a greedy eval (the
+    batches advance during its steps) and a third batch: the engine it was taken from and a fresh engine that
+    restored it generate the same tokens, logprobs and versions, whatever the process's global generator holds
+    (each request is seeded: engine_batches.request_seed)."""
     from open_instruct.generation.engine_batches import EngineBatches
 
-    def after_snapshot(batches, engine) -> list:
+    def after_snapshot(batches, engine, global_seed: int) -> list:
         load(engine, batches, perturbed_weights, version=1)
+        torch.manual_seed(global_seed)  # the process's own generator, as vLLM's warm-up or the learner leave it
+        batches.admit(("eval", 1), PROMPTS, params(n=1, temperature=0.0), sampling_seed=None)
+        batches.run_until_complete(("eval", 1))
         batches.admit(2, PROMPTS, params(), sampling_seed=9)
         return [batches.run_until_complete(batch_id) for batch_id in (0, 1, 2)]
 
@@ -412,14 +477,14 @@ def test_a_snapshot_restored_into_a_fresh_engine_continues_bit_for_bit(llm, seco
         batches.step()
     snapshot = copy.deepcopy(batches.partial_batches())
     try:
-        expected = after_snapshot(batches, llm)
+        expected = after_snapshot(batches, llm, global_seed=1)
     finally:
         load(llm, batches, initial_weights, version=0)
     assert any(s["token_ids"] and not s["finish_reason"] for batch in snapshot for s in batch["samples"])
 
     restored = EngineBatches(second_llm)
     restored.restore(snapshot)
-    got = after_snapshot(restored, second_llm)
+    got = after_snapshot(restored, second_llm, global_seed=2)
     for want_batch, got_batch in zip(expected, got):
         assert [(c.token_ids, c.logprobs, c.versions, c.text, c.finish_reason) for c in got_batch] == [
             (c.token_ids, c.logprobs, c.versions, c.text, c.finish_reason) for c in want_batch

@@ -77,14 +77,22 @@ def test_evaluate_with_tools_answers_the_calls_and_grades_the_text_with_their_ou
 
 
 @pytest.mark.parametrize("flags, complaint", [
-    (["--tools", "calculater"], "--tools calculater: unknown"),
-    (["--tools", "calculator", "--max_tool_calls", "0"], "--max_tool_calls 0 is not valid"),
+    (["/no/such/model", "--tools", "calculater"], "--tools calculater: unknown"),
+    (["/no/such/model", "--tools", "calculator", "--max_tool_calls", "0"], "--max_tool_calls 0 is not valid"),
+    (["output/no_such_run/model"], "MODEL output/no_such_run/model is not a folder; give a saved model folder (a run's "
+     "OUTPUT_DIR/model), a hub id"),
+    (["tiny", "no_such_model"], "MODEL no_such_model is not a folder"),  # every model, before the first one's engine
+    (["no-such-owner/no-such-model"], "MODEL no-such-owner/no-such-model (revision main) is no local folder, nor in the "
+     "HF cache, and HF_HUB_OFFLINE is set; run `hf download no-such-owner/no-such-model"),
+    (["tiny", "--dataset_mixer_list", "no_such_file.jsonl", "1.0"], "Dataset path no_such_file.jsonl does not exist"),
 ])  # fmt: skip
-def test_evaluate_refuses_bad_tool_flags_in_one_line_before_any_model_loads(flags, complaint, capsys):
+def test_evaluate_refuses_bad_input_in_one_line_before_any_model_loads(flags, complaint, capsys):
+    """As the trainers: a bad flag, a model that is not there (a folder, a hub id offline) or missing data is one line
+    `error: ...` and exit code 2, before any engine starts (no traceback: it ends a 20-line one)."""
     from open_instruct.evaluate import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["/no/such/model", *flags])
+        main(flags)
     assert exit_.value.code == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: ") and complaint in error and "\n" not in error

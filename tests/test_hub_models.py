@@ -1,20 +1,27 @@
 """Models named by a hub id become local snapshot folders before anything loads (open_instruct/run/hub_models.py),
 against the real huggingface_hub client downloading from a local fake Hub (tests/fake_hub.py) on 127.0.0.1.
 
-The learner ranks' side (a 2-rank ZeRO-3 run whose policy is a hub id) is in tests/test_ray_learners.py.
+The learner ranks' side (a 2-rank ZeRO-3 run whose policy is a hub id) is in tests/test_ray_learners.py. A resumed
+run loads the commits its checkpoint recorded, not what the branches point to by then: in process, and with the
+trainer (two starts of the tiny model).
 """
 
+import json
 import os
 import shutil
 import sys
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file, save
 
 from open_instruct.ppo_vllm_thread_ray_gtrl import cli
 from open_instruct.run.args import ConfigError, parse_args
-from open_instruct.run.hub_models import HUB_MODEL_FILES, folder_on_this_node, with_local_models
-from tests.fake_hub import FakeHub, folder_files, serve_downloads
+from open_instruct.run.hub_models import HUB_MODEL_FILES, folder_on_this_node, resolved_commits, with_local_models
+from tests.fake_hub import FakeHub, download_env, folder_files, serve_downloads
+from tests.support.resume_runs import assert_same_run
+from tests.support.trainer_runs import FP32_LEARNER, SMALL_RUN, TRAINER, last_lines, run_command
 
 # Files a hub repo may hold that a run does not need: never downloaded.
 NOT_NEEDED = {"README.md": b"# a model\n", "pytorch_model.bin": b"pickled weights", "onnx/model.onnx": b"graph"}
@@ -164,3 +171,74 @@ def test_the_trainer_exits_2_before_ray_for_a_hub_model_that_cannot_load(
     assert "Traceback" not in captured.err and "[vllm] engine" not in captured.out + captured.err
     assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
     assert seconds < 30
+
+
+# ---- a resumed run loads the commits its run started from ------------------------------------------------------------
+
+
+def moved_on(tiny_model_dir: str) -> dict[str, bytes]:
+    """The tiny model's files with other weights (each moved by noise) and another generation config: what a branch
+    holds after someone pushed to it."""
+    weights = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    moved = {name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator) for name, tensor in weights.items()}
+    return {**folder_files(tiny_model_dir), "model.safetensors": save(moved),
+            "generation_config.json": b'{"do_sample": false}'}  # fmt: skip
+
+
+def test_a_resumed_run_loads_the_commits_its_checkpoint_recorded_not_the_branches_newest(hub, tiny_model_dir):
+    """Every model flag named by a hub id (policy, whose folder also gives the reference policy and the tokenizer;
+    reward; value at --value_model_revision) is loaded on resume at the commit recorded at the run's start, after
+    every branch moved on."""
+    hub.add_repo("org/reward", folder_files(tiny_model_dir), branch="v2")
+    args = parse_args(["--model_name_or_path", "org/policy", "--reward_model_path", "org/reward",
+                       "--value_model_path", "org/reward", "--value_model_revision", "v2"])  # fmt: skip
+    first = with_local_models(args).model
+    pins = json.loads(json.dumps(resolved_commits(args, with_local_models(args))))  # as trainer_state.json holds them
+    assert {flag: (pin["repo"], pin["revision"]) for flag, pin in pins.items()} == {
+        "--model_name_or_path": ("org/policy", "main"), "--reward_model_path": ("org/reward", "main"),
+        "--value_model_path": ("org/reward", "v2")}  # fmt: skip
+    assert pins["--model_name_or_path"]["commit"] == os.path.basename(first.model_name_or_path)
+    started_with = {flag: folder_files(getattr(first, flag)) for flag in ("model_name_or_path", "reward_model_path",
+                                                                          "value_model_path")}  # fmt: skip
+    moved = moved_on(tiny_model_dir)
+    for repo, branch in (("org/policy", "main"), ("org/reward", "main"), ("org/reward", "v2")):
+        hub.add_repo(repo, moved, branch=branch)
+    assert folder_files(with_local_models(args).model.model_name_or_path)["model.safetensors"] == moved[
+        "model.safetensors"]  # a new run gets the branch's newest  # fmt: skip
+
+    resumed = with_local_models(args, pins).model
+
+    for flag, files in started_with.items():
+        assert getattr(resumed, flag) == getattr(first, flag)
+        assert folder_files(getattr(resumed, flag)) == files, flag
+    loaded = load_file(os.path.join(resumed.model_name_or_path, "model.safetensors"))  # what the learner loads
+    original = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in original.items())
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_resume_after_the_branch_moved_continues_the_run_it_started(tmp_path, tiny_model_dir):
+    """The trainer, as a user runs it: a 2-step run of `org/policy` (main) with a checkpoint at step 1; main then
+    gets other weights; resumed from step 1, the run's step 2 (its KL to the reference policy, the reference loaded
+    again at resume) and final model equal the uninterrupted run's. Loading main's new weights as the reference
+    gave step 2 another `objective/kl`. Slow: each start is a new interpreter (the Hub's variables differ from the
+    forked runs'), two starts of the tiny model (~45 s each)."""
+    workdir, output_dir = tmp_path, tmp_path / "output"
+    flags = ["--model_name_or_path", "org/policy", "--total_episodes", "16", "--num_evals", "0", "--save_freq", "1",
+             "--async_mode", "false", "--output_dir", str(output_dir), *FP32_LEARNER, *SMALL_RUN]  # fmt: skip
+    with FakeHub() as hub:
+        first_commit = hub.add_repo("org/policy", folder_files(tiny_model_dir))
+        env = download_env(hub, workdir / "hf_cache")
+        first, _ = run_command(TRAINER + flags, cwd=workdir, env=env)
+        assert first.returncode == 0, last_lines(first.stderr)
+        shutil.copytree(output_dir, workdir / "uninterrupted")
+        assert hub.add_repo("org/policy", moved_on(tiny_model_dir)) != first_commit
+        resumed, _ = run_command(TRAINER + flags + ["--resume", str(output_dir / "checkpoints" / "step_1")],
+                                 cwd=workdir, env=env)  # fmt: skip
+    assert resumed.returncode == 0, last_lines(resumed.stderr)
+    assert_same_run(output_dir, workdir / "uninterrupted", exact=True)  # sync mode: bit for bit
+    pinned = f"--model_name_or_path org/policy at commit {first_commit[:12]} (its revision main then)"
+    assert pinned in resumed.stdout + resumed.stderr
+    assert f"snapshots/{first_commit}" in (resumed.stdout + resumed.stderr)  # the policy folder the run names

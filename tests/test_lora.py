@@ -329,6 +329,9 @@ def lora_run(tiny_model_dir, eval_file, tmp_path_factory) -> Path:
 def test_lora_run_engine_agrees_with_learner_and_a_fresh_engine_on_the_saved_model_equals_it(
     lora_run, tiny_model_dir, eval_file, tmp_path
 ):
+    """The run's engine agrees with its learner at every step; a fresh engine on the saved merged `model/` gives the
+    run's last greedy eval answers, and so does a fresh engine on the base serving the saved `model/adapter` with
+    vLLM's own LoRA (`LoRARequest`, as a user serving the adapter does; fp32 engines on CPUs)."""
     rows = read_metrics(str(lora_run / "metrics.jsonl"))
     steps = [row for row in rows if "debug/vllm_vs_learner_logprob_diff_max" in row]
     assert [row["step"] for row in steps] == [1, 2]
@@ -347,6 +350,8 @@ def test_lora_run_engine_agrees_with_learner_and_a_fresh_engine_on_the_saved_mod
     assert final and any(a["token_ids"] != b["token_ids"] for a, b in zip(final, initial_rows)), "nothing changed"
     _, fresh = fresh_engine_greedy(model_dir, eval_file, final, tmp_path)
     assert fresh == [row["token_ids"] for row in final]
+    _, served = fresh_engine_greedy(Path(tiny_model_dir), eval_file, final, tmp_path, model_dir / lora.ADAPTER_FOLDER)
+    assert served == fresh
     initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
     trained = load_file(str(model_dir / "model.safetensors"))
     assert [name for name in trained if not torch.equal(trained[name], initial[name])], "nothing was trained"

@@ -16,6 +16,7 @@ import torch
 
 from open_instruct import rl
 from open_instruct.learner import models
+from tests.support.learner_steps import assert_same_gradients, recorded_gradients
 from tests.test_packing import learner_with_experience
 
 # Minibatches of 4 rows (EQUIVALENCE_FLAGS: 8 responses, 2 minibatches, 2 epochs): how each is split.
@@ -26,21 +27,6 @@ SPLITS = {
     "packed by 100 tokens": ["--per_device_train_batch_size", "2", "--max_tokens_per_micro_batch", "100"],
 }
 KL_IN_LOSS = {"ppo": ["--kl_in_loss", "true"], "grpo": []}  # GRPO puts the k3 term in the loss by default
-
-
-def recorded_gradients(learner) -> list[dict[str, torch.Tensor]]:
-    """The gradients each optimizer step of `learner` receives (before clipping), one dict per model and step, in
-    the order the steps run; filled while `learner.train` runs (each trainer's own step still applies them)."""
-    steps = []
-    for role, trainer in zip(("policy", "value"), learner.trainers):
-
-        def recording_step(apply: bool = True, trainer=trainer, role=role, step=trainer.step) -> bool:
-            steps.append({f"{role}:{name}": param.grad.clone() for name, param in trainer.model.named_parameters()
-                          if param.grad is not None})  # fmt: skip
-            return step(apply)
-
-        trainer.step = recording_step
-    return steps
 
 
 def whole_minibatch_gradients(learner, exp) -> dict[str, torch.Tensor]:
@@ -62,13 +48,6 @@ def whole_minibatch_gradients(learner, exp) -> dict[str, torch.Tensor]:
         models_by_role["value"] = learner.value_model
     return {f"{role}:{name}": param.grad.clone()
             for role, model in models_by_role.items() for name, param in model.named_parameters()}  # fmt: skip
-
-
-def assert_same_gradients(got: dict, expected: dict, what: str, atol: float = 1e-6) -> None:
-    assert got.keys() == expected.keys(), what
-    for name, gradient in expected.items():
-        where = f"{what}, {name}"
-        torch.testing.assert_close(got[name], gradient, rtol=0, atol=atol, msg=lambda m, where=where: f"{where}: {m}")
 
 
 @pytest.mark.slow

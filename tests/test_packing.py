@@ -5,9 +5,12 @@
 - the packed forward of the tiny model gives the padded forward's logprobs, entropies, values and scores (no
   attention crosses from one packed sequence to another);
 - a PPO and a GRPO step (token and sequence aggregation), fp32, on a mixed-length rollout: packed micro-batches give
-  the padded step's metrics within 1e-6 and its weights, with fewer token slots;
-- two DeepSpeed ranks, packed or in padded micro-batches, take the single process's step (the gradients of every
-  split of a minibatch, one process: test_micro_batches.py).
+  the padded step's metrics within 1e-6, its gradients and its weights, with fewer token slots;
+- two DeepSpeed ranks, packed or in padded micro-batches, take the single process's step: the gradients each optimizer
+  step receives (read after the minibatch's last backward, before the optimizer), then the weights. Weights after
+  AdamW alone would hide a loss-scale error: AdamW's update is the same for gradients scaled by any factor (but for its
+  epsilon), so a rank that summed its gradients twice takes the same step. (The gradients of every split of a
+  minibatch, one process: test_micro_batches.py.)
 """
 
 import pytest
@@ -22,7 +25,7 @@ from open_instruct.learner.ppo import PPOLearner
 from open_instruct.rl.packing import first_fit_decreasing, pack_rows, plan_micro_batches
 from open_instruct.rl.rewards import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
-from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout
+from tests.support.learner_steps import EQUIVALENCE_FLAGS, assert_same_gradients, fixed_rollout, recorded_gradients
 from tests.support.ray_runs import needs_loopback_namespace
 
 
@@ -124,13 +127,24 @@ def learner_with_experience(model_dir: str, algorithm: str, *flags: str):
 
 
 def learner_step(model_dir: str, algorithm: str, *flags: str):
-    """One make_experience + train of a fresh learner on the fixed mixed-length rollout; (metrics, experience, weights)."""
+    """One make_experience + train of a fresh learner on the fixed mixed-length rollout; (metrics, experience, weights,
+    micro-batch plans, the gradients each optimizer step received)."""
     learner, exp, experience_metrics = learner_with_experience(model_dir, algorithm, *flags)
     max_tokens = learner.args.ppo.max_tokens_per_micro_batch
     plans = [micro_batches(exp, m, 2, max_tokens, 0, 1) for m in torch.arange(8).split(4)]
+    gradients = recorded_gradients(learner)
     metrics = {**experience_metrics, **learner.train(exp)}
     weights = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
-    return metrics, exp, weights, plans
+    return metrics, exp, weights, plans, gradients
+
+
+def assert_same_steps(got: list[dict], expected: list[dict], what: str) -> None:
+    """The gradients of every optimizer step (2 epochs x 2 minibatches, each model), within 1e-5: packed, the attention
+    sums each sequence alone and the tied embedding's gradient adds its rows' parts in another order (1.2e-6 to 2.3e-6
+    measured, test_micro_batches.py). A loss scaled by 2 is 2x off."""
+    assert len(got) == len(expected) >= 4, what
+    for number, (mine, theirs) in enumerate(zip(got, expected)):
+        assert_same_gradients(mine, theirs, f"{what}, step {number}", atol=1e-5)
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
@@ -140,9 +154,9 @@ def test_packed_micro_batches_take_the_padded_step(tiny_model_dir, algorithm, ag
     Packed at 100 tokens the same minibatches run as several micro-batches of 1-3 sequences each, and so do
     make_experience's forward passes (old and reference logprobs, values)."""
     common = ["--loss_aggregation", aggregation, "--per_device_train_batch_size"]
-    padded, exp, padded_weights, _ = learner_step(tiny_model_dir, algorithm, *common, "4")
-    packed, packed_exp, packed_weights, plans = learner_step(tiny_model_dir, algorithm, *common, "2",
-                                                    "--max_tokens_per_micro_batch", "100")  # fmt: skip
+    padded, exp, padded_weights, _, padded_gradients = learner_step(tiny_model_dir, algorithm, *common, "4")
+    packed, packed_exp, packed_weights, plans, packed_gradients = learner_step(
+        tiny_model_dir, algorithm, *common, "2", "--max_tokens_per_micro_batch", "100")  # fmt: skip
     lengths = exp.attention_mask.sum(1)
     assert lengths.min() < 0.6 * lengths.max()  # a mixed-length rollout
     assert all(1 < len(plan) < 4 for plan in plans)  # packed: more than one micro-batch, fewer than one per row
@@ -159,6 +173,7 @@ def test_packed_micro_batches_take_the_padded_step(tiny_model_dir, algorithm, ag
     for key in padded:
         if not key.startswith(("perf/", "time/")):
             assert packed[key] == pytest.approx(padded[key], rel=1e-6, abs=1e-6), key
+    assert_same_steps(packed_gradients, padded_gradients, "packed against padded")
     for name, weight in padded_weights.items():
         torch.testing.assert_close(packed_weights[name], weight, rtol=0, atol=1e-5, msg=name)
     # The same real tokens, with no padding slot left.
@@ -172,9 +187,10 @@ def test_packed_micro_batches_take_the_padded_step(tiny_model_dir, algorithm, ag
 def step_on_rank(rank: int, port: int, results, model_dir: str, stage: int, *flags: str) -> None:
     import deepspeed
 
-    from tests.support.deepspeed_ranks import learner_on_rank
+    from tests.support.deepspeed_ranks import learner_on_rank, recorded_rank_gradients
 
     learner, tokenizer = learner_on_rank(rank, port, model_dir, stage, "--response_length", "48", *flags)
+    gradients = recorded_rank_gradients(learner)
     prompts, completions = mixed_length_rollout(tokenizer)
     exp, metrics, _ = learner.make_experience(prompts, completions, RewardManager(learner.args.reward))
     ppo = learner.args.ppo
@@ -187,7 +203,8 @@ def step_on_rank(rank: int, port: int, results, model_dir: str, stage: int, *fla
         with deepspeed.zero.GatheredParameters([param], enabled=stage == 3):  # a collective: every rank gathers
             weights[name] = param.detach().cpu().clone()
     tokens = [sum(micro.real_tokens for micro in plan) for plan in plans]
-    results[rank] = (metrics, weights if rank == 0 else None, [len(plan) for plan in plans], tokens)
+    results[rank] = (metrics, weights if rank == 0 else None, [len(plan) for plan in plans], tokens,
+                     gradients if rank == 0 else None)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -198,13 +215,15 @@ def whole_minibatch_step(tiny_model_dir):
 
 def two_ranks_against_one_whole_minibatch(whole_minibatch_step, model_dir: str, stage: int, *flags: str):
     """One PPO step on two ZeRO ranks with `flags`, checked against one process that holds each minibatch in one
-    padded micro-batch: the same weights (1e-5) and metrics (1e-6). Returns the ranks' results and the reference."""
+    padded micro-batch: the same gradients at every optimizer step (1e-5), weights (1e-5) and metrics (1e-6). Returns
+    the ranks' results and the reference."""
     from tests.support.deepspeed_ranks import run_two_ranks
 
-    padded, _, padded_weights, _ = whole_minibatch_step
+    padded, _, padded_weights, _, padded_gradients = whole_minibatch_step
     results = run_two_ranks(step_on_rank, model_dir, stage, *flags)
-    metrics, weights, counts, _ = results[0]
+    metrics, weights, counts, _, gradients = results[0]
     assert counts == results[1][2]  # every rank runs as many micro-batches (ZeRO's collectives)
+    assert_same_steps(gradients, padded_gradients, f"two ranks at ZeRO-{stage} against one process")
     for name, weight in padded_weights.items():
         torch.testing.assert_close(weights[name], weight, rtol=0, atol=1e-5, msg=name)
     # Under ZeRO-3 policy/weight_norm_vs_start came out 6e-5 off the single process's although the weights agree

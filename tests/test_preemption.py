@@ -94,6 +94,117 @@ def test_a_filtering_step_given_up_puts_the_batches_it_drew_back_in_flight():
         thread.shutdown()
 
 
+class HalfGeneratingEngine(StallingEngine):
+    """The stalling engine with a snapshot and a restore, as engine_batches has them: each batch one response, its
+    tokens so far tagged with their versions (None: it stalls on no batch)."""
+
+    def partial_batches(self) -> list[dict]:
+        return [{"batch_id": batch_id, "params": {}, "samples": [
+                    {"token_ids": list(versions), "finish_reason": "stop" if len(versions) >= self.lengths[batch_id] else None}]}
+                for batch_id, versions in self.batches.items()]  # fmt: skip
+
+    def restore(self, partial_batches: list[dict]) -> None:
+        for partial in partial_batches:
+            self.batches[partial["batch_id"]] = list(partial["samples"][0]["token_ids"])
+
+
+LENGTHS = {**dict.fromkeys(range(10), 6), 0: 3}  # batch 1 is half generated when batch 0 completes
+
+
+def train_until(engine, steps: int, stall_at: int | None = None):
+    """--async_steps 2 --inflight_updates (two batches in the engine), the trainer's order: step s tops up with policy
+    s-1 and trains on batch s-1. With `stall_at`, that step waits for its batch, which never completes, and gives up
+    (a preemption): the checkpoint is then the previous step's."""
+    thread, requests = start_requests(engine, async_steps=2, batches_in_engine=2)
+    for step in range(1, steps + 1):
+        requests.top_up(version=step - 1, steps_left=6 - step + 1)
+        if step == stall_at:
+            with thread.abandoning_waits_when(engine.stalled.is_set):
+                with pytest.raises(WaitAbandoned):
+                    requests.receive()
+        else:
+            assert requests.receive()[1].batch_id == step - 1
+    return thread, requests
+
+
+def resume(state: dict, learner_version: int):
+    """A fresh engine resumes the checkpoint `state` (as trainer_state.json holds it): what `send_unfinished` reports,
+    and the versions of the tokens of the next batch the resumed learner trains on."""
+    thread, requests = start_requests(HalfGeneratingEngine(LENGTHS, None), async_steps=2, batches_in_engine=2)
+    try:
+        requests.load_state_dict(json.loads(json.dumps(state)))
+        continuation = requests.send_unfinished(learner_version=learner_version)
+        requests.top_up(version=learner_version, steps_left=6 - learner_version)
+        versions = requests.receive()[1].completions[0].versions
+    finally:
+        thread.shutdown()
+    assert thread.error is None, thread.error_traceback
+    return continuation, versions
+
+
+def test_a_checkpoint_at_rest_continues_its_half_generated_batches_as_the_run_would():
+    """At the end of step 1 the oldest batch comes back and the engine waits for the learner's next weights (the
+    checkpoint's): the resumed engine loads those same weights, then continues. Nothing to report."""
+    thread, requests = train_until(HalfGeneratingEngine(LENGTHS, None), steps=1)
+    try:
+        state = requests.state_dict(learner_version=1, inflight_updates=True, steps_left=5)
+    finally:
+        thread.shutdown()
+    partials = [request["partial"] for request in state["in_flight"] if request["partial"] is not None]
+    assert partials and all(partial["snapshot"] == {"at_rest": True, "engine_policy_version": 0} for partial in partials)
+    continuation, _ = resume(state, learner_version=1)
+    assert (continuation.regenerated, continuation.continued, continuation.metrics()) == ([], [], {})
+    assert continuation.warnings("ckpt", 1) == []
+
+
+def test_batches_of_older_policies_not_stored_when_the_budget_ran_out_are_reported_as_regenerated():
+    """Step 4 waits for batch 3 (policy 1), which never completes; the checkpoint of step 3 gives up on it within its
+    budget (0.2 s), so batches 3 and 4 (policies 1 and 2) are stored without their tokens, and the resumed run has
+    policy 3 generate them: a warning each, and a metric at the resumed run's first step."""
+    engine = HalfGeneratingEngine(LENGTHS, stalled_batch=3)
+    thread, requests = train_until(engine, steps=4, stall_at=4)
+    try:
+        state = requests.state_dict(learner_version=3, wait_s=0.2, inflight_updates=True, steps_left=3)
+    finally:
+        thread.shutdown()
+    stored = [(r["batch_id"], r["policy_version"], r["rollout"] is None, r["partial"] is None) for r in state["in_flight"]]
+    assert stored == [(3, 1, True, True), (4, 2, True, True), (5, 3, True, True)]
+    continuation, versions = resume(state, learner_version=3)
+    assert continuation.regenerated == [1, 2] and continuation.continued == []
+    assert continuation.metrics() == {"resume/batches_regenerated_by_other_policy": 2.0}
+    assert [line.split(";")[0] for line in continuation.warnings("ckpt", 3)] == [
+        "the batch of policy 1 was not finished when ckpt was written", "the batch of policy 2 was not finished when "
+        "ckpt was written"]  # fmt: skip
+    assert set(versions) == {3}  # batch 3, all of it generated by the checkpoint's policy
+
+
+def test_batches_snapshotted_mid_batch_are_reported_as_continued_by_another_policy():
+    """A snapshot answered between two engine steps (its deadline passed: not where the rule fixes it) while the
+    engine decodes batch 1 with policy 0: the uninterrupted engine would have gone on with policy 0, the resumed one
+    continues with the checkpoint's (policy 1). The checkpoint records where the snapshot stood; the resume reports
+    it (a warning, a metric)."""
+    engine = HalfGeneratingEngine(LENGTHS, stalled_batch=1)
+    thread, requests = train_until(engine, steps=2, stall_at=2)
+    try:
+        snapshot = thread.snapshot(within_s=5.0, deadline_s=0.0)
+        partials = {partial["batch_id"]: partial for partial in snapshot.partial_batches}
+        for request in requests.in_flight:
+            request.partial = partials.get(request.batch_id)
+        state = {"prompt_order": requests.prompt_order.state_dict(), "evaluated_versions": [],
+                 "requests_sent": requests.requests_sent, "in_flight": [r.to_dict() for r in requests.in_flight]}  # fmt: skip
+    finally:
+        thread.shutdown()
+    assert not snapshot.at_rest and sorted(partials) == [1, 2]
+    assert all(partial["snapshot"] == {"at_rest": False, "engine_policy_version": 0} for partial in partials.values())
+    continuation, versions = resume(state, learner_version=1)
+    assert continuation.continued == [1, 2] and continuation.regenerated == []
+    assert continuation.metrics() == {"resume/batches_continued_with_other_policy": 2.0}
+    [warning] = continuation.warnings("ckpt", 1)
+    assert "holds 2 half-generated batch(es) (batch 1, 2) snapshotted mid-batch" in warning
+    before = partials[1]["samples"][0]["token_ids"]  # the versions of batch 1's tokens at the snapshot: policy 0's
+    assert before and set(before) == {0} and versions == before + [1] * (6 - len(before))  # then the checkpoint's
+
+
 def test_a_preempted_wait_runs_out_of_patience_at_its_share_of_the_budget():
     stop = StopRequest("unused", timeout_s=0.4)
     assert not stop.out_of_patience()  # no stop requested: a wait never gives up

@@ -1,8 +1,9 @@
 """--reward_function path/to/file.py:fn (issue 32): the user's own verifier, from their file, scores every row.
 
-The batch is scored by RewardManager.score, the call the learner makes in make_experience (and the driver, under
-GRPO's zero-std filter); the function travels to Ray learner ranks by pickle and is loaded again there from its path
-(a fresh process in another working directory here). Refusals at start-up go through the CLI in
+The batch is scored by RewardManager.score, the call the learner makes in make_experience (the trainer verifies each
+batch where it collects it); the function runs in the reward worker, a process that loads it again from its absolute
+path, also where a manager was unpickled in another working directory (here a fresh process). A function that raises,
+returns something not in [0, 1] or hangs: tests/test_reward_failures.py. Refusals at start-up go through the CLI in
 tests/test_bad_inputs.py; here the loader's own messages.
 """
 
@@ -78,15 +79,6 @@ def test_a_manager_sent_to_another_process_loads_the_function_again_from_its_pat
                           cwd=elsewhere, env=env, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert done.stdout.decode().strip() == "[1.0, 0.0, 1.0, 0.0] 0.5"
-
-
-@pytest.mark.parametrize("returned, shown", [("2.0", "2.0"), ("'yes'", "'yes'"), ("float('nan')", "nan"), ("None", "None")])
-def test_a_score_outside_0_1_stops_with_the_function_and_the_response_named(tmp_path, returned, shown):
-    path = reward_file(tmp_path, f"def bad(response, ground_truth):\n    return {returned} if response == 'b' else 1.0\n")
-    manager = RewardManager(RewardConfig(reward_function=f"{path}:bad"))
-    with pytest.raises(ValueError, match=rf"--reward_function {path}:bad returned {shown} for response 1; it must "
-                                         r"return a number in \[0, 1\]"):  # fmt: skip
-        manager.score(["a", "b"], ["x", "x"], [None, None], [True, True])
 
 
 @pytest.mark.parametrize(

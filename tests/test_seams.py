@@ -25,7 +25,7 @@ from open_instruct.learner.ppo import PPOLearner
 from open_instruct.learner.ray_group import LearnerGroup
 from open_instruct.learner.seams import EngineCheckpoints, Learner, LearnerBackend, ModelTrainer
 from open_instruct.learner.single_process import AdamWTrainer, SingleProcess
-from open_instruct.rl.rewards import PrecomputedScores, RewardManager, Scorer
+from open_instruct.rl.rewards import PrecomputedScores, RewardManager, Scorer, VerifiedScores
 from open_instruct.run.args import ALGORITHM_DEFAULTS, PPOArgs
 
 IMPLEMENTATIONS = [
@@ -40,6 +40,7 @@ IMPLEMENTATIONS = [
     (ModelTrainer, DeepSpeedTrainer),
     (Scorer, RewardManager),
     (Scorer, PrecomputedScores),
+    (Scorer, VerifiedScores),
 ]
 SEAMS = [Engine, HandsOutWeights, BroadcastsWeights, Learner, LearnerBackend, EngineCheckpoints, ModelTrainer, Scorer]
 ATTRIBUTE = "attribute"

@@ -116,6 +116,53 @@ def test_run_steps_cuts_a_hanging_step_answers_a_raising_one_and_keeps_the_order
     assert not any(o.error or o.timed_out for o in outcomes[2:])
 
 
+class StartsBadly(Environment):
+    end_strings = ("</s>",)
+
+    def reset(self, row):
+        if row["how"] == "raise":
+            raise RuntimeError("no task for this row")
+        if row["how"] == "exit":
+            raise SystemExit(3)
+        if row["how"] == "hang":
+            time.sleep(30)
+        self.row = row
+
+
+class BuiltBadly(Environment):
+    def __init__(self):
+        raise ValueError("x" * 10**6)
+
+
+def test_start_environments_answers_a_raising_or_hanging_start_with_text_and_starts_the_others():
+    rows = [{"how": how} for how in ("fine", "raise", "hang", "exit", "fine")]
+    start = time.monotonic()
+    attempts = tools.start_environments(StartsBadly, rows, 0.5)
+    assert time.monotonic() - start < 5  # the hanging reset did not hold the others for its 30 s
+    assert [a.error is None for a in attempts] == [True, False, False, False, True]
+    assert attempts[0].value.row is rows[0] and attempts[4].value.row is rows[4]
+    assert attempts[1].error == "Error: the environment could not start: RuntimeError: no task for this row"
+    assert attempts[2].timed_out and attempts[2].error == (
+        "Error: the environment could not start: it took longer than 0.5 s and was stopped"
+    )
+    assert attempts[3].error == "Error: the environment could not start: SystemExit: 3"
+    (built,) = tools.start_environments(BuiltBadly, [{}], 0.5)
+    assert built.error.startswith("Error: the environment could not start: ValueError: xxx")  # cut by the engine
+
+
+def test_an_observation_is_cut_to_its_token_budget_tokenising_only_its_head(tiny_model_dir):
+    from open_instruct.data.tokenizer import load_tokenizer
+    from open_instruct.generation.engine_batches import cut_to_tokens, observation_tokens
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    assert cut_to_tokens(tokenizer, "a short answer", 8) == ("a short answer", False)
+    start = time.monotonic()
+    cut, was_cut = cut_to_tokens(tokenizer, " word" * 2_000_000, 8)  # 10 MB: ~10 s to tokenise whole
+    assert time.monotonic() - start < 1.0
+    assert was_cut and cut == " word" * 8 and len(observation_tokens(tokenizer, cut)) == 8
+    assert cut_to_tokens(tokenizer, "x" * 10**6, 8)[1]  # one long "word": cut too
+
+
 class QuickPython(tools.PythonTool):
     LIMITS = tools.Limits(wall_time_s=0.5, max_output_bytes=1 << 10)
 
@@ -279,3 +326,31 @@ def test_the_eval_reports_the_share_of_responses_that_called_a_tool_only_in_a_ru
     plain = [Completion(0, [5], "12", "stop")]
     metrics, _ = eval_metrics(Rollout(0, plain, sampled_completions=plain), prompts, RewardManager(RewardConfig()))
     assert "eval/tool_call_rate" not in metrics and "eval/sampled_tool_call_rate" not in metrics
+
+
+def test_cut_tool_outputs_are_counted_in_the_eval_and_named_once_on_the_console(capsys):
+    """A tool answering far more than --tool_output_max_tokens costs time on every call: the eval counts its cut
+    outputs (greedy and sampled, eval/tool_outputs_cut, as tools/outputs_cut counts a batch's), and the first cut the
+    trainer sees, in an eval or a batch, is one console line naming the flag; later ones are only counted."""
+    from open_instruct.data.batches import PromptBatch
+    from open_instruct.generation.evaluation import eval_metrics
+    from open_instruct.generation.generation_thread import Rollout
+    from open_instruct.generation.step_batch import BatchCollector
+    from open_instruct.generation.vllm_engine import Completion
+    from open_instruct.rl.rewards import RewardConfig, RewardManager
+    from open_instruct.run import console  # noqa: F401 - puts our modules' log lines on the console, as in a run
+
+    prompts = PromptBatch([[1, 2]], ["12"], ["arithmetic"], ["What is 3 * 4?"])
+    stats = dict.fromkeys(("calls", "errors", "timeouts", "outputs_cut", "seconds", "reward"), 0) | {"calls": 2}
+    greedy = [Completion(0, [5, 6], "12", "stop", sampled=[True, False], tool_stats=stats | {"outputs_cut": 2})]
+    sampled = [Completion(0, [5, 6], "12", "stop", sampled=[True, False], tool_stats=stats | {"outputs_cut": 1})] * 2
+    metrics, _ = eval_metrics(Rollout(0, greedy, sampled_completions=sampled), prompts, RewardManager(RewardConfig()))
+    assert metrics["eval/tool_outputs_cut"] == 4
+    collector = BatchCollector(None, RewardManager(RewardConfig()), 1, 1, False, 0, [], with_tools=True)
+    capsys.readouterr()
+    collector.note_cut_outputs(0.0, "the eval")  # nothing cut: nothing said
+    collector.note_cut_outputs(metrics["eval/tool_outputs_cut"], "the eval")
+    collector.note_cut_outputs(7.0, "the batch of policy version 1")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[tools] warning: 4 tool output(s) in the eval were longer than "
+                                                   "--tool_output_max_tokens and were cut"), lines  # fmt: skip

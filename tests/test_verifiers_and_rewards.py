@@ -251,6 +251,8 @@ def test_score_dispatches_by_alias_and_reports_metrics():
         "objective/arithmetic_correct_rate": 0.0,
         "objective/gsm8k_correct_rate": 0.5,
         "objective/math_correct_rate": 1.0,
+        # each verifier's responses it could not score (none here): reward_failures
+        **{f"reward/{kind}/{name}": 0.0 for kind in ("errors", "timeouts") for name in ("arithmetic", "gsm8k", "math")},
     }
 
 

@@ -144,10 +144,21 @@ def open_source(name: str, split: str) -> list[SourcePart]:
         raise FileNotFoundError(f"Dataset path {name} does not exist; check the path (relative to {Path.cwd()}).")
     try:
         hub_dataset = datasets.load_dataset(name, split=split)
-    except Exception as error:
-        error.add_note(f"{name!r} is not a local file or folder, so it was loaded as a hub dataset name.")
-        raise
+    except Exception as error:  # noqa: BLE001 - datasets' and the Hub's own error types: one line with the fix
+        raise ValueError(hub_dataset_problem(name, split, error)) from error
     return [SourcePart(f"{name} (split {split})", hub_dataset)]
+
+
+def hub_dataset_problem(name: str, split: str, error: Exception) -> str:
+    """Why hub dataset `name` could not be loaded, and the fix, in one line: offline, a local copy is the way."""
+    cause = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+    local_copy = (f"`hf download {name} --repo-type dataset --local-dir DIR` where the Hub is reachable, then give the "
+                  f"folder holding its {split} files (DIR or a config's folder in it)")  # fmt: skip
+    if datasets.config.HF_HUB_OFFLINE:
+        return (f"Dataset {name} is not a local file or folder, so it was read as a hub dataset, and HF_HUB_OFFLINE is "
+                f"set and the datasets cache has no copy of it ({cause}); run {local_copy}, or unset HF_HUB_OFFLINE.")  # fmt: skip
+    return (f"Dataset {name} is not a local file or folder, and loading it as a hub dataset (split {split}) failed "
+            f"({cause}); check the name or path, or run {local_copy}.")  # fmt: skip
 
 
 def count_rows(part: SourcePart) -> int:

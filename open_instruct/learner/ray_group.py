@@ -27,6 +27,7 @@ import ray
 import torch
 
 from open_instruct.data.batches import PromptBatch
+from open_instruct.generation.step_batch import verdicts
 from open_instruct.generation.vllm_engine import Completion
 from open_instruct.generation.weight_transfer import WeightTransfer
 from open_instruct.learner.algorithms import learner_class
@@ -34,7 +35,7 @@ from open_instruct.learner.experience import Experience
 from open_instruct.learner.ppo import PPOLearner
 from open_instruct.learner.saving import SavedModel
 from open_instruct.learner.weight_sender import WeightSender
-from open_instruct.rl.rewards import Scorer
+from open_instruct.rl.rewards import RewardManager, Scorer, VerifiedScores
 from open_instruct.run import devices
 from open_instruct.run.args import Args, BatchSizes, ConfigError
 from open_instruct.run.cluster import (
@@ -243,6 +244,10 @@ class LearnerGroup:
     def make_experience(
         self, prompts: PromptBatch, completions: list[Completion], reward_manager: Scorer
     ) -> tuple[ExperienceOnRanks, dict, dict]:
+        if isinstance(reward_manager, RewardManager):
+            # The verifiers run here, once per response, and every rank combines the same verdicts: ranks verifying
+            # the rollout each could cut different responses at --reward_timeout_s and train on different advantages.
+            reward_manager = VerifiedScores(reward_manager, verdicts(reward_manager, prompts, completions))
         metrics, samples = self._call_all("make_experience", prompts, completions, reward_manager)[0]
         return ExperienceOnRanks(), metrics, samples
 

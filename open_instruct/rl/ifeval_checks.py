@@ -19,9 +19,10 @@ RELATIONS = ("less than", "at least", "at most", "around", "exactly")
 NON_FINAL_ABBREVIATIONS = frozenset(
     "mr mrs ms dr prof st mt sr jr vs cf fig figs no nos approx ca e.g i.e viz al gen col lt sgt capt rev hon".split()
 )
-# A sentence end: a run of ., !, ? or … then closing quotes or brackets, then whitespace or the end of the text.
-SENTENCE_END = re.compile(r"([.!?\u2026]+)([\"'\u201d\u2019)\]]*)(?=\s|$)")
-WORD_BEFORE = re.compile(r"(\S+)$")
+# A sentence end: a run of ., !, ? or … then closing quotes or brackets, then whitespace or the end of the text. The
+# run is matched from its first character only (the lookbehind): tried from each character of a long run of dots,
+# the search took quadratic time (85 s for 32,000 dots followed by a letter, a degenerate response a policy can write).
+SENTENCE_END = re.compile(r"(?<![.!?\u2026])([.!?\u2026]+)([\"'\u201d\u2019)\]]*)(?=\s|$)")
 PARAGRAPH_DIVIDER_LINE = re.compile(r"^[ \t]*\*[ \t]*\*[ \t]*\*[ \t]*$", re.MULTILINE)
 BLANK_LINES = re.compile(r"\n[ \t]*\n")
 BULLET_LINE = re.compile(r"^[ \t]*[*-][ \t]+\S", re.MULTILINE)
@@ -30,7 +31,7 @@ PLACEHOLDER = re.compile(r"\[[^\[\]\n]*\]")
 HIGHLIGHT = re.compile(r"\*\*([^\n*]+)\*\*|\*([^\n*]+)\*")
 TITLE = re.compile(r"<<([^\n<>]+)>>")
 ALL_CAPS_WORD = re.compile(r"\b[A-Z][A-Z0-9]*\b")
-JSON_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL | re.IGNORECASE)
+JSON_FENCE = "```"
 TWO_RESPONSES_SEPARATOR = "******"
 # langdetect's codes with their English names, so that a row may name a language either way ("de" or "German").
 LANGUAGE_NAMES = {
@@ -84,13 +85,22 @@ def _is_sentence_end(block: str, end_match: re.Match) -> bool:
         return False
     if punctuation != ".":  # an ellipsis before a capitalised word or the end
         return True
-    word = WORD_BEFORE.search(block[: end_match.start()])
-    if word is None:
+    word = word_before(block, end_match.start())
+    if not word:
         return True
-    word = word.group(1).lstrip("\"'(\u201c\u2018[").lower()
+    word = word.lstrip("\"'(\u201c\u2018[").lower()
     is_initial = len(word) == 1 and word.isalpha()
     is_dotted = "." in word and all(part.isalpha() and len(part) <= 2 for part in word.split("."))  # "u.s", "e.g"
     return not (word in NON_FINAL_ABBREVIATIONS or is_initial or is_dotted)
+
+
+def word_before(block: str, end: int) -> str:
+    """The run of non-space characters that ends at `end` ("" after a space). Walked back from `end`: a regular
+    expression anchored at `end` is tried from every position before it, quadratic in a long block."""
+    start = end
+    while start > 0 and not block[start - 1].isspace():
+        start -= 1
+    return block[start:end]
 
 
 def count_words(text: str) -> int:
@@ -248,9 +258,13 @@ def section_count(text: str, splitter: str, count: int, relation: str) -> bool:
 def is_json(text: str) -> bool:
     """The whole response is JSON, alone or in one ```json fence."""
     text = text.strip()
-    fenced = JSON_FENCE.match(text)
+    # The fence is cut off by hand: the regular expression it replaces (a lazy body between optional spaces) took
+    # longer than a minute on a fence followed by 8,000 spaces.
+    if len(text) >= 2 * len(JSON_FENCE) and text.startswith(JSON_FENCE) and text.endswith(JSON_FENCE):
+        text = text[len(JSON_FENCE) : -len(JSON_FENCE)]
+        text = (text[4:] if text[:4].lower() == "json" else text).strip()
     try:
-        json.loads(fenced.group(1) if fenced else text)
+        json.loads(text)
     except ValueError:
         return False
     return True

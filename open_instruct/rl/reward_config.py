@@ -23,6 +23,15 @@ class RewardConfig:
         "replaces the rows' verifiers for every row; its correct rate is logged as objective/<fn>_correct_rate "
         "(docs/extending.md)."
     )
+    reward_timeout_s: float = _option(
+        10.0, "Wall-clock seconds one response's verifier (all but code's, whose programs --code_timeout_s bounds) or "
+        "--reward_function may take; past it the process scoring it is killed, and the response scores 0, counted "
+        "in reward/timeouts/<verifier>."
+    )
+    reward_max_consecutive_failures: MayChangeOnResume[int] = _option(
+        50, "Stop the run when one verifier or the --reward_function fails on this many responses in a row (raises, "
+        "returns something not in [0, 1], or times out; each such response scores 0). 0: never stop."
+    )
     verification_reward: float = _option(1.0, "Reward for a correct answer (times the verifier's score in [0, 1]).")
     reward_model_multiplier: float = _option(0.0, "Weight of the reward model's score; 0 turns the reward model off.")
     add_r1_style_format_reward: bool = _option(False, "Reward `<think>...</think><answer>...</answer>` responses.")
@@ -54,4 +63,5 @@ class RewardConfig:
 
 def code_limits(config: RewardConfig) -> Limits:
     """The sandbox limits of one code test, from the --code_* flags."""
-    return Limits(wall_time_s=config.code_timeout_s, memory_mb=config.code_memory_mb)
+    return Limits(wall_time_s=config.code_timeout_s, memory_mb=config.code_memory_mb,
+                  concurrent_runs=config.code_workers)  # fmt: skip

@@ -7,14 +7,14 @@ a ground truth is scored by `fn` (times --verification_reward), and its correct 
 format reward, the overlong and non-stop penalties) add to it as they add to a verifier's score.
 
 The file is the user's own trusted code (never model output), imported as a module from its path: it may import what
-it needs. Every process that scores loads it again from the same absolute path (Ray learner ranks get the reward
-manager by pickle, without the function), so on several nodes the file must be at that path on each.
+it needs. The trainer imports it at start (its problems are one line, before any model loads); it scores in the
+reward worker (`reward_worker`), a process that imports it again from the same absolute path and is killed when a
+call runs past --reward_timeout_s. A call that raises, returns something that is not a number in [0, 1], or times out
+scores its response 0 and is counted (`reward_failures`).
 """
 
 import importlib.util
 import inspect
-import math
-import numbers
 import os
 import re
 import sys
@@ -79,13 +79,3 @@ def import_file(spec: str, path: str, module_name: str, flag: str = "--reward_fu
         message = " ".join(str(error).split())
         raise ValueError(f"{flag} {spec!r}: importing {path} failed: {type(error).__name__}: {message}") from error
     return module
-
-
-def checked_score(value, spec: str, index: int) -> float:
-    """The user function's answer for response `index` as a float, refused unless it is a number in [0, 1]."""
-    if isinstance(value, numbers.Real) and math.isfinite(value) and 0 <= value <= 1:
-        return float(value)
-    raise ValueError(
-        f"--reward_function {spec} returned {value!r} for response {index}; it must return a number in [0, 1] "
-        "(1: correct; --verification_reward scales it)."
-    )

@@ -2,20 +2,41 @@
 `verifiers`; with --reward_function, the user's own for every row: `reward_function`), an optional reward model's
 score, an optional R1-style format reward and DAPO's soft overlong penalty, then applies the non-stop penalty ("The N
 Implementation Details of RLHF with PPO"). Code rows run their tests in sandboxes, --code_workers at a time
-(`code_tests`).
+(`code_tests`); the --reward_function and the verifiers that can run long on one response run in the reward worker,
+cut at --reward_timeout_s (`reward_worker`); a response its verifier fails on scores 0 and is counted (`reward_failures`).
+
+The verifiers' part (`verdicts`) is computed once per response where the trainer collects the batch; the learner,
+one process or every Ray rank, adds its own terms to those verdicts (`VerifiedScores`).
 """
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from open_instruct.rl.code_tests import CodeVerifier
+from open_instruct.rl.code_tests import OUTCOMES, CodeVerifier
 from open_instruct.rl.reward_config import CODE_VERIFIER, RewardConfig, code_limits
-from open_instruct.rl.reward_function import absolute_spec, checked_score, load_reward_function, split_spec
-from open_instruct.rl.verifiers import VERIFIER_ALIASES, VERIFIERS, r1_format, resolve_verifier_name
+from open_instruct.rl.reward_failures import FailureTally, Outcome, outcome_of
+from open_instruct.rl.reward_function import absolute_spec, load_reward_function, split_spec
+from open_instruct.rl.reward_worker import WORKER
+from open_instruct.rl.verifiers import (
+    IN_PROCESS_VERIFIERS,
+    VERIFIER_ALIASES,
+    VERIFIERS,
+    r1_format,
+    resolve_verifier_name,
+)
 from open_instruct.sandbox import Sandbox
+
+
+def check_lengths(batch: int, lengths: dict[str, int]) -> None:
+    mismatched = {name: length for name, length in lengths.items() if length != batch}
+    if mismatched:
+        raise ValueError(
+            f"RewardManager.score got {batch} responses but lengths {mismatched}; pass one entry per response."
+        )
 
 
 def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer_length: int, factor: float) -> torch.Tensor:
@@ -44,25 +65,35 @@ class Scorer(Protocol):
         ...
 
 
+@dataclass
+class Verdicts:
+    """The verifiers' part of a batch's scores: what `RewardManager.verdicts` computes once per response, where the
+    batch is collected, for every learner rank to combine with its own terms (`VerifiedScores`)."""
+
+    correct: torch.Tensor  # [batch] each response's verifier score in [0, 1]; 0 where none ran or it failed
+    verified: list[bool]  # whether a verifier scored the response (it has a ground truth and they are on)
+    format_scores: list[float]  # the R1 format reward of each response; empty when it is off
+    metrics: dict[str, float]  # objective/*_correct_rate, reward/{errors,timeouts}/*, time/reward
+
+
 class RewardManager:
     """Turns responses into one scalar score each, following a RewardConfig."""
 
     def __init__(self, config: RewardConfig, max_response_length: int | None = None):
         """`max_response_length`: --response_length, which the overlong penalty counts back from. A --reward_function
-        is loaded here (its problems raise ValueError now, not at the first score)."""
+        is loaded here once, so that its problems raise ValueError now, not at the first score (it scores in the
+        reward worker)."""
         self.config = config
         self.max_response_length = max_response_length
         self.reward_function_spec = None if config.reward_function is None else absolute_spec(config.reward_function)
-        self._reward_function = None
         if self.reward_function_spec is not None:
-            self._reward_function = load_reward_function(self.reward_function_spec)
+            load_reward_function(self.reward_function_spec)
         self._code_verifier: CodeVerifier | None = None
+        self.failures = FailureTally(config.reward_max_consecutive_failures)
 
     def __getstate__(self) -> dict:
-        # A function from the user's file is loaded again from its path where the manager is unpickled (a Ray learner
-        # rank): pickle would look for its module by name, which only this process has. The code verifier's threads
-        # are this process's own: a rank starts its own on first use.
-        return {**self.__dict__, "_reward_function": None, "_code_verifier": None}
+        # The code verifier's threads are this process's own: a process that unpickles the manager starts its own.
+        return {**self.__dict__, "_code_verifier": None}
 
     def code_verifier(self) -> CodeVerifier:
         """The verifier of code rows, from the --code_* flags; built on first use (runs without code rows need no
@@ -74,29 +105,25 @@ class RewardManager:
                                                config.code_workers)  # fmt: skip
         return self._code_verifier
 
-    def verify(self, response: str, ground_truth: str, verifier_name: str | None, index: int) -> tuple[str, float]:
-        """(the verifier's name in the metrics, its score in [0, 1]) of response `index`: the --reward_function for
-        every row when one is given, else the row's own verifier."""
+    def verifier_of(self, verifier_name: str | None, index: int) -> tuple[str, str, str]:
+        """(its name in the metrics, how the console names it, what the reward worker calls) of row `index`'s
+        verifier: the --reward_function for every row when one is given, else the row's own."""
         if self.reward_function_spec is not None:
-            if self._reward_function is None:
-                self._reward_function = load_reward_function(self.reward_function_spec)
-            score = self._reward_function(response, ground_truth)
-            return split_spec(self.reward_function_spec)[1], checked_score(score, self.config.reward_function, index)
+            spec = self.reward_function_spec
+            return split_spec(spec)[1], f"--reward_function {spec}", spec
         if verifier_name is None:
             raise ValueError(
                 f"Row {index} has a ground truth but no verifier name; set its `dataset`/`data_source` to one "
                 f"of {', '.join(sorted(VERIFIER_ALIASES))}."
             )
         canonical = resolve_verifier_name(verifier_name)
-        if canonical == CODE_VERIFIER:
-            return canonical, self.code_verifier().score(response, ground_truth)
-        return canonical, VERIFIERS[canonical](response, ground_truth)
+        return canonical, f"the {canonical} verifier", canonical
 
-    def is_code_row(self, verifier_name: str | None) -> bool:
-        """Whether the row's program runs against tests (scored in a batch on the sandbox pool, not row by row)."""
-        return self.reward_function_spec is None and verifier_name is not None and (
-            resolve_verifier_name(verifier_name) == CODE_VERIFIER
-        )
+    def outcome(self, function: str, response: str, ground_truth: str) -> Outcome:
+        """One response's score by `function` (a verifier's name or the --reward_function spec), or its failure."""
+        if function in IN_PROCESS_VERIFIERS:
+            return outcome_of(lambda: VERIFIERS[function](response, ground_truth))
+        return outcome_of(lambda: WORKER.call(function, response, ground_truth, self.config.reward_timeout_s))
 
     def validate(self, verifier_names: Iterable[str | None]) -> None:
         """Fail at start-up, not mid-run: some reward must be on, and every dataset name must have a verifier."""
@@ -125,6 +152,48 @@ class RewardManager:
         )
         return score, metrics
 
+    def verdicts(
+        self, responses: list[str], ground_truths: list[str | None], verifier_names: list[str | None]
+    ) -> Verdicts:
+        """Each response's verifier score (and format reward): the rows' verifiers, or the --reward_function, in the
+        reward worker (cut at --reward_timeout_s), code rows on the sandbox pool. A response its verifier fails on
+        scores 0 and is counted (reward_failures); structural problems of the batch (a row with a ground truth and
+        no verifier name, an unknown name) raise ValueError."""
+        config = self.config
+        started = time.perf_counter()
+        lengths = {"ground_truths": len(ground_truths), "verifier_names": len(verifier_names)}
+        check_lengths(len(responses), lengths)
+        verified = [config.apply_verifiable_reward and truth is not None for truth in ground_truths]
+        verifier_of = {i: self.verifier_of(verifier_names[i], i) for i in range(len(responses)) if verified[i]}
+        code_rows = [i for i, (_, _, function) in verifier_of.items() if function == CODE_VERIFIER]
+        metrics: dict[str, float] = {}
+        outcomes = {i: self.outcome(function, responses[i], ground_truths[i])
+                    for i, (_, _, function) in verifier_of.items() if function != CODE_VERIFIER}  # fmt: skip
+        if code_rows:  # a step's programs run side by side, --code_workers at a time
+            verifier = self.code_verifier()
+            code_outcomes = verifier.pool.map(
+                lambda i: outcome_of(lambda: verifier.score(responses[i], ground_truths[i])), code_rows
+            )
+            outcomes.update(zip(code_rows, code_outcomes))
+            metrics_of_code_tests(verifier.take_outcomes(), metrics)
+        correct = torch.zeros(len(responses), dtype=torch.float32)
+        correct_by_verifier: dict[str, list[float]] = {}
+        for i in sorted(outcomes):  # in the batch's order: the failures in a row are the responses' order
+            name, described, _ = verifier_of[i]
+            self.failures.count(name, described, outcomes[i], metrics)
+            correct[i] = outcomes[i].score
+            correct_by_verifier.setdefault(name, []).append(outcomes[i].score)
+        all_correct = [c for values in correct_by_verifier.values() for c in values]
+        if all_correct:
+            metrics["objective/verifiable_correct_rate"] = sum(all_correct) / len(all_correct)
+        for name, values in sorted(correct_by_verifier.items()):
+            metrics[f"objective/{name}_correct_rate"] = sum(values) / len(values)
+        format_scores = [r1_format(response) for response in responses] if config.add_r1_style_format_reward else []
+        if format_scores:
+            metrics["objective/format_reward"] = sum(format_scores) / len(format_scores)
+        metrics["time/reward"] = time.perf_counter() - started  # the verifiers' wall time: code tests dominate it
+        return Verdicts(correct, verified, format_scores, metrics)
+
     def score_and_correct(
         self,
         responses: list[str],
@@ -133,9 +202,11 @@ class RewardManager:
         stopped: list[bool],
         rm_scores: torch.Tensor | None = None,
         response_lengths: list[int] | None = None,
+        verdicts: Verdicts | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Score each response; returns (score float32 [batch], correct float32 [batch], metrics), `correct` being the
         verifier's score alone, in [0, 1] (0 where no verifier ran): what DAPO's dynamic sampling filters on.
+        `verdicts`: the verifiers' part computed before (`verdicts`), else computed here.
 
         score = reward_model_multiplier * rm_score + verification_reward * verifier_score
         + r1_style_format_reward * format_score + the overlong penalty (each term when enabled), then replaced by
@@ -144,53 +215,30 @@ class RewardManager:
         shapes training scores only (an eval passes none).
         """
         config = self.config
-        started = time.perf_counter()
         batch = len(responses)
         lengths = {"ground_truths": len(ground_truths), "verifier_names": len(verifier_names), "stopped": len(stopped)}
         if rm_scores is not None:
             lengths["rm_scores"] = rm_scores.numel()
-        mismatched = {name: length for name, length in lengths.items() if length != batch}
-        if mismatched:
-            raise ValueError(
-                f"RewardManager.score got {batch} responses but lengths {mismatched}; pass one entry per response."
-            )
+        if verdicts is not None:
+            lengths["verdicts"] = len(verdicts.verified)
+        check_lengths(batch, lengths)
         use_reward_model = rm_scores is not None and config.reward_model_multiplier != 0
-
-        score = torch.zeros(batch, dtype=torch.float32)
-        correct_each = torch.zeros(batch, dtype=torch.float32)
-        if use_reward_model:
-            score += config.reward_model_multiplier * rm_scores.detach().float().cpu().flatten()
-        correct_by_verifier: dict[str, list[float]] = {}
-
-        def record(i: int, canonical: str, correct: float) -> None:
-            correct_by_verifier.setdefault(canonical, []).append(correct)
-            correct_each[i] = correct
-            score[i] += config.verification_reward * correct
-
-        format_scores = []
-        code_rows = []  # scored together below, on the sandbox pool: a step's programs run side by side
-        for i, (response, ground_truth, name) in enumerate(zip(responses, ground_truths, verifier_names)):
-            verified = config.apply_verifiable_reward and ground_truth is not None
+        for i, verified in enumerate(verdicts.verified if verdicts is not None else
+                                     [config.apply_verifiable_reward and t is not None for t in ground_truths]):  # fmt: skip
             if not verified and not use_reward_model:
                 raise ValueError(
-                    f"Row {i} has no reward source (ground truth {ground_truth!r} with apply_verifiable_reward="
+                    f"Row {i} has no reward source (ground truth {ground_truths[i]!r} with apply_verifiable_reward="
                     f"{config.apply_verifiable_reward}, and no reward model); give it a ground truth or enable "
                     f"`--reward_model_multiplier`."
                 )
-            if verified and self.is_code_row(name):
-                code_rows.append(i)
-            elif verified:
-                record(i, *self.verify(response, ground_truth, name, i))
-            if config.add_r1_style_format_reward:
-                format_score = r1_format(response)
-                format_scores.append(format_score)
-                score[i] += config.r1_style_format_reward * format_score
-        if code_rows:
-            code_scores = self.code_verifier().score_many([responses[i] for i in code_rows],
-                                                          [ground_truths[i] for i in code_rows])  # fmt: skip
-            for i, correct in zip(code_rows, code_scores):
-                record(i, CODE_VERIFIER, correct)
+        if verdicts is None:
+            verdicts = self.verdicts(responses, ground_truths, verifier_names)
 
+        score = config.verification_reward * verdicts.correct
+        if use_reward_model:
+            score += config.reward_model_multiplier * rm_scores.detach().float().cpu().flatten()
+        if verdicts.format_scores:
+            score += config.r1_style_format_reward * torch.tensor(verdicts.format_scores, dtype=torch.float32)
         overlong = self.overlong(response_lengths)
         if overlong is not None:
             score += overlong
@@ -198,17 +246,7 @@ class RewardManager:
         not_stopped = torch.tensor([not s for s in stopped], dtype=torch.bool)
         if config.non_stop_penalty:
             score = torch.where(not_stopped, torch.tensor(config.penalty_reward_value, dtype=torch.float32), score)
-
-        metrics = self.length_metrics(stopped, overlong)
-        all_correct = [c for values in correct_by_verifier.values() for c in values]
-        if all_correct:
-            metrics["objective/verifiable_correct_rate"] = sum(all_correct) / len(all_correct)
-        for canonical, values in sorted(correct_by_verifier.items()):
-            metrics[f"objective/{canonical}_correct_rate"] = sum(values) / len(values)
-        if format_scores:
-            metrics["objective/format_reward"] = sum(format_scores) / len(format_scores)
-        metrics["time/reward"] = time.perf_counter() - started  # the verifiers' wall time: code tests dominate it
-        return score, correct_each, metrics
+        return score, verdicts.correct.clone(), {**self.length_metrics(stopped, overlong), **verdicts.metrics}
 
     def overlong(self, response_lengths: list[int] | None) -> torch.Tensor | None:
         """Each response's overlong penalty [batch], or None when it is off or no lengths were given (an eval)."""
@@ -251,3 +289,36 @@ class PrecomputedScores:
         if len(responses) != len(self.scores):
             raise ValueError(f"{len(self.scores)} precomputed scores for {len(responses)} responses")
         return self.scores.clone(), dict(self.metrics)
+
+
+class VerifiedScores:
+    """A RewardManager's `score` with the verifiers' verdicts computed before (`RewardManager.verdicts`, once per
+    response where the batch was collected): every learner rank combines the same verdicts with its own terms (the
+    reward model's score, the penalties), so that a verifier that times out on one rank and not on another cannot
+    give the ranks different advantages, and no rank runs the verifiers again."""
+
+    def __init__(self, manager: RewardManager, verdicts: Verdicts):
+        self.manager, self.verdicts = manager, verdicts
+
+    def score(
+        self,
+        responses: list[str],
+        ground_truths: list[str | None],
+        verifier_names: list[str | None],
+        stopped: list[bool],
+        rm_scores: torch.Tensor | None = None,
+        response_lengths: list[int] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The manager's score of these responses, from the verdicts computed before."""
+        score, _, metrics = self.manager.score_and_correct(responses, ground_truths, verifier_names, stopped, rm_scores,
+                                                           response_lengths, self.verdicts)  # fmt: skip
+        return score, metrics
+
+
+def metrics_of_code_tests(counts: dict[str, int], metrics: dict[str, float]) -> None:
+    """`code/tests_<outcome>`: the share of the step's code tests that ended each way (code_tests.OUTCOMES: passed,
+    wrong, crashed, timeout, no_value, bad_value, ...), so that a policy drifting into crashes, timeouts or values the
+    verifier refuses shows as a curve, not only as a lower correct rate."""
+    total = sum(counts.values())
+    for outcome in OUTCOMES:
+        metrics[f"code/tests_{outcome}"] = counts.get(outcome, 0) / total if total else 0.0

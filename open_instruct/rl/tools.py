@@ -14,12 +14,16 @@ Two shapes, both found by name in a registry (as the verifiers are):
 ended the turn runs, and its output (cut to --tool_output_max_tokens, wrapped by --tool_output_wrapper) is the
 observation. `run_steps` runs the turns found at one decode step together, each under the same time limit, and
 answers in the samples' order whatever the timing (a run depends on its weights and prompts, not on a tool's speed).
+`start_environments` builds and resets a batch's environments the same way: user code that raises or hangs is
+answered with text under --tool_timeout_s, never a stalled or dead generation thread.
 
 Nothing here knows about tokens or engines: the engine (generation/engine_batches.py) finds the end strings, asks for
 the steps and appends the tokens.
 """
 
 import ast
+import functools
+import inspect
 import os
 import re
 import sys
@@ -29,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from open_instruct.rl.reward_function import import_file
-from open_instruct.sandbox import ISOLATED, Limits, Sandbox, SandboxUnavailable
+from open_instruct.sandbox import ISOLATED, Limits, Sandbox, SandboxUnavailable, isolation_problem
 from open_instruct.sandbox.isolation import OUTPUT_LIMIT, TIMEOUT
 
 DEFAULT_OUTPUT_WRAPPER = "<output>{output}</output>\n"
@@ -151,7 +155,7 @@ class ToolEnvironment(Environment):
                 output = f"Error: {error}"
             except Exception as error:  # any failure of a tool is the model's to read, never the run's end
                 self.errors += 1
-                output = f"Error: {type(error).__name__}: {error}"
+                output = f"Error: {failure_text(error)}"
         output, was_cut = self.cut_output(output)
         self.outputs_cut += was_cut
         return self.wrapper.format(output=output), 0.0, False
@@ -181,6 +185,53 @@ def turn_end(text: str, end_strings: tuple[str, ...], searched_up_to: int, turn_
 
 
 @dataclass
+class Attempt:
+    """What one guarded call gave (`run_guarded`): its value, or `error`, the text saying why not (it raised, or it
+    ran past its time: `timed_out`)."""
+
+    value: object = None
+    error: str | None = None
+    timed_out: bool = False
+    seconds: float = 0.0
+
+
+def failure_text(error: BaseException) -> str:
+    """`Type: message`; an exception whose own message cannot be formatted is named by its type alone."""
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:
+        return type(error).__name__
+
+
+def run_guarded(functions: list[Callable[[], object]], timeout_s: float) -> list[Attempt]:
+    """Each of `functions` on its own (daemon) thread, all at once, each given `timeout_s` seconds; the attempts in the
+    functions' order. One that raises (anything, `SystemExit` included) is answered with its error; one past its time
+    is left running on its own and answered with a timeout (its later result is dropped), so user code that hangs
+    cannot stop generation."""
+    results: list[Attempt | None] = [None] * len(functions)
+    started = time.monotonic()
+
+    def run(index: int, function: Callable[[], object]) -> None:
+        begin = time.monotonic()
+        try:
+            results[index] = Attempt(function(), seconds=time.monotonic() - begin)
+        except BaseException as error:  # user code: whatever it raises is the model's to read, never the run's end
+            results[index] = Attempt(error=failure_text(error), seconds=time.monotonic() - begin)
+
+    threads = [threading.Thread(target=run, args=(i, function), daemon=True) for i, function in enumerate(functions)]
+    for thread in threads:
+        thread.start()
+    attempts = []
+    for index, thread in enumerate(threads):
+        thread.join(max(0.0, started + timeout_s - time.monotonic()))
+        attempt = results[index]  # read once: a call past its time may still write its late answer here
+        if thread.is_alive() or attempt is None:
+            attempt = Attempt(error=f"took longer than {timeout_s:g} s and was stopped", timed_out=True, seconds=timeout_s)
+        attempts.append(attempt)
+    return attempts
+
+
+@dataclass
 class StepOutcome:
     """What one environment step gave: the observation, reward, done, and how it went."""
 
@@ -193,33 +244,41 @@ class StepOutcome:
 
 
 def run_steps(calls: list[tuple[Environment, str]], timeout_s: float) -> list[StepOutcome]:
-    """`env.step(text)` for each (env, text), all at once, each given `timeout_s` seconds; outcomes in the calls'
-    order. A step past its time is left running on its own (daemon) thread and answered with a timeout message, so a
-    hanging tool cannot stop generation."""
-    results: list[StepOutcome | None] = [None] * len(calls)
-    started = time.monotonic()
+    """`env.step(text)` for each (env, text), all at once, each given `timeout_s` seconds (`run_guarded`); outcomes in
+    the calls' order. A step that raises is answered with its error, one past its time with a timeout message."""
 
-    def run(index: int, env: Environment, text: str) -> None:
-        begin = time.monotonic()
-        try:
-            observation, reward, done = env.step(text)
-            results[index] = StepOutcome(str(observation), float(reward), bool(done), time.monotonic() - begin)
-        except Exception as error:
-            message = f"Error: {type(error).__name__}: {error}"
-            results[index] = StepOutcome(message, 0.0, False, time.monotonic() - begin, error=True)
+    def step(environment: Environment, text: str) -> tuple[str, float, bool]:
+        observation, reward, done = environment.step(text)
+        return str(observation), float(reward), bool(done)
 
-    threads = [threading.Thread(target=run, args=(i, env, text), daemon=True) for i, (env, text) in enumerate(calls)]
-    for thread in threads:
-        thread.start()
     outcomes = []
-    for index, thread in enumerate(threads):
-        thread.join(max(0.0, started + timeout_s - time.monotonic()))
-        outcome = results[index]  # read once: a step past its time may still write its late answer here
-        if thread.is_alive() or outcome is None:
-            message = f"Error: the call took longer than {timeout_s:g} s and was stopped"
-            outcome = StepOutcome(message, 0.0, False, timeout_s, timed_out=True)
-        outcomes.append(outcome)
+    for attempt in run_guarded([functools.partial(step, env, text) for env, text in calls], timeout_s):
+        if attempt.timed_out:
+            outcomes.append(StepOutcome(f"Error: the call {attempt.error}", 0.0, False, attempt.seconds, timed_out=True))
+        elif attempt.error is not None:
+            outcomes.append(StepOutcome(f"Error: {attempt.error}", 0.0, False, attempt.seconds, error=True))
+        else:
+            outcomes.append(StepOutcome(*attempt.value, attempt.seconds))
     return outcomes
+
+
+def start_environments(build: Callable[[], Environment], rows: list[dict], timeout_s: float) -> list[Attempt]:
+    """A fresh environment for each of `rows`: `build()` then `reset(row)`, all at once, each given `timeout_s` seconds
+    (`run_guarded`). Each attempt's value is the started environment; where the constructor or `reset` raised or ran
+    past its time, its `error` is the observation the sample's model reads instead (`Error: the environment could not
+    start: ...`)."""
+
+    def start(row: dict) -> Environment:
+        environment = build()
+        environment.reset(row)
+        return environment
+
+    attempts = run_guarded([functools.partial(start, row) for row in rows], timeout_s)
+    for attempt in attempts:
+        if attempt.error is not None:
+            reason = f"it {attempt.error}" if attempt.timed_out else attempt.error
+            attempt.error = f"Error: the environment could not start: {reason}"
+    return attempts
 
 
 # ---------------------------------------------------------------- Python, in the code sandbox
@@ -235,7 +294,13 @@ class PythonTool(Tool):
     LIMITS = Limits(wall_time_s=4.0, max_output_bytes=1 << 14)
 
     def __init__(self):
-        self.sandbox = Sandbox(ISOLATED, self.LIMITS)  # SandboxUnavailable (one line) where it cannot isolate
+        # Always isolated: --code_sandbox is the code rows' choice and does not apply here, so the sandbox's own
+        # advice (--code_sandbox unsafe_no_isolation) would not change the answer; say what does.
+        problem = isolation_problem()
+        if problem is not None:
+            raise SandboxUnavailable(f"the python tool runs the model's programs in the code sandbox, always isolated "
+                                     f"(--code_sandbox does not apply to it), and {problem}; or drop python from --tools")
+        self.sandbox = Sandbox(ISOLATED, self.LIMITS)
 
     def __call__(self, text: str) -> str:
         result = self.sandbox.run_python(text)
@@ -293,10 +358,13 @@ def tool_names_problem(names: list[str]) -> str | None:
     environments = [name for name, found in zip(names, classes) if issubclass(found, Environment)]
     if environments and len(names) > 1:
         return f"--tools {' '.join(names)}: the environment {environments[0]} runs alone; pass it without other names"
-    try:
-        ends = [found().end for found in classes if issubclass(found, Tool)]
-    except SandboxUnavailable as error:  # the python tool where the sandbox cannot isolate
-        return f"--tools {' '.join(names)}: {error}"
+    built = []
+    for name, found in zip(names, classes):
+        instance, problem = build_at_start(name, found)
+        if problem is not None:
+            return problem
+        built.append(instance)
+    ends = [instance.end for instance in built if isinstance(instance, Tool)]
     end_strings = [found.end_strings if issubclass(found, Environment) else (found.end,) for found in classes]
     empty = [name for name, strings in zip(names, end_strings) if not strings or not all(strings)]
     if empty:
@@ -306,16 +374,43 @@ def tool_names_problem(names: list[str]) -> str | None:
     return None
 
 
+def build_at_start(name: str, found: type) -> tuple[object, str | None]:
+    """One instance of the class `--tools name` stands for, built before any model loads, so that a constructor that
+    cannot work (a missing key, the python tool without its sandbox) is one line naming the flag, file, class and fix
+    instead of a failure in the engine's generation thread. (instance, None), or (None, the line)."""
+    try:
+        return found(), None
+    except SandboxUnavailable as error:  # the python tool where the sandbox cannot isolate: the message says why
+        return None, f"--tools {name}: {error}"
+    except Exception as error:  # noqa: BLE001 - the user's own code: whatever it raises is the answer
+        try:
+            where = inspect.getsourcefile(found) or found.__module__
+        except TypeError:  # a class with no source file (made at run time)
+            where = found.__module__
+        cause = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        return None, (
+            f"--tools {name}: {found.__name__}() in {where} raised {cause} when built (the engine builds one per "
+            f"sample, with no arguments); fix its __init__, or drop {name} from --tools"
+        )
+
+
 def absolute_names(names: list[str]) -> list[str]:
     """The names with each file's path made absolute (engine actors may run in another working directory)."""
     return [f"{os.path.abspath(name.rpartition(':')[0])}:{name.rpartition(':')[2]}" if ":" in name else name
             for name in names]  # fmt: skip
 
 
-def build_environment(names: list[str], wrapper: str = DEFAULT_OUTPUT_WRAPPER,
-                      cut_output: Callable[[str], tuple[str, bool]] | None = None) -> Environment:  # fmt: skip
-    """A fresh environment for one sample of a run with `--tools names` (checked by `tool_names_problem`)."""
+def environment_builder(names: list[str], wrapper: str = DEFAULT_OUTPUT_WRAPPER,
+                        cut_output: Callable[[str], tuple[str, bool]] | None = None) -> Callable[[], Environment]:  # fmt: skip
+    """What builds a fresh environment for one sample of a run with `--tools names` (checked by `tool_names_problem`):
+    the classes are found once, here, so that building runs no import."""
     classes = [tool_class(name) for name in names]
     if len(classes) == 1 and issubclass(classes[0], Environment):
-        return classes[0]()
-    return ToolEnvironment([found() for found in classes], wrapper, cut_output)
+        return classes[0]
+    return lambda: ToolEnvironment([found() for found in classes], wrapper, cut_output)
+
+
+def build_environment(names: list[str], wrapper: str = DEFAULT_OUTPUT_WRAPPER,
+                      cut_output: Callable[[str], tuple[str, bool]] | None = None) -> Environment:  # fmt: skip
+    """A fresh environment for one sample of a run with `--tools names`."""
+    return environment_builder(names, wrapper, cut_output)()

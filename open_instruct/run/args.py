@@ -41,6 +41,7 @@ class ModelArgs:
     reward_model_path: str | None = arg(None, "Reward model (a *ForSequenceClassification checkpoint).")
     reward_model_revision: str | None = arg(None, "Hub revision of the reward model.")
     value_model_path: str | None = arg(None, "PPO's value model init; default: the reward model, else the policy.")
+    value_model_revision: str | None = arg(None, "Hub revision of the value model (--value_model_path).")
     value_model_num_layers: int = arg(
         0,
         "PPO: a smaller critic, the first N decoder layers of its init (and a new score head); its forward and "
@@ -612,9 +613,18 @@ class BatchSizes:
         return ", ".join(f"{k}={v}" for k, v in vars(self).items())
 
 
+SIZE_FLAGS = ("local_rollout_batch_size", "number_samples_per_prompt", "num_mini_batches",
+              "per_device_train_batch_size", "total_episodes")  # fmt: skip
+
+
 def compute_batch_sizes(args: Args) -> BatchSizes:
     """Derive the step sizes; any inconsistency is an error here, before a model loads."""
     ppo, gen = args.ppo, args.gen
+    # The command line's early check (run/command_line.py) calls this before validate_flags' range checks: a size
+    # below 1 must be named by its own flag here, not surface as a division by zero or another flag's complaint.
+    for flag in SIZE_FLAGS:
+        if getattr(ppo, flag) < 1:
+            raise ValueError(f"--{flag} {getattr(ppo, flag)!r} is not valid; expected an integer >= 1.")
     rollout = ppo.local_rollout_batch_size * ppo.number_samples_per_prompt
     if rollout % ppo.num_mini_batches:
         raise ValueError(

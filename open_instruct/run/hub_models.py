@@ -2,11 +2,16 @@
 
 Every model a run names (the policy and its reference, --reward_model_path, --value_model_path) goes through
 `with_local_models` on the driver before Ray starts or any model loads: a local folder (or an embedded alias) stays;
-a hub id is downloaded with huggingface_hub at its revision (--model_revision, --reward_model_revision; the value
-model has none: `main`) into the HF cache, weights as safetensors plus the json and tokenizer files only, and from
-then on the run reads that snapshot folder. Why a folder and not the id: ZeRO-3 ranks read their share of each
-tensor straight from the safetensors files (learner/zero3_loading.py), and every other loader (tokenizer, config,
-vLLM) then reads the same commit, so nothing moves under a run when a branch gains a commit.
+a hub id is downloaded with huggingface_hub at its revision (--model_revision, --reward_model_revision,
+--value_model_revision; default `main`) into the HF cache, weights as safetensors plus the json and tokenizer files
+only, and from then on the run reads that snapshot folder. Why a folder and not the id: ZeRO-3 ranks read their share
+of each tensor straight from the safetensors files (learner/zero3_loading.py), and every other loader (tokenizer,
+config, vLLM) then reads the same commit, so nothing moves under a run when a branch gains a commit.
+
+Across a resume too: a checkpoint records the commit each hub id resolved to (`resolved_commits`, the snapshot
+folder's name), and a resumed run loads those commits (`with_local_models(args, pinned)`), not what the branches
+point to by then. The reference policy (the policy's folder again) and the tokenizer (the policy's files) are the
+run's first ones, whatever was pushed to the branch in between.
 
 What cannot work fails here in one line (ConfigError: exit code 2): no such repo or revision, a repo without
 safetensors weights, or HF_HUB_OFFLINE set and the snapshot not in the cache (the line says what to download).
@@ -29,19 +34,49 @@ HUB_MODEL_FILES = ["*.safetensors", "*.json", "tokenizer.model", "*.txt", "*.jin
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
-def with_local_models(args: Args) -> Args:
+# Each model flag and the flag of its revision.
+MODEL_FLAGS = {
+    "model_name_or_path": "model_revision",
+    "reward_model_path": "reward_model_revision",
+    "value_model_path": "value_model_revision",
+}
+
+
+def with_local_models(args: Args, pinned: dict[str, dict] | None = None) -> Args:
     """`args` with every model flag a local folder (hub ids downloaded, at their revisions) and no revisions left:
-    the folder is the revision. What the learners, the engines and the start-up checks load."""
-    model = args.model
-    policy = local_model_folder(model.model_name_or_path, model.model_revision, "--model_name_or_path")
-    reward = value = None
-    if model.reward_model_path is not None:
-        reward = local_model_folder(model.reward_model_path, model.reward_model_revision, "--reward_model_path")
-    if model.value_model_path is not None:
-        value = local_model_folder(model.value_model_path, None, "--value_model_path")
-    local = replace(model, model_name_or_path=policy, model_revision=None, reward_model_path=reward,
-                    reward_model_revision=None, value_model_path=value)  # fmt: skip
-    return replace(args, model=local)
+    the folder is the revision. What the learners, the engines and the start-up checks load. `pinned`: a checkpoint's
+    `resolved_commits`; a hub id it names is loaded at that commit instead of its revision (a resumed run)."""
+    model, folders = args.model, {}
+    for flag, revision_flag in MODEL_FLAGS.items():
+        name_or_path, revision = getattr(model, flag), getattr(model, revision_flag)
+        if name_or_path is None:
+            folders[flag], folders[revision_flag] = None, None
+            continue
+        pin = (pinned or {}).get(f"--{flag}")
+        if pin is not None and pin["repo"] == name_or_path and looks_like_hub_id(name_or_path):
+            folders[flag] = download_snapshot(name_or_path, pin["commit"], f"--{flag}")
+        else:
+            folders[flag] = local_model_folder(name_or_path, revision, f"--{flag}")
+        folders[revision_flag] = None
+    return replace(args, model=replace(model, **folders))
+
+
+def resolved_commits(args: Args, local: Args) -> dict[str, dict]:
+    """Per model flag named by a hub id: the repo, the revision asked for and the commit it resolved to (`local`'s
+    snapshot folder is `.../snapshots/{commit}`). What a checkpoint keeps, so a resume loads the same commits."""
+    commits = {}
+    for flag, revision_flag in MODEL_FLAGS.items():
+        name_or_path = getattr(args.model, flag)
+        if name_or_path is not None and looks_like_hub_id(name_or_path):
+            commits[f"--{flag}"] = {"repo": name_or_path, "revision": getattr(args.model, revision_flag) or "main",
+                                    "commit": os.path.basename(getattr(local.model, flag))}  # fmt: skip
+    return commits
+
+
+def describe_pins(commits: dict[str, dict]) -> str:
+    """'--model_name_or_path org/policy at commit 0123abcd (its revision main then)', one per flag."""
+    return "; ".join(f"{flag} {pin['repo']} at commit {pin['commit'][:12]} (its revision {pin['revision']} then)"
+                     for flag, pin in commits.items())  # fmt: skip
 
 
 def local_model_folder(name_or_path: str, revision: str | None, flag: str) -> str:

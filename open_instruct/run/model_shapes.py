@@ -178,9 +178,14 @@ def run_model_shapes(args: Args) -> list[ModelShape]:
     if args.reward.reward_model_multiplier != 0 and model.reward_model_path is not None:
         shapes.append(model_shape("reward model", model.reward_model_path, False, True, model.reward_model_revision))
     if args.ppo.algorithm == "ppo":
-        value_path = model.value_model_path or model.reward_model_path or policy
-        shapes.append(model_shape("value model", value_path, True, True, num_layers=model.value_model_num_layers,
-                                  **lora))  # fmt: skip
+        if model.value_model_path is not None:
+            value_path, value_revision = model.value_model_path, model.value_model_revision
+        elif model.reward_model_path is not None:
+            value_path, value_revision = model.reward_model_path, model.reward_model_revision
+        else:
+            value_path, value_revision = policy, model.model_revision
+        shapes.append(model_shape("value model", value_path, True, True, value_revision,
+                                  num_layers=model.value_model_num_layers, **lora))  # fmt: skip
     return shapes
 
 

@@ -50,9 +50,7 @@ class RunDirectory:
         while not os.path.exists(path):
             self.created.append(path)
             path = os.path.dirname(path)
-        os.makedirs(self.output_dir, exist_ok=True)
-        lock_path = os.path.join(self.output_dir, LOCK_FILE)
-        lock_file = open(lock_path, "a+", encoding="utf-8")
+        lock_file = self._open_lock(path)
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -77,6 +75,21 @@ class RunDirectory:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _open_lock(self, existing: str):
+        """output_dir made (with its missing parents) and its lock file opened; a folder that cannot be written (a
+        read-only disk, no permission) is a ConfigError naming it, and what this start made is removed again."""
+        try:
+            os.makedirs(self.output_dir, exist_ok=True)
+            return open(os.path.join(self.output_dir, LOCK_FILE), "a+", encoding="utf-8")
+        except OSError as error:
+            for folder in self.created:  # innermost first; each is empty unless another process wrote there
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
+            raise ConfigError(
+                f"--output_dir {self.output_dir} cannot be written ({error.strerror}: {error.filename}); give an "
+                f"--output_dir on a disk this user can write to, or make {existing} writable."
+            ) from error
 
     def _claim(self) -> None:
         """A fresh run needs an output_dir without an earlier run in it (or --overwrite_output_dir)."""

@@ -12,6 +12,7 @@ verifier known); `validate_code_sandbox` that code rows' sandbox starts and runs
 """
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -155,6 +156,9 @@ def _flag_rules(args: Args) -> list[tuple[str, object, tuple]]:
         ("code_pass_threshold", reward.code_pass_threshold,
          (lambda v: v is None or (_finite(v) and 0 < v <= 1), "a fraction in (0, 1] (or unset: the fraction passed)")),
         ("code_timeout_s", reward.code_timeout_s, POSITIVE),
+        ("reward_timeout_s", reward.reward_timeout_s, POSITIVE),
+        ("reward_max_consecutive_failures", reward.reward_max_consecutive_failures,
+         (lambda v: v >= 0, "an integer >= 0 (0: never stop)")),
         ("code_memory_mb", reward.code_memory_mb, (lambda v: v >= 64, "an integer >= 64 (Python itself needs ~30)")),
         ("async_steps", args.gen.async_steps, AT_LEAST_1),
         ("vllm_cpu_cores", args.gen.vllm_cpu_cores, NON_NEGATIVE_INT),
@@ -222,6 +226,12 @@ def validate_lora_flags(args: Args) -> None:
             f"--lora_target_modules {' '.join(model.lora_target_modules)} names the layers of LoRA adapters, and "
             "--lora_rank is 0 (full fine-tuning); pass --lora_rank R (e.g. 16), or drop it."
         )
+    default_alpha = next(f.default for f in dataclasses.fields(model) if f.name == "lora_alpha")
+    if model.lora_rank == 0 and model.lora_alpha != default_alpha:
+        raise ConfigError(
+            f"--lora_alpha {model.lora_alpha:g} scales LoRA adapters, and --lora_rank is 0 (full fine-tuning, no "
+            "adapters); pass --lora_rank R (e.g. 16), or drop --lora_alpha."
+        )
     if model.lora_weight_sync == "adapter":
         if model.lora_rank == 0:
             raise ConfigError("--lora_weight_sync adapter sends LoRA adapters, and --lora_rank is 0 (full fine-tuning); "
@@ -233,14 +243,25 @@ def validate_lora_flags(args: Args) -> None:
             raise ConfigError(
                 "--lora_weight_sync adapter runs with one learner process and its in-process engine; Ray learners and "
                 "engine actors send merged weights: drop --lora_weight_sync adapter (or the Ray flags: "
-                "--num_learners, --deepspeed_stage, --vllm_num_engines, --ray_address)."
+                "--num_learners_per_node, --deepspeed_stage, --vllm_num_engines, --ray_address)."
             )
+
+
+TOOL_CALL_FLAGS = ("max_tool_calls", "tool_timeout_s", "tool_output_max_tokens", "tool_output_wrapper")
 
 
 def validate_tool_flags(gen: GenerationArgs) -> None:
     """--tools and the flags that shape a call: known names, limits that can be met, a wrapper that holds the output
-    (the trainer's, and `open_instruct.evaluate`'s)."""
+    (the trainer's, and `open_instruct.evaluate`'s). Without --tools, a call-shaping flag set away from its default
+    would change nothing: refused, as a forgotten --tools is the likelier mistake."""
     if not gen.tools:
+        defaults = {f.name: f.default for f in dataclasses.fields(gen)}
+        for flag in TOOL_CALL_FLAGS:
+            if getattr(gen, flag) != defaults[flag]:
+                raise ConfigError(
+                    f"--{flag} {getattr(gen, flag)!r} shapes tool calls, and --tools is not set (no tool is called); "
+                    f"pass --tools NAME (e.g. calculator), or drop --{flag}."
+                )
         return
     problem = tool_names_problem(gen.tools)
     if problem is not None:
@@ -368,6 +389,7 @@ def validate_grpo_flags(args: Args) -> None:
         )
     value_flags = {
         "--value_model_path": args.model.value_model_path is not None,
+        "--value_model_revision": args.model.value_model_revision is not None,
         "--value_model_num_layers": args.model.value_model_num_layers != 0,
         "--value_learning_rate": ppo.value_learning_rate is not None,
         "--whiten_rewards": ppo.whiten_rewards,

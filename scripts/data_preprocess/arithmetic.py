@@ -6,7 +6,7 @@
 import argparse
 
 from open_instruct.data.arithmetic_task import make_arithmetic_rows, write_arithmetic_dataset
-from scripts.data_preprocess.common import OUTPUT_FORMATS, PromptRow, format_row, write_split
+from scripts.data_preprocess.common import OUTPUT_FORMATS, PromptRow, cli, format_row, write_split
 
 
 def main(argv: list[str] | None = None) -> dict[str, str]:
@@ -33,4 +33,4 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

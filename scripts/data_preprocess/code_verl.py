@@ -12,7 +12,7 @@ the two types (the verifier runs one kind per row).
 
 import json
 
-from scripts.data_preprocess.common import HubSource, PromptRow, require_fields, run_converter
+from scripts.data_preprocess.common import HubSource, PromptRow, cli, require_fields, run_converter
 
 HUB_SOURCE = HubSource(name="PrimeIntellect/verifiable-coding-problems", config=None, splits=("train",))
 VERIFIER_NAME = "primeintellect"
@@ -52,4 +52,4 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

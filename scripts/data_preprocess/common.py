@@ -10,6 +10,8 @@ run by file path, this folder would come first on sys.path and its `math.py` wou
 """
 
 import argparse
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +76,16 @@ def read_split(input_path: str | None, hub_source: HubSource, split: str, max_ro
     """Raw rows of one split: from the local copy when given, else from the hub."""
     if input_path is not None:
         return read_raw_rows(input_path, split, max_rows)
-    hub_split = datasets.load_dataset(hub_source.name, hub_source.config, split=split)
+    try:
+        hub_split = datasets.load_dataset(hub_source.name, hub_source.config, split=split)
+    except Exception as error:  # noqa: BLE001 - datasets' and the Hub's own error types: one line with the fix
+        cause = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        offline = datasets.config.HF_HUB_OFFLINE
+        raise ValueError(
+            f"reading the hub dataset {hub_source.name} (split {split}) failed{', HF_HUB_OFFLINE is set' if offline else ''} "
+            f"({cause}); pass --input with a local copy (`hf download {hub_source.name} --repo-type dataset --local-dir "
+            f"DIR` where the Hub is reachable), or {'unset HF_HUB_OFFLINE' if offline else 'check the name and network'}."
+        ) from error
     if max_rows is not None:
         hub_split = hub_split.select(range(min(max_rows, len(hub_split))))
     return hub_split.to_list()
@@ -126,6 +137,19 @@ def run_converter(
         num_skipped = len(raw_rows) - len(kept)
         print(f"{split}: wrote {len(rows)} rows to {written[split]} (skipped {num_skipped} unusable rows)")
     return written
+
+
+def cli(main: Callable[[list[str] | None], object]) -> None:
+    """Run a converter's `main` as a command: a bad input (a missing --input, a hub dataset out of reach, rows of
+    another layout, an --output_dir that cannot be written) is one line `error: ...` with exit code 2, as the
+    trainers answer; the traceback only with OPEN_INSTRUCT_DEBUG=1."""
+    try:
+        main(None)
+    except (ValueError, OSError) as error:
+        if os.environ.get("OPEN_INSTRUCT_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        sys.exit(2)
 
 
 def require_fields(row: dict, fields: tuple[str, ...], dataset_name: str) -> None:

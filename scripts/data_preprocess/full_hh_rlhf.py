@@ -8,7 +8,7 @@ can score the answers. The prompt comes from the `chosen` dialogue; `rejected` s
 
 import re
 
-from scripts.data_preprocess.common import HubSource, PromptRow, require_fields, run_converter
+from scripts.data_preprocess.common import HubSource, PromptRow, cli, require_fields, run_converter
 
 HUB_SOURCE = HubSource(name="Anthropic/hh-rlhf", config=None, splits=("train", "test"))
 SPEAKER_ROLES = {"Human": "user", "Assistant": "assistant"}
@@ -39,4 +39,4 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -3,7 +3,7 @@
     python -m scripts.data_preprocess.gsm8k --output_dir data/gsm8k [--input local_copy/] [--format verl]
 """
 
-from scripts.data_preprocess.common import HubSource, PromptRow, require_fields, run_converter
+from scripts.data_preprocess.common import HubSource, PromptRow, cli, require_fields, run_converter
 
 HUB_SOURCE = HubSource(name="openai/gsm8k", config="main", splits=("train", "test"))
 VERIFIER_NAME = "gsm8k"
@@ -31,4 +31,4 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

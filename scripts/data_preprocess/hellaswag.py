@@ -5,7 +5,7 @@
 The hub's test split has no labels (label ""), so it is not converted by default; unlabelled rows are skipped.
 """
 
-from scripts.data_preprocess.common import HubSource, PromptRow, require_fields, run_converter
+from scripts.data_preprocess.common import HubSource, PromptRow, cli, require_fields, run_converter
 
 HUB_SOURCE = HubSource(name="Rowan/hellaswag", config=None, splits=("train", "validation"))
 VERIFIER_NAME = "string_match"
@@ -40,4 +40,4 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -11,7 +11,7 @@ if __name__ == "math":  # this file was imported as Python's `math`: a script he
         "run it as a module from the repository root: python -m scripts.data_preprocess.<name> ..."
     )
 
-from scripts.data_preprocess.common import HubSource, PromptRow, last_boxed_content, require_fields, run_converter
+from scripts.data_preprocess.common import HubSource, PromptRow, cli, last_boxed_content, require_fields, run_converter
 
 HUB_SOURCE = HubSource(name="DigitalLearningGmbH/MATH-lighteval", config=None, splits=("train", "test"))
 VERIFIER_NAME = "math"
@@ -31,4 +31,4 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

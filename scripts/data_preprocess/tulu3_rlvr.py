@@ -9,7 +9,7 @@ would refuse fails the conversion now, naming its ground truth, instead of at th
 """
 
 from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, resolve_verifier_name
-from scripts.data_preprocess.common import HubSource, PromptRow, require_fields, run_converter
+from scripts.data_preprocess.common import HubSource, PromptRow, cli, require_fields, run_converter
 
 HUB_SOURCE = HubSource(name="allenai/RLVR-GSM-MATH-IF-Mixed-Constraints", config=None, splits=("train",))
 
@@ -27,4 +27,4 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main()
+    cli(main)

@@ -49,3 +49,24 @@ def learner_on_rank(rank: int, port: int, model_dir: str, stage: int, *flags: st
     tokenizer = load_tokenizer(model_dir)
     return PPOLearner(args, compute_batch_sizes(args), tokenizer, model_dir, stop_token_ids_for(tokenizer, "eos"),
                       backend=backend), tokenizer  # fmt: skip
+
+
+def recorded_rank_gradients(learner) -> list[dict[str, torch.Tensor]]:
+    """What `learner_steps.recorded_gradients` gives for one process, on a DeepSpeed rank: the gradients each optimizer
+    step receives (summed over micro-batches and ranks, before clipping), one dict per model and step. Read at each
+    minibatch's end, after its last backward and before DeepSpeed's step applies them; every rank must call it (the
+    reads are collectives: ZeRO holds each rank's partition of the gradients)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    steps = []
+    for role, trainer in zip(("policy", "value"), learner.trainers):
+        engine = trainer.engine
+
+        def recording_step(*args, engine=engine, role=role, step=engine.step, **kwargs):
+            if engine.is_gradient_accumulation_boundary():
+                steps.append({f"{role}:{name}": safe_get_full_grad(param).detach().cpu().clone()
+                              for name, param in engine.module.named_parameters() if param.requires_grad})  # fmt: skip
+            return step(*args, **kwargs)
+
+        engine.step = recording_step
+    return steps

@@ -71,3 +71,25 @@ def single_process_ppo_step(tiny_model_dir, completions: list[Completion] | None
     metrics = one_ppo_step(learner, prompts, completions or fixed_completions, RewardManager(args.reward))
     params = {name: p.detach().clone() for name, p in learner.backend.hf_model(learner.policy).named_parameters()}
     return initial, params, metrics
+
+
+def recorded_gradients(learner) -> list[dict[str, torch.Tensor]]:
+    """The gradients each optimizer step of `learner` receives (before clipping), one dict per model and step, in
+    the order the steps run; filled while `learner.train` runs (each trainer's own step still applies them)."""
+    steps = []
+    for role, trainer in zip(("policy", "value"), learner.trainers):
+
+        def recording_step(apply: bool = True, trainer=trainer, role=role, step=trainer.step) -> bool:
+            steps.append({f"{role}:{name}": param.grad.clone() for name, param in trainer.model.named_parameters()
+                          if param.grad is not None})  # fmt: skip
+            return step(apply)
+
+        trainer.step = recording_step
+    return steps
+
+
+def assert_same_gradients(got: dict, expected: dict, what: str, atol: float = 1e-6) -> None:
+    assert got.keys() == expected.keys(), what
+    for name, gradient in expected.items():
+        where = f"{what}, {name}"
+        torch.testing.assert_close(got[name], gradient, rtol=0, atol=atol, msg=lambda m, where=where: f"{where}: {m}")

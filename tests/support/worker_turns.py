@@ -42,7 +42,7 @@ MEASURED_FILE_SECONDS = {
     "test_ppo_trainer.py": 115, "test_weight_broadcast.py": 82, "test_deepspeed_ranks.py": 86, "test_lora.py": 74,
     "test_packing.py": 70, "test_grpo.py": 40, "test_vllm_engine.py": 29, "test_ppo_learner.py": 28,
     "test_evaluate.py": 27, "test_bad_inputs.py": 25, "test_micro_batches.py": 23, "test_preemption.py": 22,
-    "test_memory_plan.py": 20, "test_reward_function.py": 18, "test_dapo.py": 18, "test_tools_trainer.py": 17,
+    "test_memory_plan.py": 20, "test_reward_function.py": 18, "test_reward_failures.py": 105, "test_dapo.py": 18, "test_tools_trainer.py": 17,
     "test_check_gpu.py": 16, "test_weight_transfer.py": 13, "test_engine_batches.py": 11, "test_checkpoint.py": 10,
     "test_sandbox.py": 10,
     # Mostly waiting (fake suites whose tests sleep): listed so that it runs early, beside the two-node file, and not
