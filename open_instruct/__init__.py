@@ -7,6 +7,7 @@ The package is a stack of layers; each imports only the layers below it (tests/t
     learner/                      the training side: models, PPO/GRPO learners, one process or DeepSpeed ranks on Ray
     generation/                   the rollout side: vLLM engines, the generation thread, the weight broadcast
     run/                          configuration and bookkeeping: flags, checks, checkpoints, logs, hub
+    environments/                 tools as function schemas, tool-call parsers, token-exact tool turns
     data/                         what a run reads: prompt datasets, tokenizer, the embedded model and task
     rl/                           the math (advantages, losses) and the rewards (verifiers)
     sandbox/                      isolated runs of model-written programs (code rewards, tools)

@@ -35,6 +35,8 @@ from open_instruct.data.batches import PromptBatch, prompt_batch
 from open_instruct.data.embedded import EMBEDDED_ALIASES, resolve_dataset_name, resolve_model_path
 from open_instruct.data.prompt_dataset import DatasetArgs, build_prompt_datasets
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
+from open_instruct.environments.native_tools import tool_call_format
+from open_instruct.environments.tool_parsers import TAGS
 from open_instruct.generation.engine_batches import generate_batch
 from open_instruct.generation.evaluation import tool_call_rate, verifiable_correct_rate
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine, generate, sampling_params
@@ -61,7 +63,8 @@ class EvalArgs:
     output_json: str | None = field(default=None, metadata={"help": "Write the results here as JSON."})
 
 
-TOOL_FLAGS = ("tools", "max_tool_calls", "tool_timeout_s", "tool_output_max_tokens", "tool_output_wrapper")
+TOOL_FLAGS = ("tools", "max_tool_calls", "tool_timeout_s", "tool_output_max_tokens", "tool_output_wrapper",
+              "tool_call_parser")
 # The trainer's tool flags, taken from its GenerationArgs (one definition: same names, defaults and help).
 ToolArgs = make_dataclass("ToolArgs", [
     (f.name, f.type, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
@@ -69,16 +72,20 @@ ToolArgs = make_dataclass("ToolArgs", [
 ])  # fmt: skip
 
 
-def eval_tool_settings(tool_args) -> dict | None:
+def eval_tool_settings(tool_args, chat_template_name: str | None = None) -> dict | None:
     """The engine's tool settings for these flags (None without --tools); a mistake is a ConfigError in one line."""
     gen = GenerationArgs(**{name: getattr(tool_args, name) for name in TOOL_FLAGS})
     validate_tool_flags(gen)
-    return tool_settings(gen)
+    return tool_settings(gen, chat_template_name)
 
 
-def eval_prompts(data_args: DatasetArgs, tokenizer) -> dict[str, PromptBatch]:
-    """Named prompt sets: the train mix of `data_args` and, when given, its eval mix as 'test'."""
-    train, evaluation = build_prompt_datasets(data_args, tokenizer)
+def eval_prompts(data_args: DatasetArgs, tokenizer, tools: dict | None = None) -> dict[str, PromptBatch]:
+    """Named prompt sets: the train mix of `data_args` and, when given, its eval mix as 'test'. With a native tool-call
+    format (`tools["parser"]`), the prompts are rendered with the tools' schemas, as the trainer renders them."""
+    schemas = []
+    if tools is not None:
+        schemas = tool_call_format(tools["names"], tools.get("parser", TAGS), tokenizer, data_args.chat_template_name).schemas
+    train, evaluation = build_prompt_datasets(data_args, tokenizer, tool_schemas=schemas)
     sets = {"train": prompt_batch(train, list(range(len(train))), tokenizer)}
     if evaluation is not None:
         sets["test"] = prompt_batch(evaluation, list(range(len(evaluation))), tokenizer)
@@ -106,7 +113,7 @@ def evaluate_model(model: str, args: EvalArgs, data_args: DatasetArgs, reward: R
     path = path or model_folder(model)
     with as_config_errors():  # the tokenizer, the prompts and their verifiers: before this model's engine loads
         tokenizer = load_tokenizer(path)
-        prompt_sets = eval_prompts(data_args, tokenizer)
+        prompt_sets = eval_prompts(data_args, tokenizer, tools)
         reward_manager = RewardManager(reward or RewardConfig())
         reward_manager.validate(prompt_sets["train"].verifier_names)
     llm = create_engine(EngineConfig(path, max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype))
@@ -162,7 +169,7 @@ def evaluate_models(argv: list[str]) -> list[dict]:
         argv = ["--models", *models, *argv[len(models) :]]
     parser = HfArgumentParser((EvalArgs, ToolArgs, DatasetArgs, RewardConfig))
     args, tool_args, data_args, reward = parser.parse_args_into_dataclasses(args=argv)
-    tools = eval_tool_settings(tool_args)
+    tools = eval_tool_settings(tool_args, data_args.chat_template_name)
     with as_config_errors():
         folders = [model_folder(model) for model in args.models]
     if not data_args.dataset_mixer_list:  # the embedded task: both splits, i.e. every question

@@ -40,6 +40,7 @@ from tqdm import tqdm
 from open_instruct.data.batches import PromptBatch, ShufflingIterator, prompt_batch
 from open_instruct.data.prompt_dataset import build_prompt_datasets
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
+from open_instruct.environments.routing import environment_rows
 from open_instruct.generation.evaluation import sample_rows
 from open_instruct.generation.generation_thread import GenerationSettings, GenerationThread, WaitAbandoned
 from open_instruct.generation.rollout_requests import RolloutRequests, broadcast_metrics
@@ -79,6 +80,7 @@ from open_instruct.run.validation import (
     one_line,
     row_checker,
     start_warnings,
+    tool_call_schemas,
     validate_async_depth,
     validate_code_sandbox,
     validate_flags,
@@ -284,6 +286,7 @@ class RunData:
     eval_prompts: PromptBatch | None
     local_args: Args  # the run's args with every model a local folder: what the learners load
     longest_prompt: int | None = None  # in tokens: the memory plan of Ray learner ranks, checked where they run
+    eval_rows: list[dict] | None = None  # with --tools: the eval prompts' dataset rows, for their environments
 
     @property
     def num_train_prompts(self) -> int:
@@ -329,7 +332,10 @@ def load_data(args: Args, pinned_commits: dict | None = None) -> RunData:
         policy_path = local_args.model.model_name_or_path
         tokenizer = load_tokenizer(policy_path)
         train_dataset, eval_dataset = build_prompt_datasets(
-            args.data, tokenizer, row_checker(args, "train"), row_checker(args, "eval")
+            args.data, tokenizer, row_checker(args, "train"), row_checker(args, "eval"),
+            keep_extra_columns=bool(args.gen.tools),  # each row's other columns, for its environment's reset
+            # A native tool-call format (--tool_call_parser): the tools' schemas rendered into the prompts (tools=).
+            tool_schemas=tool_call_schemas(args.gen, tokenizer, args.data.chat_template_name),
         )
         validate_code_sandbox(args, list(train_dataset["dataset"]) + (list(eval_dataset["dataset"]) if eval_dataset else []))
         validate_models(local_args, policy_path, tokenizer)
@@ -344,11 +350,12 @@ def load_data(args: Args, pinned_commits: dict | None = None) -> RunData:
             validate_memory(local_args, longest_prompt, "cuda" if torch.cuda.is_available() else "cpu", None)
         # else Ray learner ranks are checked against learner rank 0's own report, before any of them loads a model
     # The eval split is small and fixed: read it from the dataset once, not row by row at every eval.
-    eval_prompts = None
+    eval_prompts = eval_rows = None
     if eval_dataset is not None:
         eval_prompts = prompt_batch(eval_dataset, list(range(len(eval_dataset))), tokenizer)
+        eval_rows = environment_rows(eval_dataset, list(range(len(eval_dataset)))) if args.gen.tools else None
     return RunData(policy_path, tokenizer, stop_token_ids_for(tokenizer, args.gen.stop_token), train_dataset,
-                   eval_prompts, local_args, longest_prompt)  # fmt: skip
+                   eval_prompts, local_args, longest_prompt, eval_rows)  # fmt: skip
 
 
 def open_logger(args: Args, sizes: BatchSizes, resume: checkpoint.Checkpoint | None, data: RunData) -> MetricsLogger:
@@ -408,7 +415,8 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
         prompt_order = ShufflingIterator(len(data.train_dataset), sizes.prompts_per_step, args.run.seed)
         rollouts = RolloutRequests(generator, learner, data.train_dataset, data.tokenizer, prompt_order,
                                    data.eval_prompts, sizes.eval_freq, args.run.seed, args.dist.vllm_sync_timeout_s,
-                                   broadcast=args.dist.uses_ray, async_steps=async_steps(args.gen))  # fmt: skip
+                                   broadcast=args.dist.uses_ray, async_steps=async_steps(args.gen),
+                                   with_rows=bool(args.gen.tools))  # fmt: skip
         if resume is not None:
             learner.read_checkpoint(resume.path)
             rollouts.load_state_dict(resume.trainer_state)
@@ -471,7 +479,8 @@ def start_generation_thread(args: Args, data: RunData, sizes: BatchSizes, placem
         final_policy_version=sizes.num_training_steps,
         batches_in_engine=batches_in_engine(args.gen),
         cpu_cores=cpu_cores,
-        tools=tool_settings(args.gen),
+        tools=tool_settings(args.gen, args.data.chat_template_name),
+        eval_rows=data.eval_rows,
     )
     thread = GenerationThread(settings, timeout_s=args.gen.queue_timeout_s, engine=engines)
     thread.start()

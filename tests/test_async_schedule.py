@@ -31,7 +31,7 @@ class ScriptedEngine:
     def wait_until_ready(self) -> None:
         pass
 
-    def admit(self, batch_id, prompt_token_ids, params, sampling_seed) -> None:
+    def admit(self, batch_id, prompt_token_ids, params, sampling_seed, rows=None) -> None:
         self.batches[batch_id] = []
 
     def step(self) -> None:

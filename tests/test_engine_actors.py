@@ -175,6 +175,29 @@ def test_two_engines_return_what_one_engine_returns_for_the_same_seeds_in_prompt
     assert len({tuple(ids) for ids in expected}) > 1, "all samples equal: seeds would not matter"
 
 
+@pytest.mark.e2e
+@pytest.mark.ray
+@needs_loopback_namespace
+def test_each_engine_resets_its_slices_environments_with_their_own_rows(engines, tiny_model_dir):
+    """With --tools a batch's dataset rows are cut over the engines as its prompts are: every sample's environment,
+    on whichever engine, is reset with its own prompt's row (TaskFromRow answers each turn with the row's label)."""
+    from pathlib import Path
+
+    prompts = prompt_ids(tiny_model_dir, 5)
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "label": f"L{i}", "turn_reward": 0.5, "max_turns": 2}
+            for i in range(5)]
+    environment = f"{Path(__file__).resolve().parent / 'support' / 'tool_environments.py'}:TaskFromRow"
+    tools = {"names": [environment], "max_calls": 2, "timeout_s": 5.0, "output_max_tokens": 8, "wrapper": "{output}"}
+    sampled = dict(n=2, temperature=1.0, max_tokens=12, stop_token_ids=[], with_logprobs=True, tools=tools)
+    completions = engines.generate(prompts, sampled, sampling_seed=1234, rows=rows)
+    called = [c for c in completions if c.tool_stats and c.tool_stats["calls"]]
+    assert len(called) >= 5
+    for completion in called:
+        labels = {f"<L{i}>" for i in range(5) if f"<L{i}>" in completion.text}
+        assert labels == {f"<L{completion.prompt_index}>"}, completion.text
+        assert completion.turn_rewards and all(reward == 0.5 for _, reward in completion.turn_rewards)
+
+
 # ---- a dead engine ends the run --------------------------------------------------------------------------------------
 
 

@@ -369,7 +369,7 @@ def test_an_in_flight_update_across_a_tool_call(llm, split_end, perturbed_weight
         try:
             batches.admit(0, PROMPTS[:1], tool_params(["marker"], temperature=1.0), sampling_seed=seed)
             sample = batches.batches[0][0]
-            while sample.tool_stats["calls"] == 0:
+            while id(sample) not in batches.parked:  # its call runs while the weights change (pause waits for it)
                 batches.step()
             load(llm, batches, perturbed_weights, version=1)
             got = batches.run_until_complete(0)[0]
@@ -421,6 +421,77 @@ def test_a_stop_string_split_across_an_in_flight_update_ends_the_response_there(
     assert got.versions == [0] * (k - 1) + [1]
 
 
+@pytest.mark.parametrize("reentry_steps", [1, 6, 0])
+def test_calls_that_take_random_times_never_change_the_tokens(llm, reentry_steps):
+    """Each call takes 0-0.5 s, another time on each run. With --tool_reentry_steps N > 0 a parked sample comes back
+    N steps after its call whatever the call's time: the two runs decode the same samples together at every step and
+    are equal bit for bit, logprobs included. With 0 a sample comes back as soon as its call is: beside other samples
+    each time, and the two runs still generate the same tokens (each request is seeded by its sample and its tokens
+    so far, never by when it was submitted), their logprobs within float rounding."""
+    from open_instruct.generation.engine_batches import EngineBatches
+    from tests.support.tool_environments import SleepsRandomly
+
+    def run() -> tuple[list, list]:
+        """The completions, and which samples were in the engine after each step (the others parked or done)."""
+        batches = EngineBatches(llm)
+        batches.admit(0, PROMPTS, settings, sampling_seed=11)
+        in_engine = []
+        while not all(sample.done for sample in batches.batches[0]):
+            batches.step()
+            in_engine.append(sorted(sample.index for sample in batches.running.values()))
+        return batches.run_until_complete(0), in_engine
+
+    with registered("sleeps_randomly", SleepsRandomly, "ENVIRONMENTS"):
+        settings = tool_params(["sleeps_randomly"], temperature=1.0, n=2, max_calls=2, max_tokens=32,
+                               reentry_steps=reentry_steps)  # fmt: skip
+        (first, first_in_engine), (again, again_in_engine) = run(), run()
+    fields = lambda c: (c.token_ids, c.sampled, c.versions, c.finish_reason)  # noqa: E731
+    assert sum(c.tool_stats["calls"] for c in first if c.tool_stats) >= 8
+    assert [fields(c) for c in first] == [fields(c) for c in again]
+    if reentry_steps > 0:
+        assert first_in_engine == again_in_engine, "which samples share a step must not depend on the calls' times"
+        assert [c.logprobs for c in first] == [c.logprobs for c in again]
+        return
+    assert first_in_engine != again_in_engine, "the calls' times should change which samples are decoded together"
+    # The batch a token is decoded in moves its logprob by up to one float32 ulp on this CPU (measured: 24 of 134
+    # sampled tokens' logprobs, near -10.5, moved by 9.5e-7 between calls answered at once and calls taking random
+    # times), far below what changes a draw here; the tokens are the same.
+    for completion, other in zip(first, again):
+        assert completion.logprobs == pytest.approx(other.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("reentry_steps", [1000, 0])
+def test_a_parked_sample_does_not_hold_the_others(llm, reentry_steps):
+    """The samples of one prompt call a tool that takes 5 s; the others never call. The engine goes on stepping the
+    others while the slow calls run: they finish before the slow calls return (answered before the next step, as
+    they once were, the calls would hold every sample for 5 s). With --tool_reentry_steps 1000 the slow samples are due
+    long after the others end: once nothing else runs, they come back as soon as their calls do."""
+    from open_instruct.generation.engine_batches import EngineBatches
+    from tests.support.tool_environments import SlowForSomePrompts
+
+    class SlowForPromptZero(SlowForSomePrompts):
+        slow_prompts, seconds = 1, 5.0
+
+    with registered("slow", SlowForPromptZero, "ENVIRONMENTS"):
+        batches = EngineBatches(llm)
+        settings = tool_params(["slow"], temperature=1.0, n=2, max_calls=1, max_tokens=24, timeout_s=30.0,
+                               reentry_steps=reentry_steps)  # fmt: skip
+        batches.admit(0, PROMPTS, settings, sampling_seed=3)
+        samples = batches.batches[0]
+        slow, others = samples[:2], samples[2:]
+        steps_while_parked = 0
+        while not all(s.done for s in others):
+            parked = bool(batches.parked)
+            batches.step()
+            steps_while_parked += parked
+        calls_when_others_done = [s.tool_stats["calls"] for s in slow]
+        got = batches.run_until_complete(0)
+    assert calls_when_others_done == [0, 0], "the slow calls returned before the other samples finished"
+    assert all(s.tool_stats["calls"] == 1 and " [slow]" in s.text for s in slow), [s.text for s in slow]
+    assert steps_while_parked >= 5
+    assert all(c.tool_stats is None or c.tool_stats["calls"] == 0 for c in got[2:])
+
+
 class TurnLength(EveryLetter):
     """EveryLetter without state: its answer depends on the turn's text alone (what survives a resume)."""
 
@@ -429,8 +500,8 @@ class TurnLength(EveryLetter):
 
 
 def test_a_snapshot_taken_after_tool_calls_restores_into_a_fresh_engine_bit_for_bit(llm, second_llm):
-    """Resume with tools: the batch's samples hold tool outputs when the snapshot is taken (a call is answered within
-    its step, so none is mid-call); a fresh engine that restores it calls the same tools and ends with the same
+    """Resume with tools: the batch's samples hold tool outputs when the snapshot is taken (it waits for the parked
+    samples' calls, so none is mid-call); a fresh engine that restores it calls the same tools and ends with the same
     tokens, logprobs, versions, masks and counts as the engine it was taken from."""
     from open_instruct.generation.engine_batches import EngineBatches
 

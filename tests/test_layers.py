@@ -13,13 +13,14 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "open_instruct"
 # Bottom to top; the modules directly in open_instruct/ (the entry points) are the top floor.
-FLOORS = ("sandbox", "rl", "data", "run", "generation", "learner")
+FLOORS = ("sandbox", "rl", "data", "environments", "run", "generation", "learner")
 TOP = len(FLOORS)
 # Third-party packages a floor may not import (each floor's __init__ docstring says what it may import).
 FORBIDDEN = {
     "sandbox": {"torch", "transformers", "datasets", "vllm", "ray", "deepspeed", "wandb", "math_verify"},
     "rl": {"transformers", "datasets", "vllm", "ray", "deepspeed", "wandb"},
     "data": {"vllm", "ray", "deepspeed", "wandb"},
+    "environments": {"ray", "deepspeed", "wandb"},
     "run": {"vllm", "deepspeed"},
     "generation": {"deepspeed"},
 }

@@ -294,11 +294,13 @@ def test_tools_from_the_users_file_and_their_mistakes(tmp_path):
         "    name, start, end = 'silent', '<s>', ''\n"
         "def not_a_class():\n"
         "    pass\n"
+        "NOT_A_TOOL = 3\n"
     )
     assert tools.tool_names_problem([f"{path}:Reverse", "calculator"]) is None
     env = tools.build_environment([f"{path}:Reverse"], wrapper="[{output}]")
     assert env.step("<reverse>abc</reverse>") == ("[cba]", 0.0, False)
-    assert "defines no Tool or Environment subclass 'not_a_class'" in tools.tool_names_problem([f"{path}:not_a_class"])
+    assert "defines no Tool or Environment subclass or function 'NOT_A_TOOL'" in tools.tool_names_problem(
+        [f"{path}:NOT_A_TOOL"])
     assert "is not a file" in tools.tool_names_problem([f"{tmp_path}/none.py:Reverse"])
     assert "non-empty end strings" in tools.tool_names_problem([f"{path}:Silent"])
     broken = tmp_path / "broken.py"

@@ -43,11 +43,49 @@ CHATML_TEMPLATE = (
     r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# ChatML with tools, in the Hermes / Qwen 2.5 format that vLLM's `hermes` tool parser reads. Given `tools=` (OpenAI-style
+# function schemas), the system turn lists them as JSON inside <tools></tools> and asks for calls as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>; an assistant message may carry `tool_calls` (rendered the same
+# way after its content); consecutive `tool` messages are one user turn of <tool_response> blocks. Without tools it
+# renders as `chatml`.
+CHATML_TOOLS_TEMPLATE = (
+    "{%- set has_system = messages and messages[0]['role'] == 'system' %}"
+    "{%- if tools %}"
+    r"{{ '<|im_start|>system\n' }}"
+    r"{{ messages[0]['content'] + '\n\n' if has_system else 'You are a helpful assistant.\n\n' }}"
+    r"{{ '# Tools\n\nYou can call these functions, whose JSON schemas are listed inside <tools></tools>:\n<tools>' }}"
+    r"{%- for tool in tools %}{{ '\n' + (tool | tojson) }}{%- endfor %}"
+    r"{{ '\n</tools>\n\nTo call one, answer with its name and a JSON object of its arguments inside "
+    r"<tool_call></tool_call>, one block per call:\n<tool_call>\n{\"name\": <function name>, \"arguments\": "
+    r"<arguments object>}\n</tool_call>\nEach result comes back inside <tool_response></tool_response>.<|im_end|>\n' }}"
+    "{%- elif has_system %}"
+    r"{{ '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    r"{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{%- endif %}"
+    r"{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    r"{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{%- endif %}"
+    "{%- elif not (loop.first and message['role'] == 'system') %}"
+    r"{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set function = call['function'] if call['function'] is defined else call %}"
+    r"{{ '\n<tool_call>\n{\"name\": \"' + function['name'] + '\", \"arguments\": ' }}"
+    r"{{ function['arguments'] if function['arguments'] is string else function['arguments'] | tojson }}"
+    r"{{ '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    r"{{ '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    r"{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
 NAMED_CHAT_TEMPLATES = {
     "tulu": TULU_TEMPLATE,
     "simple_concat": SIMPLE_CONCAT_TEMPLATE,
     "plain": SIMPLE_CONCAT_TEMPLATE,  # an alias: the name people reach for first
     "chatml": CHATML_TEMPLATE,
+    "chatml_tools": CHATML_TOOLS_TEMPLATE,
 }
 
 TOKENIZER_TEMPLATE_LABEL = "tokenizer"
@@ -74,8 +112,10 @@ def resolve_chat_template(tokenizer: "PreTrainedTokenizerBase", chat_template_na
     return TOKENIZER_TEMPLATE_LABEL, own_template
 
 
-def render_prompt(messages: list[dict], tokenizer: "PreTrainedTokenizerBase", chat_template: str) -> str:
-    """Render prompt messages as text ending with the generation prompt (the assistant header)."""
+def render_prompt(messages: list[dict], tokenizer: "PreTrainedTokenizerBase", chat_template: str,
+                  tools: list[dict] | None = None) -> str:  # fmt: skip
+    """Render prompt messages as text ending with the generation prompt (the assistant header). `tools`: the function
+    schemas of --tools, shown to the model by templates that render them (chatml_tools)."""
     return tokenizer.apply_chat_template(
-        messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True
+        messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True, tools=tools or None
     )

@@ -26,7 +26,14 @@ import pyarrow as pa
 
 from open_instruct.data.chat_templates import render_prompt, resolve_chat_template
 from open_instruct.data.dataset_args import DatasetArgs  # noqa: F401 (its flags, re-exported for the callers)
-from open_instruct.data.sources import PROMPT_FEATURES, count_rows, normalise_row, open_source, take_rows
+from open_instruct.data.sources import (
+    PROMPT_FEATURES,
+    PROMPT_FEATURES_WITH_EXTRA_COLUMNS,
+    count_rows,
+    normalise_row,
+    open_source,
+    take_rows,
+)
 
 if TYPE_CHECKING:  # only for annotations: the converters need no transformers import
     from transformers import PreTrainedTokenizerBase
@@ -95,9 +102,11 @@ def rows_to_take(amount: str, num_rows: int, source: str) -> int:
 
 
 def load_prompt_dataset(
-    mixer_list: list[str], splits: list[str], seed: int, check_row: Callable[[dict, str], None] | None = None
+    mixer_list: list[str], splits: list[str], seed: int, check_row: Callable[[dict, str], None] | None = None,
+    keep_extra_columns: bool = False,
 ) -> datasets.Dataset:
-    """Read, draw, normalise and shuffle the mixed sources into one dataset with `PROMPT_COLUMNS`.
+    """Read, draw, normalise and shuffle the mixed sources into one dataset with `PROMPT_COLUMNS` (and, with
+    `keep_extra_columns`, `extra_columns`: the JSON text of each row's other columns, for its environment).
 
     `check_row(row, where)` sees every normalised row that was drawn, with its file and row number, and may raise.
     """
@@ -117,22 +126,25 @@ def load_prompt_dataset(
             local_indices = (chosen[(chosen >= start) & (chosen < end)] - start).tolist()
             for raw, index in zip(take_rows(part, local_indices), local_indices):
                 where = f"{part.where} row {index}"
-                rows.append(normalise_row(raw, where, source))
+                rows.append(normalise_row(raw, where, source, keep_extra_columns))
                 if check_row is not None:
                     check_row(rows[-1], where)
     if not rows:
         raise ValueError(f"The mixer {mixer_list} selected no rows; raise the amounts.")
     shuffled_rows = [rows[index] for index in rng.permutation(len(rows))]
-    return datasets.Dataset.from_list(shuffled_rows, features=PROMPT_FEATURES)
+    features = PROMPT_FEATURES_WITH_EXTRA_COLUMNS if keep_extra_columns else PROMPT_FEATURES
+    return datasets.Dataset.from_list(shuffled_rows, features=features)
 
 
 # ---- Tokenisation, length filter, cache ------------------------------------------------------------------------------
 
 
 def _tokenization_cache_key(
-    dataset: datasets.Dataset, tokenizer: "PreTrainedTokenizerBase", chat_template: str, max_prompt_token_length: int
+    dataset: datasets.Dataset, tokenizer: "PreTrainedTokenizerBase", chat_template: str, max_prompt_token_length: int,
+    tool_schemas: list[dict] | None = None,
 ) -> str:
-    """Hash of everything the tokenised output depends on: the rows, the vocabulary, the template, the limit."""
+    """Hash of everything the tokenised output depends on: the rows, the vocabulary, the template, the tools' schemas
+    it renders, the limit."""
     hasher = hashlib.sha256()
     table = dataset.with_format("arrow")[:]  # respects any select/shuffle done on `dataset`
     sink = pa.BufferOutputStream()
@@ -141,6 +153,8 @@ def _tokenization_cache_key(
     hasher.update(sink.getvalue().to_pybytes())
     vocabulary = sorted(tokenizer.get_vocab().items())
     settings = [TOKENIZATION_CACHE_VERSION, type(tokenizer).__name__, vocabulary, chat_template]
+    if tool_schemas:  # only then: the keys of the caches made before tools were rendered stay the same
+        settings.append(tool_schemas)
     hasher.update(json.dumps([*settings, max_prompt_token_length]).encode())
     return hasher.hexdigest()[:20]
 
@@ -160,8 +174,10 @@ def tokenize_prompt_dataset(
     max_prompt_token_length: int,
     chat_template_name: str | None = None,
     cache_dir: str | None = None,
+    tool_schemas: list[dict] | None = None,
 ) -> tuple[datasets.Dataset, dict]:
-    """Add `input_ids_prompt` (chat template + generation prompt) and drop prompts over the limit.
+    """Add `input_ids_prompt` (chat template + generation prompt) and drop prompts over the limit. `tool_schemas`: the
+    function schemas of --tools with a native tool-call format, passed to the template as `tools=`.
 
     Returns the kept rows and a report: num_rows_in, num_rows_kept, num_dropped_too_long, max_prompt_len
     (longest kept), longest_prompt_len (longest seen), max_prompt_token_length, chat_template,
@@ -172,14 +188,14 @@ def tokenize_prompt_dataset(
     template_label, chat_template = resolve_chat_template(tokenizer, chat_template_name)
     cache_path = None
     if cache_dir is not None:
-        key = _tokenization_cache_key(dataset, tokenizer, chat_template, max_prompt_token_length)
+        key = _tokenization_cache_key(dataset, tokenizer, chat_template, max_prompt_token_length, tool_schemas)
         cache_path = Path(cache_dir) / f"prompts_{key}"
         if (cache_path / CACHE_REPORT_FILE).exists():
             report = json.loads((cache_path / CACHE_REPORT_FILE).read_text()) | {"loaded_from_cache": True}
             _log_report(report)
             return datasets.load_from_disk(str(cache_path)), report
 
-    texts = [render_prompt(messages, tokenizer, chat_template) for messages in dataset["messages"]]
+    texts = [render_prompt(messages, tokenizer, chat_template, tool_schemas) for messages in dataset["messages"]]
     input_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     lengths = [len(ids) for ids in input_ids]
     kept_indices = [index for index, length in enumerate(lengths) if length <= max_prompt_token_length]
@@ -227,19 +243,24 @@ def build_prompt_datasets(
     tokenizer: "PreTrainedTokenizerBase",
     check_train_row: Callable[[dict, str], None] | None = None,
     check_eval_row: Callable[[dict, str], None] | None = None,
+    keep_extra_columns: bool = False,
+    tool_schemas: list[dict] | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """The tokenised train prompts and, when an eval mix is given, the tokenised eval prompts.
 
-    The `check_*_row` functions see every row drawn (see `load_prompt_dataset`).
+    The `check_*_row` functions see every row drawn (see `load_prompt_dataset`); `keep_extra_columns` (a run with
+    --tools) keeps each row's other columns for its environment; `tool_schemas` are rendered into every prompt
+    (`tools=`, a native tool-call format).
     """
 
     def load_and_tokenize(
         mixer_list: list[str], splits: list[str], split_argument: str, check_row=None
     ) -> datasets.Dataset:
         splits_per_source(splits, len(parse_mixer_list(mixer_list)), split_argument)  # fail early with the name
-        dataset = load_prompt_dataset(mixer_list, splits, args.dataset_seed, check_row)
+        dataset = load_prompt_dataset(mixer_list, splits, args.dataset_seed, check_row, keep_extra_columns)
         tokenized, _ = tokenize_prompt_dataset(
-            dataset, tokenizer, args.max_prompt_token_length, args.chat_template_name, args.dataset_cache_dir
+            dataset, tokenizer, args.max_prompt_token_length, args.chat_template_name, args.dataset_cache_dir,
+            tool_schemas,
         )
         return tokenized
 

@@ -12,12 +12,15 @@ no such path exists) a hub dataset loaded with `datasets.load_dataset(name, spli
 Rows. Three row schemas are detected row by row and normalised to the columns in `PROMPT_COLUMNS`:
 `messages` (the prompt turns), `ground_truth`, `dataset` (verifier name), `source`.
 - RLVR: `messages`, `ground_truth`, `dataset`; a final assistant turn is dropped (it is the answer).
-- verl: `prompt` (chat list), `data_source`, `reward_model: {ground_truth, style}`; `extra_info` ignored.
+- verl: `prompt` (chat list), `data_source`, `reward_model: {ground_truth, style}`; `extra_info` is not read.
 - plain: `prompt` as a string (becomes one user turn); `ground_truth` / `dataset` optional.
 Precedence when a row mixes them: `messages` over `prompt`, `reward_model.ground_truth` over
 `ground_truth`, `data_source` over `dataset`. A ground truth number becomes its text (72.0 -> "72"),
 a list its first element, a JSON object (an IFEval constraint set) its JSON text. A code row's list of assert
 statements is its tests: it becomes its JSON text, all of it.
+
+Extra columns. With --tools every other column of a row (verl's `extra_info` included) is kept, as the JSON text of
+one object in `extra_columns`, for the row's environment (`reset(row)`, docs/tools.md).
 """
 
 import json
@@ -43,6 +46,10 @@ PROMPT_FEATURES = datasets.Features(
         "source": datasets.Value("string"),
     }
 )
+# With --tools, a row's other columns (a task's files, a table, tests...) are kept for its environment's `reset(row)`:
+# as one JSON object's text, since sources disagree on which columns they have and of what types.
+EXTRA_COLUMNS = "extra_columns"
+PROMPT_FEATURES_WITH_EXTRA_COLUMNS = datasets.Features({**PROMPT_FEATURES, EXTRA_COLUMNS: datasets.Value("string")})
 
 
 @dataclass(frozen=True)
@@ -264,8 +271,9 @@ def _is_code_row(verifier: str | None) -> bool:
     return verifier is not None and VERIFIER_ALIASES.get(verifier.strip().lower()) == "code"
 
 
-def normalise_row(row: dict, where: str, source: str) -> dict:
-    """One raw row in any of the three schemas -> {messages, ground_truth, dataset, source}."""
+def normalise_row(row: dict, where: str, source: str, keep_extra_columns: bool = False) -> dict:
+    """One raw row in any of the three schemas -> {messages, ground_truth, dataset, source}; with `keep_extra_columns`
+    also `extra_columns`, the JSON text of its other columns (`extra_columns_text`)."""
     reward_model = row.get("reward_model")
     if reward_model is not None and not isinstance(reward_model, dict):
         raise ValueError(
@@ -275,9 +283,29 @@ def normalise_row(row: dict, where: str, source: str) -> dict:
     verifier = row["data_source"] if row.get("data_source") is not None else row.get("dataset")
     if verifier is not None and not isinstance(verifier, str):
         raise ValueError(f"{where}: the verifier name `dataset`/`data_source` is {verifier!r}, expected a string.")
-    return {
+    normalised = {
         "messages": _prompt_messages(row, where),
         "ground_truth": _ground_truth_text(ground_truth, where, verifier),
         "dataset": verifier,
         "source": source,
     }
+    if keep_extra_columns:
+        normalised[EXTRA_COLUMNS] = extra_columns_text(row, where)
+    return normalised
+
+
+def extra_columns_text(row: dict, where: str) -> str:
+    """The JSON text of a raw row's columns other than the prompt (`messages`/`prompt`) and the normalised ones
+    (`ground_truth`, `dataset`, `source`); a verl row's `data_source`, `reward_model` and `extra_info` stay in it. A
+    value JSON cannot hold (bytes, a date) is refused with the column's name."""
+    extra = {key: value for key, value in row.items() if key not in ("messages", "prompt", *PROMPT_COLUMNS)}
+    for key, value in extra.items():
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"{where}: column `{key}` holds a {type(value).__name__} that JSON cannot hold ({error}); with --tools "
+                f"every column of a row is kept for its environment: store it as text, numbers, lists or objects, or "
+                f"drop the column."
+            ) from None
+    return json.dumps(extra, sort_keys=True)

@@ -28,17 +28,35 @@ completes one, its text cut just after it, its tokens kept whole.
 
 With --tools (a batch's `params["tools"]`) each sample has an environment (rl/tools.py), and the engine looks for its
 end strings in the sample's accumulated text after every step, in Python, so one split over two steps or over a
-resubmission is found. A sample that reaches one leaves the engine; the turns found at one step are answered together
-before the next step (a run depends on weights and prompts, not on how fast a tool answers); each answer is tokenised
-once and appended with `sampled` False, no logprob and no version, and the sample is resubmitted as prompt plus tokens
-so far, the path above. No sample waits on a tool between two steps, so a snapshot never holds one mid-call; a
-restored sample gets a fresh environment (built-in tools are stateless). Every observation (a tool's output, an
+resubmission is found. A sample that reaches one leaves the engine and is parked: its turn runs on the tool pool
+(environments/tool_pool.py: tools in worker processes, environments' steps in threads, each cut at --tool_timeout_s)
+while the engine goes on stepping the other samples. A parked sample is due back --tool_reentry_steps engine steps
+after its call (default 1: the next step), and the engine waits there for a call not yet back; while nothing else
+runs, the samples due first come back as soon as their calls do. So which samples share each step, and every float
+the engine computes, depends on the steps alone, never on how fast a tool answered: a run is bit for bit the same
+whatever its tools' times (tests/test_engine_batches.py runs one batch twice with calls taking random times). With
+--tool_reentry_steps 0 a sample comes back at the first step after its call is: fastest when tools are slow, and the
+tokens are still the same (its request's seed is its sample's and its tokens so far, `request_seed`), but which
+samples share a step can then move a logprob by one float32 ulp on vLLM's CPU kernels (measured 9.5e-7). Each answer
+is tokenised once and appended with `sampled` False, no logprob and no version, and the sample is resubmitted as
+prompt plus tokens so far, the path above. (With 0 and in-flight updates, the version a sample's next tokens carry
+may depend on when its call returned.) The rule for weights and snapshots: `pause` (before a weight load) and
+`partial_batches` (a checkpoint) first wait for every parked sample's turn (each cut at --tool_timeout_s) and take
+it back, so no sample is mid-call while weights change and a snapshot never holds one mid-call; a restored sample
+gets a fresh environment, reset with the dataset row stored with the sample (built-in tools are stateless). A step's
+reward is recorded with the index of the turn's last sampled token (`Sample.turn_rewards`), where PPO places it. Every observation (a tool's output, an
 environment's, an error's text) is cut to --tool_output_max_tokens. An environment is user code: its constructor and
 `reset` run under --tool_timeout_s like its steps, and a sample whose environment cannot start (either raised or ran
 past the time) ends at its first token reading why (finish reason "environment_error", counted in tools/start_errors);
 the batch's other samples go on.
+
+With a native tool-call format (--tool_call_parser hermes, ...; environments/native_tools.py) no string ends a turn:
+a request that finishes on its stop token ends one, and when its environment reads a call in the turn's text the stop
+token is kept as the turn's last sampled token and the sample is answered like any other turn, its observation the
+chat template's tool turns as token ids, appended as they are (never decoded and tokenised again).
 """
 
+import copy
 import itertools
 import logging
 from contextlib import contextmanager
@@ -46,6 +64,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from open_instruct.environments import native_tools, routing, tool_pool
 from open_instruct.generation import vllm_engine
 from open_instruct.rl import tools
 
@@ -65,7 +84,9 @@ def request_seed(batch_seed: int, sample_index: int, policy_version: int, tokens
     return int(np.random.SeedSequence([batch_seed, sample_index, policy_version, tokens_so_far]).generate_state(1)[0])
 
 
-TOOL_STATS = ("calls", "errors", "timeouts", "outputs_cut", "seconds", "reward", "start_errors")
+TOOL_STATS = ("calls", "errors", "timeouts", "outputs_cut", "seconds", "reward", "start_errors", "abandoned_threads")
+# While only parked samples remain, the engine waits this long for a call to finish before it looks again.
+PARKED_WAIT_S = 0.05
 
 
 @dataclass
@@ -91,6 +112,10 @@ class Sample:
     searched_up_to: int = 0
     stop_searched_up_to: int = 0  # how much of `text` was searched for the stop strings
     tool_stats: dict = field(default_factory=lambda: dict.fromkeys(TOOL_STATS, 0))
+    # With --tools: the dataset row its environment's `reset` gets (JSON values; None: the engine was given no rows),
+    # and the turns' rewards, [index of the turn's last sampled token, reward] each (Completion.turn_rewards).
+    row: dict | None = None
+    turn_rewards: list[list] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -133,6 +158,7 @@ class Sample:
             self.prompt_index, list(self.token_ids), self.text, self.finish_reason,
             list(self.logprobs) if with_logprobs else None, list(self.versions),
             list(self.sampled) if with_tools else None, dict(self.tool_stats) if with_tools else None,
+            [list(turn) for turn in self.turn_rewards] or None,
         )  # fmt: skip
 
 
@@ -167,19 +193,28 @@ class EngineBatches:
         # environment could not start, with why (they end at their first token).
         self.environments: dict[int, tools.Environment] = {}
         self.unstarted: dict[int, tools.Attempt] = {}
+        # The samples out of the engine while their turn runs on the tool pool, by id(sample), and those turns.
+        self.parked: dict[int, Sample] = {}
+        self.turns = tool_pool.ParkedTurns()
+        # When each parked sample re-enters: the engine step it is due at (--tool_reentry_steps after its call), or
+        # None: as soon as its turn is back (--tool_reentry_steps 0). `arrived`: turns back, not yet due.
+        self.due_step: dict[int, int | None] = {}
+        self.arrived: dict[int, tool_pool.ParkedTurn] = {}
 
     @property
     def admitted(self) -> list[int]:
         return list(self.batches)
 
-    def admit(self, batch_id: int, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None) -> None:
+    def admit(self, batch_id: int, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None,
+              rows: list[dict] | None = None) -> None:  # fmt: skip
         """Add a batch: `params["n"]` samples of each prompt, each its own request, in prompt order (as vLLM's own fan-out
         of n does), each seeded from `sampling_seed` (`request_seed`): what the batch draws depends only on its seed and
-        on the weights."""
+        on the weights. `rows`: with --tools, each prompt's dataset row, for its samples' environments."""
         if batch_id in self.batches:
             raise ValueError(f"batch {batch_id} is already in the engine")
         prompts = [ids for ids in prompt_token_ids for _ in range(params["n"])]
-        samples = [Sample(batch_id, index // params["n"], list(ids), params["max_tokens"], sampling_seed, index)
+        samples = [Sample(batch_id, index // params["n"], list(ids), params["max_tokens"], sampling_seed, index,
+                          row=None if rows is None else rows[index // params["n"]])
                    for index, ids in enumerate(prompts)]  # fmt: skip
         self._add(batch_id, samples, params)
 
@@ -194,11 +229,18 @@ class EngineBatches:
         output is cut to its token budget by the engine's tokenizer). A sample whose environment cannot start is kept
         in `unstarted`: it ends at its first token (`_end_unstarted`)."""
         tokenizer, budget = self.llm.get_tokenizer(), settings["output_max_tokens"]
-        build = tools.environment_builder(settings["names"], settings["wrapper"],
-                                          lambda text: cut_to_tokens(tokenizer, text, budget))  # fmt: skip
-        rows = [{"prompt_token_ids": s.prompt_token_ids, "prompt_index": s.prompt_index} for s in samples]
+        # --environment_column: each row names its environment among the --tools names (as the rows write them).
+        route = routing.environment_router(settings.get("environment_names") or dict(zip(settings["names"], settings["names"])),
+                                           settings.get("environment_column"), settings["wrapper"],
+                                           lambda text: cut_to_tokens(tokenizer, text, budget))  # fmt: skip
+        # Each sample its own copy: the n samples of a prompt share its row, and an environment may change what it got.
+        rows = [{**copy.deepcopy(s.row or {}), "prompt_token_ids": s.prompt_token_ids, "prompt_index": s.prompt_index}
+                for s in samples]  # fmt: skip
+        # --tool_call_parser hermes, ...: every sample gets the native format's environment (environments/native_tools).
+        native = native_tools.native_builder(settings, tokenizer, lambda text: cut_to_tokens(tokenizer, text, budget))
+        builds = [native or route(row) for row in rows]
         failed = []
-        for sample, attempt in zip(samples, tools.start_environments(build, rows, settings["timeout_s"])):
+        for sample, attempt in zip(samples, tools.start_environments(builds, rows, settings["timeout_s"])):
             if attempt.error is None:
                 self.environments[id(sample)] = attempt.value
             else:
@@ -230,9 +272,14 @@ class EngineBatches:
             self.running[request_id] = sample
 
     def step(self) -> None:
-        """One engine step: every running request advances (a prefill chunk or one token). A sample whose text now
-        ends a turn of its environment (a tool call's end string) is taken out of the engine, and the turns found at
-        this step are answered before the next one (`_answer_turns`)."""
+        """One engine step. First the parked samples whose turn has finished go back into the engine (`_reenter`);
+        then every running request advances (a prefill chunk or one token). A sample whose text now ends a turn of its
+        environment (a tool call's end string) is taken out of the engine and parked while its turn runs (`_park`).
+        While only parked samples remain, it waits up to PARKED_WAIT_S for a turn to finish instead."""
+        if self.parked:
+            self._reenter(self._turns_due())
+            if not self.running:
+                return
         turns, stopped = [], []
         for output in self.llm.llm_engine.step():
             sample = self.running[output.request_id]
@@ -250,6 +297,8 @@ class EngineBatches:
                 del self.running[output.request_id]
                 if not output.finished:
                     stopped.append(output.request_id)
+            elif output.finished and self._ends_native_turn(sample, piece):
+                turns.append((output.request_id, sample, len(sample.text)))  # its tool calls are answered: it goes on
             elif output.finished:
                 sample.finish(piece.finish_reason, piece.stop_reason, self.policy_version)
                 del self.running[output.request_id]
@@ -266,8 +315,24 @@ class EngineBatches:
             self.llm.llm_engine.abort_request([request_id for request_id, _, _ in turns])
             for request_id, _, _ in turns:
                 del self.running[request_id]
-            self._answer_turns([(sample, end) for _, sample, end in turns])
+            self._park([(sample, end) for _, sample, end in turns])
         self.steps += 1
+
+    def _ends_native_turn(self, sample: Sample, piece) -> bool:
+        """Whether a request that finished ends a native turn that makes tool calls (--tool_call_parser hermes, ...):
+        it stopped on its stop token and its environment reads a call in the turn. Then the stop token is kept as the
+        turn's last sampled token (its text too: the template's turn end continues after it) and the sample goes on."""
+        environment = self.environments.get(id(sample))
+        if not isinstance(environment, native_tools.NativeToolEnvironment) or piece.finish_reason != "stop":
+            return False
+        if not environment.makes_calls(sample.text[sample.turn_start :]):
+            return False
+        tokenizer = self.llm.get_tokenizer()
+        stop_id = piece.stop_reason if isinstance(piece.stop_reason, int) else tokenizer.eos_token_id
+        if not sample.token_ids or sample.token_ids[-1] != stop_id:
+            sample.add([stop_id], None, "", self.policy_version)
+        sample.text += tokenizer.decode([stop_id])
+        return True
 
     def _stop_string_end(self, sample: Sample) -> str | None:
         """The stop string the sample's text now completes (its text is then cut just after it), or None. Searched from
@@ -297,6 +362,11 @@ class EngineBatches:
         """Append `observation`, cut to --tool_output_max_tokens where `cut`, and to the response budget left; whether
         it was cut to --tool_output_max_tokens."""
         tokenizer, was_cut = self.llm.get_tokenizer(), False
+        if isinstance(observation, tools.TokenObservation):  # a chat template's tool turn, rendered as token ids
+            observation_ids = observation.token_ids[: sample.max_tokens - len(sample.token_ids)]
+            cut_text = len(observation_ids) < len(observation.token_ids)
+            sample.add_observation(observation_ids, tokenizer.decode(observation_ids) if cut_text else observation.text)
+            return False
         if cut:
             budget = self.params[sample.batch_id]["tools"]["output_max_tokens"]
             observation, was_cut = cut_to_tokens(tokenizer, observation, budget)
@@ -308,38 +378,83 @@ class EngineBatches:
         sample.add_observation(observation_ids, observation)
         return was_cut
 
-    def _answer_turns(self, turns: list[tuple[Sample, int]]) -> None:
-        """Each sample's environment steps on its turn's text (all together, under --tool_timeout_s); in the samples'
-        order, its observation is tokenised once and appended, and the sample goes back into the engine as its prompt
-        plus every token so far (or ends: its environment is done, its budget is spent, or it called once too often)."""
-        calls, answered = [], []
+    def _park(self, turns: list[tuple[Sample, int]]) -> None:
+        """Each sample whose turn ended leaves the engine with its turn started on the tool pool (environments/
+        tool_pool.py), or ends there (it called once too often); the engine decodes the others meanwhile."""
         for sample, end in turns:
             settings = self.params[sample.batch_id]["tools"]
             if sample.tool_stats["calls"] >= settings["max_calls"]:
                 sample.finish("max_tool_calls", None, self.policy_version)
                 continue
-            calls.append((self.environments[id(sample)], sample.text[sample.turn_start : end]))
-            answered.append(sample)
-        timeout_s = max((self.params[s.batch_id]["tools"]["timeout_s"] for s in answered), default=0.0)
-        before = [(environment.errors, getattr(environment, "outputs_cut", 0)) for environment, _ in calls]
-        for sample, outcome, (errors, cuts) in zip(answered, tools.run_steps(calls, timeout_s), before):
-            environment, stats = self.environments[id(sample)], sample.tool_stats
-            stats["calls"] += 1
-            stats["errors"] += outcome.error or (not outcome.timed_out and environment.errors > errors)
-            stats["timeouts"] += outcome.timed_out
+            self.parked[id(sample)] = sample
+            reentry_steps = settings.get("reentry_steps", 1)  # a checkpoint that predates the flag: the next step
+            self.due_step[id(sample)] = self.steps + reentry_steps if reentry_steps > 0 else None
+            self.turns.start(id(sample), self.environments[id(sample)], sample.text[sample.turn_start : end], settings)
+
+    def _reenter(self, finished: list[tool_pool.ParkedTurn]) -> None:
+        """The parked samples whose turn has finished, in their batches' order (never the order the calls finished
+        in): each observation is tokenised once and appended, and the sample goes back into the engine as its prompt
+        plus every token so far (or ends: its environment is done or was lost, or its budget is spent)."""
+        parked = [(self.parked.pop(turn.key), turn) for turn in finished]
+        for turn in finished:
+            self.due_step.pop(turn.key, None)
+        for sample, turn in sorted(parked, key=lambda pair: (pair[0].batch_id, pair[0].index)):
+            outcome, stats = turn.outcome(), sample.tool_stats
+            stats["calls"] += outcome.calls  # each of a turn's calls (a native turn may make several)
+            stats["errors"] += outcome.errors
+            stats["timeouts"] += outcome.timeouts
             stats["seconds"] += outcome.seconds
             stats["reward"] += outcome.reward
+            stats["abandoned_threads"] = stats.get("abandoned_threads", 0) + outcome.abandoned_threads
+            if outcome.reward:  # on the turn's last sampled token, before its observation is appended
+                sample.turn_rewards.append([len(sample.token_ids) - 1, outcome.reward])
             # A ToolEnvironment cuts its tools' outputs before wrapping them (and counts them); any other environment's
             # observation, and the text of a step that raised or timed out, is cut here.
-            cut = outcome.error or outcome.timed_out or not isinstance(environment, tools.ToolEnvironment)
-            stats["outputs_cut"] += getattr(environment, "outputs_cut", 0) - cuts
-            stats["outputs_cut"] += self._add_observation(sample, outcome.observation, cut)
-            if outcome.done:
+            stats["outputs_cut"] += outcome.outputs_cut + self._add_observation(sample, outcome.observation, outcome.cut)
+            if outcome.environment_lost:  # its step hung: its thread runs on, its state can no longer be trusted
+                self.environments.pop(id(sample), None)
+                log.warning("--tools: an environment's step ran past --tool_timeout_s; its sample ends "
+                            "(environment_error) and its thread is left running (tools/abandoned_threads)")  # fmt: skip
+                sample.finish("environment_error", None, self.policy_version)
+            elif outcome.done:
                 sample.finish("stop", None, self.policy_version)
             elif len(sample.token_ids) >= sample.max_tokens:
                 sample.finish("length", None, self.policy_version)
             else:
                 self._submit([sample], self.params[sample.batch_id])
+
+    def _turns_due(self) -> list[tool_pool.ParkedTurn]:
+        """The parked turns that re-enter before this step. A turn is due at the step --tool_reentry_steps after its
+        call, and the engine waits here for a due turn not yet back, so that which samples share each step depends on
+        the steps alone, never on how fast a tool answered. While no sample runs, the turns due first are due now
+        (nothing shares a step with them to be changed). With --tool_reentry_steps 0 a turn re-enters as soon as it is
+        back; while nothing runs, the engine waits up to PARKED_WAIT_S for one."""
+        for turn in self.turns.finished(wait_s=0.0):
+            self.arrived[turn.key] = turn
+        scheduled = {key: step for key, step in self.due_step.items() if step is not None}
+        if self.running:
+            due = {key for key, step in scheduled.items() if step <= self.steps}
+        elif scheduled and not any(self.due_step[key] is None for key in self.arrived):
+            first = min(scheduled.values())
+            due = {key for key, step in scheduled.items() if step == first}
+        else:
+            due = set()
+        if not self.running and not due and not self.arrived:
+            for turn in self.turns.finished(wait_s=PARKED_WAIT_S):
+                self.arrived[turn.key] = turn
+        while not due <= self.arrived.keys():  # every call is cut at --tool_timeout_s, so this ends
+            for turn in self.turns.finished(wait_s=PARKED_WAIT_S):
+                self.arrived[turn.key] = turn
+        ready = due | {key for key in self.arrived if self.due_step.get(key, 0) is None}
+        return [self.arrived.pop(key) for key in ready]
+
+    def _wait_for_parked(self) -> None:
+        """Until no sample is parked: every call is cut at --tool_timeout_s, so this ends."""
+        while self.parked:
+            for turn in self.turns.finished(wait_s=PARKED_WAIT_S):
+                self.arrived[turn.key] = turn
+            if self.arrived.keys() >= self.parked.keys():
+                self._reenter([self.arrived.pop(key) for key in list(self.arrived)])
 
     def run_until_complete(self, batch_id: int, between_steps=None) -> list[vllm_engine.Completion]:
         """Step until every sample of `batch_id` has finished (the other batches advance with it); its completions in
@@ -365,8 +480,10 @@ class EngineBatches:
         self.resume(policy_version)
 
     def pause(self) -> None:
-        """Before a weight load: every running request is aborted (its sample keeps its tokens), so that no request is
-        in the engine while its weights change."""
+        """Before a weight load: the parked samples' turns are waited for (each cut at --tool_timeout_s) and taken
+        back, then every running request is aborted (its sample keeps its tokens), so that no request is in the engine
+        while its weights change and none is mid-call."""
+        self._wait_for_parked()
         if self.running:
             self.llm.llm_engine.abort_request(list(self.running))
             self.running.clear()
@@ -382,7 +499,9 @@ class EngineBatches:
 
     def partial_batches(self) -> list[dict]:
         """The admitted batches as they stand (each sample's tokens, logprobs and versions so far): what a checkpoint
-        stores. A read: the engine goes on as if it had not been taken."""
+        stores. The parked samples' turns are waited for first (each cut at --tool_timeout_s), so no sample is
+        mid-call; otherwise a read: what the engine generates next is what it would have without it."""
+        self._wait_for_parked()
         return [
             {"batch_id": batch_id, "params": self.params[batch_id], "samples": [asdict(s) for s in samples]}
             for batch_id, samples in self.batches.items()
@@ -395,10 +514,11 @@ class EngineBatches:
             self._add(batch["batch_id"], [Sample(**sample) for sample in batch["samples"]], batch["params"])
 
 
-def generate_batch(llm, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None) -> list:
+def generate_batch(llm, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None,
+                   rows: list[dict] | None = None) -> list:  # fmt: skip
     """`params["n"]` completions of each prompt, grouped by prompt, decoded as training decodes them (with
-    `params["tools"]`, tool calls answered and appended): one batch through a fresh `EngineBatches`. For evaluation and
-    probes on a saved model."""
+    `params["tools"]`, tool calls answered and appended, each prompt's environment reset with its `rows` entry): one
+    batch through a fresh `EngineBatches`. For evaluation and probes on a saved model."""
     batches = EngineBatches(llm)
-    batches.admit(0, prompt_token_ids, params, sampling_seed)
+    batches.admit(0, prompt_token_ids, params, sampling_seed, rows)
     return batches.run_until_complete(0)

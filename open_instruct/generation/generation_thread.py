@@ -76,6 +76,9 @@ class GenerationRequest:
     # samples depend only on (seed, weights, prompts), not on what the engine generated before: exact resume.
     sampling_seed: int | None = None
     batch_id: int = 0  # the request's number in the run: the engine's name for its batch
+    # With --tools: each prompt's dataset row (environments.routing.environment_rows), for its environment's
+    # `reset`; the engine's alone, never the learner's.
+    rows: list[dict] | None = None
     # Resume: batches the checkpoint holds half generated (engine_batches partial_batches), put back into the engine
     # after the request's weights are loaded; their rollouts come back in batch order like any other.
     restore: list[dict] = field(default_factory=list)
@@ -118,6 +121,7 @@ class GenerationSettings:
     cpu_cores: list[int] | None = None  # --vllm_cpu_cores: the cores this thread (its engine) runs on; None: all
     # --tools: {"names", "max_calls", "timeout_s", "output_max_tokens", "wrapper"} (tool_settings); None: no tools
     tools: dict | None = None
+    eval_rows: list[dict] | None = None  # with --tools: each eval prompt's dataset row, for its environment
 
 
 def eval_samples_per_prompt(settings: GenerationSettings, policy_version: int) -> int:
@@ -181,8 +185,9 @@ class InProcessEngine:
             return vllm_engine.load_weights(self.llm, named_tensors)
 
     # ---- the batches in the engine (engine_batches.EngineBatches) ----
-    def admit(self, batch_id: int, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None) -> None:
-        self.batches.admit(batch_id, prompt_token_ids, params, sampling_seed)
+    def admit(self, batch_id: int, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None,
+              rows: list[dict] | None = None) -> None:  # fmt: skip
+        self.batches.admit(batch_id, prompt_token_ids, params, sampling_seed, rows)
 
     def run_until_complete(self, batch_id: int, between_steps=None) -> list[vllm_engine.Completion]:
         return self.batches.run_until_complete(batch_id, between_steps)
@@ -333,20 +338,20 @@ class GenerationThread(threading.Thread):
         if request.prompt_token_ids:  # an eval-only request (the final eval) has no training prompts
             # Training samples come with their logprobs: the learner checks every step that it computes the same ones.
             params = self._params(settings.samples_per_prompt, settings.temperature, with_logprobs=True)
-            engine.admit(request.batch_id, request.prompt_token_ids, params, request.sampling_seed)
+            engine.admit(request.batch_id, request.prompt_token_ids, params, request.sampling_seed, request.rows)
             self.admitted.append(request)
 
     def _run_eval(self, engine, request: GenerationRequest) -> None:
         """Greedy, then sampled (its own seed), on the weights just loaded; the batches in the engine advance with it."""
         settings, start = self.settings, time.time()
         prompts = settings.eval_prompt_token_ids
-        engine.admit(("eval", request.batch_id), prompts, self._params(1, 0.0), None)
+        engine.admit(("eval", request.batch_id), prompts, self._params(1, 0.0), None, settings.eval_rows)
         greedy = engine.run_until_complete(("eval", request.batch_id), self._between_steps)
         sampled, samples_per_prompt = [], eval_samples_per_prompt(settings, request.policy_version)
         if samples_per_prompt > 0:
             seed = None if request.sampling_seed is None else request.sampling_seed + 1
             engine.admit(("sampled eval", request.batch_id), prompts,
-                         self._params(samples_per_prompt, settings.temperature), seed)  # fmt: skip
+                         self._params(samples_per_prompt, settings.temperature), seed, settings.eval_rows)  # fmt: skip
             sampled = engine.run_until_complete(("sampled eval", request.batch_id), self._between_steps)
         eval_rollout = Rollout(request.policy_version, greedy, {"eval_generation": time.time() - start}, sampled,
                                request.checksums, batch_id=request.batch_id)  # fmt: skip

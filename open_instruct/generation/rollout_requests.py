@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from open_instruct.data.batches import PromptBatch, ShufflingIterator, prompt_batch
+from open_instruct.environments.routing import environment_rows
 from open_instruct.generation import generation_thread
 from open_instruct.generation.generation_thread import (
     GenerationRequest,
@@ -133,13 +134,15 @@ class RolloutRequests:
 
     def __init__(self, generator: GenerationThread, learner: HandsOutWeights | BroadcastsWeights, dataset, tokenizer, prompt_order: ShufflingIterator,
                  eval_prompts: PromptBatch | None, eval_freq: int, seed: int, sync_timeout_s: float,
-                 broadcast: bool, async_steps: int = 1):  # fmt: skip
+                 broadcast: bool, async_steps: int = 1, with_rows: bool = False):  # fmt: skip
         """`broadcast`: the learner is Ray learner ranks, whose rank 0 sends the weights to the engines (else the
-        single-process learner's tensors travel in the request). `async_steps`: --async_steps K, or 0 in sync mode."""
+        single-process learner's tensors travel in the request). `async_steps`: --async_steps K, or 0 in sync mode.
+        `with_rows` (--tools): each request carries its prompts' dataset rows, for their environments."""
         self.generator, self.learner, self.dataset, self.tokenizer = generator, learner, dataset, tokenizer
         self.prompt_order, self.eval_prompts, self.eval_freq, self.seed = prompt_order, eval_prompts, eval_freq, seed
         self.broadcast, self.sync_timeout_s = broadcast, sync_timeout_s
         self.async_steps = async_steps
+        self.with_rows = with_rows
         self.in_flight: deque[InFlight] = deque()
         self.evaluated_versions: set[int] = set()
         self.requests_sent = 0  # training requests sent (each one batch), numbering them and seeding their sampling
@@ -220,11 +223,17 @@ class RolloutRequests:
         seed = self.next_sampling_seed()
         batch_id = self.requests_sent - 1
         slot = self.free_snapshot_slot() if version > 0 and not self.broadcast else None
-        request = GenerationRequest(version, None, prompts.token_ids, run_eval, sampling_seed=seed, batch_id=batch_id)
+        request = GenerationRequest(version, None, prompts.token_ids, run_eval, sampling_seed=seed, batch_id=batch_id,
+                                    rows=self.rows(indices))  # fmt: skip
         in_flight = InFlight(prompts, indices, version, run_eval, snapshot_slot=slot, sampling_seed=seed,
                              batch_id=batch_id, sent=request)  # fmt: skip
         self.in_flight.append(in_flight)
         in_flight.weights_sent = self.send_weights_and(request, slot)
+
+    def rows(self, indices: list[int]) -> list[dict] | None:
+        """The dataset rows of the prompts `indices`, for their environments (--tools); None without tools. Read from
+        the dataset at each send, never kept in flight: the learner's side holds none."""
+        return environment_rows(self.dataset, indices) if self.with_rows else None
 
     def top_up(self, version: int, steps_left: int) -> None:
         """Send with policy `version` until `depth` requests are in flight, or as many as the `steps_left` (this one
@@ -357,7 +366,8 @@ class RolloutRequests:
                 request.policy_version = learner_version
             regenerate = GenerationRequest(request.policy_version, None, prompts, request.run_eval and
                                            request.eval_rollout is None, sampling_seed=request.sampling_seed,
-                                           batch_id=request.batch_id)  # fmt: skip
+                                           batch_id=request.batch_id,
+                                           rows=self.rows(request.prompt_indices) if prompts else None)  # fmt: skip
             slot = self.free_snapshot_slot() if request.policy_version > 0 and not self.broadcast else None
             request.weights_sent, request.snapshot_slot, request.sent = self.send_weights_and(regenerate, slot), slot, regenerate
         continuation = Continuation(replaced, continued)

@@ -62,8 +62,10 @@ class Engine(Protocol):
         ...
 
     # ---- the batches in the engine ----
-    def admit(self, batch_id, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None) -> None:
-        """Start generating `prompt_token_ids` (vllm_engine.sampling_params `params`) as batch `batch_id`."""
+    def admit(self, batch_id, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None,
+              rows: list[dict] | None = None) -> None:  # fmt: skip
+        """Start generating `prompt_token_ids` (vllm_engine.sampling_params `params`) as batch `batch_id`; `rows`: with
+        --tools, each prompt's dataset row, for its environment's `reset`."""
         ...
 
     def run_until_complete(self, batch_id, between_steps: Callable[[], None] | None = None) -> list[Completion]:

@@ -158,7 +158,8 @@ def score(reward_manager: RewardManager, prompts: PromptBatch, completions: list
 
 def tool_metrics(completions: list[Completion], correct: list[float]) -> dict[str, float]:
     """The tools/* metrics of a batch (--tools): calls per response; calls answered with an error, cut at
-    --tool_timeout_s, and outputs cut to --tool_output_max_tokens; responses whose environment could not start; the
+    --tool_timeout_s, and outputs cut to --tool_output_max_tokens; responses whose environment could not start; calls
+    past their time left running in a thread (tools/abandoned_threads); the
     seconds the calls took, summed over the responses (they run together, so the engine waited less); the share of the response tokens that are tools' outputs; and the
     share of correct answers (the verifiers' verdicts) whose response called a tool."""
     stats = [c.tool_stats or {} for c in completions]
@@ -173,6 +174,7 @@ def tool_metrics(completions: list[Completion], correct: list[float]) -> dict[st
         "tools/timeouts": float(sum(s.get("timeouts", 0) for s in stats)),
         "tools/outputs_cut": float(sum(s.get("outputs_cut", 0) for s in stats)),
         "tools/start_errors": float(sum(s.get("start_errors", 0) for s in stats)),
+        "tools/abandoned_threads": float(sum(s.get("abandoned_threads", 0) for s in stats)),
         "tools/time": float(sum(s.get("seconds", 0.0) for s in stats)),
         "tools/token_fraction": tool_tokens / all_tokens,
         "tools/correct_with_tool": correct_with_tool / correct_total if correct_total > 0 else 0.0,

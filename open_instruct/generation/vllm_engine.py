@@ -163,6 +163,10 @@ class Completion:
     # sampled. `tool_stats`: the response's calls, errors, timeouts, outputs_cut, seconds and environment reward.
     sampled: list[bool] | None = None
     tool_stats: dict | None = None
+    # An environment's per-turn rewards, [token_index, reward] each: the index (into `token_ids`) of the last token the
+    # model sampled in the turn that earned it, the token before the observation. None: no turn earned one. Their sum
+    # is tool_stats["reward"]; PPO places each on its token (rl.turn_rewards_at_tokens), GRPO adds it to the score.
+    turn_rewards: list[list] | None = None
 
 
 class ExplainedReloadWarnings(logging.Filter):

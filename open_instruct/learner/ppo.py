@@ -290,7 +290,13 @@ class PPOLearner(LearnerState):
         else:  # --beta 0: no reference to measure a KL against, and none is used
             kl = torch.zeros_like(logprob)
         reward_beta = 0.0 if ppo.kl_in_loss else ppo.beta  # with --kl_in_loss the KL is a loss term instead
-        reward, non_score_reward = rl.per_token_rewards(score, kl, response_mask, reward_beta)
+        # An environment's per-turn rewards (in `score`, summed) go on the tokens that earned them, so that GAE sees
+        # when each was earned; the rest of the score stays on the last token. (GRPO reads the summed score alone.)
+        turn_reward = None
+        if any(c.turn_rewards for c in completions):
+            turn_reward = rl.turn_rewards_at_tokens([c.turn_rewards for c in completions], response_mask)
+        final_score = score if turn_reward is None else score - turn_reward.sum(1).to(score.dtype)
+        reward, non_score_reward = rl.per_token_rewards(final_score, kl, response_mask, reward_beta, turn_reward)
         experience = Experience(rollout.query_response, rollout.attention_mask, rollout.context_length, response_mask,
                                 logprob, ref_logprob)  # fmt: skip
         advantage_metrics = self.compute_advantages(experience, score, reward, completions, timings)

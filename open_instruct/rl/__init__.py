@@ -10,7 +10,9 @@ torch, and a mistyped flag is answered before torch loads (run/command_line.py).
 import importlib
 
 _EXPORTS = {
-    "advantages": ["KL_ESTIMATORS", "compute_gae", "compute_kl", "group_advantages", "per_token_rewards"],
+    "advantages": [
+        "KL_ESTIMATORS", "compute_gae", "compute_kl", "group_advantages", "per_token_rewards", "turn_rewards_at_tokens",
+    ],
     "logprobs": [
         "entropy_from_logits", "logprob_agreement", "logprobs_and_entropy", "logprobs_from_logits", "projected_logprobs",
     ],

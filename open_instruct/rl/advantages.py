@@ -32,12 +32,15 @@ def compute_kl(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str)
 
 
 def per_token_rewards(
-    score: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, beta: float
+    score: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, beta: float,
+    turn_reward: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense per-token reward: a KL penalty on every real token plus the sequence score on the last one.
+    """Dense per-token reward: a KL penalty on every real token plus the sequence score on the last one, and an
+    environment's per-turn rewards on the tokens that earned them (`turn_reward`, from `turn_rewards_at_tokens`).
 
-    score: [batch]; kl, response_mask: [batch, response_len]. Returns (reward, non_score_reward), both
-    [batch, response_len] and 0 on padding.
+    score: [batch]; kl, response_mask, turn_reward: [batch, response_len]. Returns (reward, non_score_reward), both
+    [batch, response_len] and 0 on padding. `score` is the final score alone: a turn's reward placed here must not
+    also be in it.
 
     The score goes on the LAST REAL token (the mask's last True): that is the last action the policy
     took, the one that completed the text the score judges (a tool's output after it is not the policy's). open-instruct places it one position later when
@@ -54,8 +57,29 @@ def per_token_rewards(
     non_score_reward = zero_padding(-beta * kl, response_mask)
     # The last True of each row (a mask with holes, tool outputs, included): argmax finds the first of the flipped row.
     last_index = (mask.size(1) - 1 - mask.flip(1).int().argmax(dim=1)).unsqueeze(1)  # [batch, 1]
-    reward = non_score_reward.scatter_add(1, last_index, score.to(non_score_reward.dtype).unsqueeze(1))
+    reward = non_score_reward
+    if turn_reward is not None:
+        reward = reward + zero_padding(turn_reward.to(reward.dtype), response_mask)
+    reward = reward.scatter_add(1, last_index, score.to(non_score_reward.dtype).unsqueeze(1))
     return reward, non_score_reward
+
+
+def turn_rewards_at_tokens(turn_rewards: list[list | None], response_mask: torch.Tensor) -> torch.Tensor:
+    """An environment's per-turn rewards as a per-token tensor, [batch, response_len] like `response_mask`.
+
+    turn_rewards: per response, None or [token_index, reward] pairs (vllm_engine.Completion.turn_rewards): the index of
+    the last token the policy sampled in the turn that earned the reward, the token before the observation. Each
+    reward goes on that token, so GAE credits the actions before it, not those of later turns (verl places a
+    multi-turn reward the same way). An index past the response's last real token (its text cut at an earlier stop
+    token) goes on the last real one: the reward is never lost.
+    """
+    mask = response_mask.bool()
+    placed = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    last_real = (mask.size(1) - 1 - mask.flip(1).int().argmax(dim=1)).tolist()  # [batch]
+    for row, turns in enumerate(turn_rewards):
+        for token_index, reward in turns or ():
+            placed[row, min(int(token_index), last_real[row])] += float(reward)
+    return placed
 
 
 def compute_gae(

@@ -52,7 +52,10 @@ class RewardError(Exception):
 
 class RewardWorker:
     """`call(function, response, ground_truth, timeout_s)`: the function's number for one response, computed in the
-    worker process. Thread-safe (one call at a time); the process starts at the first call and after a kill."""
+    worker process. Thread-safe (one call at a time); the process starts at the first call and after a kill. (The
+    tool-call workers, environments/tool_pool.py, are this process serving another module's requests: `MODULE`.)"""
+
+    MODULE = "open_instruct.rl.reward_worker"  # what the process runs: `python -m MODULE parent_pid` (its `serve`)
 
     def __init__(self):
         self._forget()
@@ -104,7 +107,7 @@ class RewardWorker:
         # Its own session: a kill takes whatever the function started, and Ctrl-C at the terminal reaches the trainer
         # alone (which stops the worker).
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "open_instruct.rl.reward_worker", str(os.getpid())],
+            [sys.executable, "-m", self.MODULE, str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True, bufsize=0,
         )  # fmt: skip
         self._loaded.clear()
@@ -183,8 +186,9 @@ def answer_of(functions: dict, request: dict) -> dict:
         return {"raised": shown(f"{type(error).__name__}: {error}")}
 
 
-def serve(parent_pid: int) -> None:
-    """Answer requests from stdin until it closes; die with the parent (a killed trainer leaves no worker behind)."""
+def serve(parent_pid: int, answer=answer_of) -> None:
+    """Answer requests from stdin until it closes (`answer(loaded, request) -> dict`, `loaded` a dict it may keep what
+    it loaded in); die with the parent (a killed trainer leaves no worker behind)."""
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -195,7 +199,7 @@ def serve(parent_pid: int) -> None:
     sys.stdout = sys.stderr
     functions: dict = {}
     for line in sys.stdin.buffer:
-        answers.write(json.dumps(answer_of(functions, json.loads(line))) + "\n")
+        answers.write(json.dumps(answer(functions, json.loads(line))) + "\n")
         answers.flush()
 
 

@@ -7,15 +7,17 @@ Two shapes, both found by name in a registry (as the verifiers are):
   the model then reads the error as the tool's output.
 - an `Environment` is one sample's stateful task: `reset(row)` when the sample starts, then `step(model_text)` each
   time the model's text reaches one of its `end_strings`, which answers `(observation, reward, done)`. The
-  observation's tokens are appended to the sample (they are never trained on), `reward` is added to the sample's
-  score, and `done` ends the sample.
+  observation's tokens are appended to the sample (they are never trained on), `reward` is the turn's (PPO places it
+  on the turn's last sampled token, GRPO adds it to the sample's score), and `done` ends the sample. `row` is the
+  sample's dataset row, its extra columns included; with --environment_column each row names its own environment
+  (environments/routing.py).
 
 `ToolEnvironment` is the environment `--tools NAME ...` builds: each turn, the last call of the tool whose end string
 ended the turn runs, and its output (cut to --tool_output_max_tokens, wrapped by --tool_output_wrapper) is the
-observation. `run_steps` runs the turns found at one decode step together, each under the same time limit, and
-answers in the samples' order whatever the timing (a run depends on its weights and prompts, not on a tool's speed).
-`start_environments` builds and resets a batch's environments the same way: user code that raises or hangs is
-answered with text under --tool_timeout_s, never a stalled or dead generation thread.
+observation. The engine runs each turn while it decodes the other samples (environments/tool_pool.py: a tool's calls
+in worker processes, `ToolEnvironment.calls` then `observation`; an environment's step with `run_steps`, in a thread
+under the time limit). `start_environments` builds and resets a batch's environments under the same limit: user code
+that raises or hangs is answered with text under --tool_timeout_s, never a stalled or dead generation thread.
 
 Nothing here knows about tokens or engines: the engine (generation/engine_batches.py) finds the end strings, asks for
 the steps and appends the tokens.
@@ -49,6 +51,10 @@ class Tool:
     name: str = ""
     start: str = ""  # opens a call in the model's text, e.g. "<calculator>"
     end: str = ""  # closes it: the engine parks the sample when its text reaches this string
+    # For native tool calls (--tool_call_parser): an OpenAI-style function schema, or None to derive it from a typed
+    # `call(self, name: type, ...) -> str` method and its docstring (environments/tool_schemas.py). A native call runs
+    # `call(**arguments)`.
+    schema: dict | None = None
 
     def __call__(self, text: str) -> str:
         raise NotImplementedError
@@ -62,11 +68,21 @@ class Environment:
     errors: int = 0
 
     def reset(self, row: dict) -> None:
-        """A new sample starts. `row`: what the engine knows of it (`prompt_token_ids`, `prompt_index`)."""
+        """A new sample starts. `row`: its dataset row (environments.routing.environment_rows): the prompt's
+        `messages`, `ground_truth`, `dataset` (verifier name), `source`, and every other column of the row as JSON
+        values (a task's files, a table, its tests); with `prompt_token_ids` and `prompt_index` (into its batch)
+        besides. A sample generated without a dataset row (an engine driven directly, a checkpoint older than rows)
+        gets these two alone."""
 
     def step(self, model_text: str) -> tuple[str, float, bool]:
-        """The model's text since the last observation, ending with one of `end_strings`: the observation to append,
-        a reward added to the sample's score, and whether the sample ends here."""
+        """The model's turn since the last observation, ending with one of `end_strings`: the observation to append,
+        the reward this turn earned, and whether the sample ends here.
+
+        The reward is recorded at the turn's last sampled token (the one before the observation,
+        Completion.turn_rewards): PPO adds it to that token's reward, so GAE credits the tokens before it and not the
+        later turns; GRPO adds the sum of a sample's turn rewards to its score. The argument is the turn's text, as
+        the model wrote it (call markup included); an environment that wants native tool calls can parse it with a vLLM
+        parser (environments/tool_parsers.py `VllmToolCalls.calls`) into `ToolCall`s (name, arguments, error)."""
         raise NotImplementedError
 
 
@@ -99,6 +115,14 @@ class Calculator(Tool):
         except SyntaxError:
             raise ToolError(f"cannot parse {expression!r}; use integers, + - * // and parentheses") from None
         return str(self.evaluate(tree.body))
+
+    def call(self, expression: str) -> str:
+        """Evaluate integer arithmetic: integers, + - * // and parentheses.
+
+        Args:
+            expression: the arithmetic to evaluate, e.g. (12 + 7) * 3
+        """
+        return self(expression)
 
     def evaluate(self, node: ast.AST) -> int:
         if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -142,23 +166,28 @@ class ToolEnvironment(Environment):
         self.outputs_cut = 0
 
     def step(self, model_text: str) -> tuple[str, float, bool]:
+        outputs = [call_output(self.tools[place], call) for place, call in self.calls(model_text)]
+        return self.observation(outputs), 0.0, False
+
+    # The engine runs a turn in these three parts (environments/tool_pool.py): `calls` and `observation` in its own
+    # thread, each call in a worker process that rebuilds the tool from its --tools name (the place in `tools`).
+
+    def calls(self, model_text: str) -> list[tuple[int, str | None]]:
+        """The calls the turn makes, in order: (the tool's place in `tools`, the call's text; None where its end string
+        has no start before it). With tags, one: the last call of the tool whose end string ends the turn."""
         tool = self.tool_ending(model_text)
-        call = last_call(model_text, tool)
-        if call is None:
-            self.errors += 1
-            output = f"Error: {tool.end} without {tool.start} before it"
-        else:
-            try:
-                output = str(tool(call))
-            except ToolError as error:
-                self.errors += 1
-                output = f"Error: {error}"
-            except Exception as error:  # any failure of a tool is the model's to read, never the run's end
-                self.errors += 1
-                output = f"Error: {failure_text(error)}"
-        output, was_cut = self.cut_output(output)
-        self.outputs_cut += was_cut
-        return self.wrapper.format(output=output), 0.0, False
+        return [(self.tools.index(tool), last_call(model_text, tool))]
+
+    def observation(self, outputs: list[tuple[str, bool]]) -> str:
+        """The turn's observation from each call's (output, failed), in order (`call_output`): each output cut to its
+        budget and wrapped, joined; the failed ones counted in `errors`, the cut ones in `outputs_cut`."""
+        observation = ""
+        for output, failed in outputs:
+            self.errors += failed
+            output, was_cut = self.cut_output(output)
+            self.outputs_cut += was_cut
+            observation += self.wrapper.format(output=output)
+        return observation
 
     def tool_ending(self, text: str) -> Tool:
         """The tool whose end string ends `text` (the longest, when one end string ends with another)."""
@@ -166,6 +195,30 @@ class ToolEnvironment(Environment):
         if not ending:
             raise ValueError(f"a turn must end with one of {self.end_strings}; got ...{text[-40:]!r}")
         return max(ending, key=lambda tool: len(tool.end))
+
+
+def call_output(tool: Tool, call: str | dict | None) -> tuple[str, bool]:
+    """What the model reads of one call, and whether it failed: the tool's output, or `Error: ...` (it raised, or its end
+    string has no start before it: `call` None). `call`: the call's text, or a native call's arguments (`native_call`)."""
+    if call is None:
+        return f"Error: {tool.end} without {tool.start} before it", True
+    try:
+        return (native_call(tool, call) if isinstance(call, dict) else str(tool(call))), False
+    except ToolError as error:
+        return f"Error: {error}", True
+    except Exception as error:  # any failure of a tool is the model's to read, never the run's end
+        return f"Error: {failure_text(error)}", True
+
+
+def native_call(tool: Tool, arguments: dict) -> str:
+    """A native call's output: the tool's `call(**arguments)`; a tool with a declared schema and no `call` takes its one
+    parameter's value as its text (`tool(text)`)."""
+    call = getattr(tool, "call", None)
+    if call is not None:
+        return str(call(**arguments))
+    if len(arguments) != 1:
+        raise ToolError(f"{tool.name} takes one argument")
+    return str(tool(str(next(iter(arguments.values())))))
 
 
 # ---------------------------------------------------------------- finding turns, running steps
@@ -232,10 +285,19 @@ def run_guarded(functions: list[Callable[[], object]], timeout_s: float) -> list
 
 
 @dataclass
+class TokenObservation:
+    """An observation already rendered as tokens (a chat template's tool turn, environments/chat_turns.py): the engine
+    appends `token_ids` as they are, and `text` is what they decode to."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
 class StepOutcome:
     """What one environment step gave: the observation, reward, done, and how it went."""
 
-    observation: str
+    observation: str | TokenObservation
     reward: float
     done: bool
     seconds: float
@@ -249,7 +311,8 @@ def run_steps(calls: list[tuple[Environment, str]], timeout_s: float) -> list[St
 
     def step(environment: Environment, text: str) -> tuple[str, float, bool]:
         observation, reward, done = environment.step(text)
-        return str(observation), float(reward), bool(done)
+        observation = observation if isinstance(observation, TokenObservation) else str(observation)
+        return observation, float(reward), bool(done)
 
     outcomes = []
     for attempt in run_guarded([functools.partial(step, env, text) for env, text in calls], timeout_s):
@@ -262,18 +325,20 @@ def run_steps(calls: list[tuple[Environment, str]], timeout_s: float) -> list[St
     return outcomes
 
 
-def start_environments(build: Callable[[], Environment], rows: list[dict], timeout_s: float) -> list[Attempt]:
-    """A fresh environment for each of `rows`: `build()` then `reset(row)`, all at once, each given `timeout_s` seconds
-    (`run_guarded`). Each attempt's value is the started environment; where the constructor or `reset` raised or ran
-    past its time, its `error` is the observation the sample's model reads instead (`Error: the environment could not
-    start: ...`)."""
+def start_environments(build: Callable[[], Environment] | list[Callable[[], Environment]], rows: list[dict],
+                       timeout_s: float) -> list[Attempt]:  # fmt: skip
+    """A fresh environment for each of `rows`: `build()` (one builder for all, or one per row: a run routing rows to
+    environments) then `reset(row)`, all at once, each given `timeout_s` seconds (`run_guarded`). Each attempt's value
+    is the started environment; where the constructor or `reset` raised or ran past its time, its `error` is the
+    observation the sample's model reads instead (`Error: the environment could not start: ...`)."""
+    builds = build if isinstance(build, list) else [build] * len(rows)
 
-    def start(row: dict) -> Environment:
-        environment = build()
+    def start(build_one: Callable[[], Environment], row: dict) -> Environment:
+        environment = build_one()
         environment.reset(row)
         return environment
 
-    attempts = run_guarded([functools.partial(start, row) for row in rows], timeout_s)
+    attempts = run_guarded([functools.partial(start, one, row) for one, row in zip(builds, rows)], timeout_s)
     for attempt in attempts:
         if attempt.error is not None:
             reason = f"it {attempt.error}" if attempt.timed_out else attempt.error
@@ -312,18 +377,28 @@ class PythonTool(Tool):
             raise ToolError((result.stderr.strip().splitlines() or [result.verdict])[-1])
         return result.stdout
 
+    def call(self, code: str) -> str:
+        """Run a Python program in a sandbox (no network, no files kept) and answer what it prints.
+
+        Args:
+            code: the program, e.g. print(12345 * 6789)
+        """
+        return self(code)
+
 
 # ---------------------------------------------------------------- the registries
 
 TOOLS: dict[str, Callable[[], Tool]] = {"calculator": Calculator, "python": PythonTool}
 # Environments registered in code: ENVIRONMENTS["name"] = MyEnvironment (a class taking no arguments).
 ENVIRONMENTS: dict[str, Callable[[], Environment]] = {}
-FILE_USAGE = "give a built-in name, or path/to/file.py:Class for a Tool or Environment subclass of your own"
+FILE_USAGE = ("give a built-in name, or path/to/file.py:name for a Tool or Environment subclass, or a typed function, "
+              "of your own")
 
 
 def tool_class(name: str) -> type:
-    """The class a --tools name stands for: a registered tool's or environment's, or `path/to/file.py:Class` imported
-    from the user's own file (trusted code, like --reward_function's). A ValueError in one line otherwise."""
+    """The class a --tools name stands for: a registered tool's or environment's, or `path/to/file.py:name` imported
+    from the user's own file (trusted code, like --reward_function's): a class, or a typed function made a Tool class
+    by `function_tool`. A ValueError in one line otherwise."""
     if name in TOOLS:
         return TOOLS[name]
     if name in ENVIRONMENTS:
@@ -331,15 +406,34 @@ def tool_class(name: str) -> type:
     path, separator, class_name = name.rpartition(":")
     if not separator or not path.endswith(".py"):
         known = ", ".join(sorted(TOOLS) + sorted(ENVIRONMENTS))
-        raise ValueError(f"--tools {name}: unknown; expected names from {known}, or path/to/file.py:Class")
+        raise ValueError(f"--tools {name}: unknown; expected names from {known}, or path/to/file.py:name")
     if not os.path.isfile(path):
         raise ValueError(f"--tools {name}: {path} is not a file; {FILE_USAGE}")
     module_name = "open_instruct_tools_" + re.sub(r"\W", "_", os.path.abspath(path))
     module = sys.modules.get(module_name) or import_file(name, path, module_name, "--tools", FILE_USAGE)
     found = getattr(module, class_name, None)
+    if inspect.isfunction(found):
+        return function_tool(found)
     if not (isinstance(found, type) and issubclass(found, (Tool, Environment))):
-        raise ValueError(f"--tools {name}: {path} defines no Tool or Environment subclass {class_name!r}; {FILE_USAGE}")
+        raise ValueError(f"--tools {name}: {path} defines no Tool or Environment subclass or function {class_name!r}; "
+                         f"{FILE_USAGE}")
     return found
+
+
+@functools.cache  # one class per function: the name stands for the same class each time it is looked up
+def function_tool(function: Callable) -> type[Tool]:
+    """A plain function as a Tool class: named as the function, its schema its typed signature and docstring; called
+    natively with its keyword arguments, or with tags (<name>text</name>) with the text as its one argument."""
+    name = function.__name__
+
+    def tagged(self, text: str) -> str:
+        return str(function(text))
+
+    def call(self, **arguments) -> str:
+        return str(function(**arguments))
+
+    return type(name, (Tool,), {"name": name, "start": f"<{name}>", "end": f"</{name}>", "__call__": tagged,
+                                "call": call, "function": staticmethod(function), "__doc__": function.__doc__})  # fmt: skip
 
 
 def tool_names_problem(names: list[str]) -> str | None:
@@ -348,7 +442,7 @@ def tool_names_problem(names: list[str]) -> str | None:
     unknown = [name for name in names if name not in TOOLS and name not in ENVIRONMENTS and ":" not in name]
     if unknown:
         known = ", ".join(sorted(TOOLS) + sorted(ENVIRONMENTS))
-        return f"--tools {' '.join(unknown)}: unknown; expected names from {known}, or path/to/file.py:Class"
+        return f"--tools {' '.join(unknown)}: unknown; expected names from {known}, or path/to/file.py:name"
     try:
         classes = [tool_class(name) for name in names]
     except ValueError as error:

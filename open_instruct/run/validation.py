@@ -17,9 +17,11 @@ import math
 import os
 from collections.abc import Iterable, Iterator
 
+from open_instruct.environments.native_tools import tool_call_format
+from open_instruct.environments.routing import environment_row, routing_problem, row_environment_problem
+from open_instruct.environments.tool_parsers import AUTO, TAGS, vllm_parser_names
 from open_instruct.rl.reward_config import CODE_VERIFIER, code_limits
 from open_instruct.rl.reward_function import load_reward_function
-from open_instruct.rl.tools import tool_names_problem
 from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, VERIFIER_ALIASES, VERIFIERS, resolve_verifier_name
 from open_instruct.run.args import (
     VLLM_LORA_RANKS,
@@ -247,7 +249,9 @@ def validate_lora_flags(args: Args) -> None:
             )
 
 
-TOOL_CALL_FLAGS = ("max_tool_calls", "tool_timeout_s", "tool_output_max_tokens", "tool_output_wrapper")
+TOOL_CALL_FLAGS = ("max_tool_calls", "tool_timeout_s", "tool_output_max_tokens", "tool_output_wrapper",
+                   "environment_column", "tool_workers", "max_parallel_tool_calls", "tool_call_parser",
+                   "tool_reentry_steps")
 
 
 def validate_tool_flags(gen: GenerationArgs) -> None:
@@ -263,13 +267,17 @@ def validate_tool_flags(gen: GenerationArgs) -> None:
                     f"pass --tools NAME (e.g. calculator), or drop --{flag}."
                 )
         return
-    problem = tool_names_problem(gen.tools)
+    problem = routing_problem(gen.tools, gen.environment_column)
     if problem is not None:
         raise ConfigError(f"{problem}.")
+    validate_tool_call_parser(gen)
     rules = [
         ("max_tool_calls", gen.max_tool_calls, AT_LEAST_1),
         ("tool_timeout_s", gen.tool_timeout_s, POSITIVE),
         ("tool_output_max_tokens", gen.tool_output_max_tokens, AT_LEAST_1),
+        ("tool_workers", gen.tool_workers, AT_LEAST_1),
+        ("max_parallel_tool_calls", gen.max_parallel_tool_calls, AT_LEAST_1),
+        ("tool_reentry_steps", gen.tool_reentry_steps, NON_NEGATIVE_INT),
     ]
     for flag, value, (is_valid, expected) in rules:
         if not is_valid(value):
@@ -284,6 +292,35 @@ def validate_tool_flags(gen: GenerationArgs) -> None:
             f"--tool_output_wrapper {wrapper!r} is not valid; expected a text holding {{output}} once and no other "
             "braces (write a literal brace as {{ or }})."
         )
+
+
+def validate_tool_call_parser(gen: GenerationArgs) -> None:
+    """--tool_call_parser names a parser (tags, auto, or one of vLLM's: importing vLLM, a few seconds, only then) and
+    the native format serves tools, not environments: the checks that need no tokenizer (`tool_call_schemas` does
+    the rest)."""
+    parser = gen.tool_call_parser
+    if parser in (TAGS, AUTO):
+        return
+    known = vllm_parser_names()
+    if parser not in known:
+        raise ConfigError(f"--tool_call_parser {parser} is not a known parser; pass auto, tags or one of vLLM's "
+                          f"({', '.join(sorted(known)[:12])}, ...).")  # fmt: skip
+    if gen.environment_column is not None:
+        raise ConfigError(f"--tool_call_parser {parser} reads native calls of tools, and --environment_column routes "
+                          "rows to environments (called by their end strings); pass --tool_call_parser tags, or drop "
+                          "--environment_column.")  # fmt: skip
+
+
+def tool_call_schemas(gen: GenerationArgs, tokenizer, chat_template_name: str | None) -> list[dict]:
+    """The tools' schemas the prompts are rendered with (`tools=`): empty with the tags protocol. The parser that
+    --tool_call_parser stands for with this template, the schemas (valid JSON Schema) and a template that renders
+    tools are checked here, before any model loads: ConfigError in one line otherwise."""
+    if not gen.tools or gen.tool_call_parser == TAGS or gen.environment_column is not None:
+        return []
+    try:
+        return tool_call_format(gen.tools, gen.tool_call_parser, tokenizer, chat_template_name).schemas
+    except ValueError as error:
+        raise ConfigError(f"{one_line(error)}.") from None
 
 
 def validate_reward_function(args: Args) -> None:
@@ -666,14 +703,20 @@ def row_checker(args: Args, split: str):
     """A function (row, where) that raises ConfigError for a dataset row the run could not score.
 
     Training rows need a reward source: a ground truth with a known verifier (when verifiable rewards are on; any
-    verifier name with --reward_function, which replaces them) or a reward model. Eval rows may lack a ground truth (they count for lengths), but what they hold must be
-    usable. Each verifier's GROUND_TRUTH_CHECKS entry says whether it can grade the row's ground truth.
+    verifier name with --reward_function, which replaces them) or a reward model (an environment's rewards add to
+    the score, they do not replace it). Eval rows may lack a ground truth (they count for lengths), but what they hold must be
+    usable. Each verifier's GROUND_TRUTH_CHECKS entry says whether it can grade the row's ground truth. With
+    --environment_column, the environment a row names must be one of --tools.
     """
-    reward = args.reward
+    reward, column, tools = args.reward, args.gen.environment_column, args.gen.tools
     has_reward_model = reward.reward_model_multiplier != 0
 
     def check(row: dict, where: str) -> None:
         ground_truth, verifier = row["ground_truth"], row["dataset"]
+        if tools and column is not None:  # the environment it names is one of --tools
+            problem = row_environment_problem(environment_row(row), column, args.gen.tools)
+            if problem is not None:
+                raise ConfigError(f"{where}: {problem}.")
         if reward.apply_verifiable_reward and ground_truth is not None:
             if not ground_truth.strip():
                 raise ConfigError(f"{where}: the ground truth is empty; give the answer, or drop the row.")

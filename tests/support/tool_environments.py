@@ -3,10 +3,15 @@ or digit it writes, so its responses call as often as --max_tool_calls lets them
 `--tools tests/support/tool_environments.py:EveryLetter`."""
 
 import itertools
+import random
 import string
 import time
 
 from open_instruct.rl import tools
+
+# Each step of EveryLetter takes a random time, drawn from a generator of its own (the trainer's RNGs untouched), so
+# that the runs using it (tests/test_resume.py's tool mode) prove a run does not depend on when its calls return.
+CALL_TIMES = random.Random()
 
 
 class EveryLetter(tools.Environment):
@@ -17,6 +22,7 @@ class EveryLetter(tools.Environment):
         self.turns = 0
 
     def step(self, text):
+        time.sleep(CALL_TIMES.uniform(0.0, 0.01))
         self.turns += 1
         return f" [{self.turns}]{self.output_suffix}", 0.0, False
 
@@ -52,3 +58,74 @@ class BuiltBadly(EveryLetter):
     def __init__(self):
         if next(self.built) % 2:
             raise ValueError("cannot build this environment")
+
+
+class TaskFromRow(tools.Environment):
+    """An environment whose task is its dataset row, as a user's would be: `reset(row)` gets every column of the row
+    (here `label`, `turn_reward` and `max_turns`, besides the prompt's `messages`). Each turn is answered with the
+    row's label and rewarded with its `turn_reward` (recorded on the turn's last sampled token); the sample ends after
+    `max_turns` turns. Every letter or digit ends a turn, as in EveryLetter. Routed by a column:
+    `--tools tests/support/tool_environments.py:TaskFromRow calculator --environment_column env`."""
+
+    end_strings = tuple(string.ascii_letters + string.digits)
+
+    def reset(self, row):
+        self.label, self.turn_reward, self.max_turns = row["label"], row["turn_reward"], row["max_turns"]
+        self.question = row["messages"][-1]["content"]
+        self.turns = 0
+
+    def step(self, text):
+        self.turns += 1
+        return f" <{self.label}>", self.turn_reward, self.turns >= self.max_turns
+
+
+class QuietTask(TaskFromRow):
+    """Another environment for the same rows (a run mixing two): it answers with the turn count and gives no reward."""
+
+    def step(self, text):
+        self.turns += 1
+        return f" [{self.turns}]", 0.0, self.turns >= self.max_turns
+
+
+class SleepsRandomly(EveryLetter):
+    """Every turn's answer takes 0-0.5 s, a different time on each run: the tokens must not care."""
+
+    def step(self, text):
+        time.sleep(random.uniform(0.0, 0.5))
+        return super().step(text)
+
+
+class SlowForSomePrompts(tools.Environment):
+    """Only the samples of prompts below `slow_prompts` call (the others' environment ends no turn), and each call takes
+    `seconds`: some samples wait on a slow tool while the others decode."""
+
+    slow_prompts, seconds = 4, 2.0
+    ends_at_answer = False  # True: the answer ends the sample's response (done)
+
+    def reset(self, row):
+        self.end_strings = tuple(string.ascii_letters + string.digits) if row["prompt_index"] < self.slow_prompts else ()
+
+    def step(self, text):
+        time.sleep(self.seconds)
+        self.end_strings = ()  # one call a sample
+        return " [slow]", 0.0, self.ends_at_answer
+
+
+class Sleep(tools.Tool):
+    """`<sleep>0.3</sleep>` sleeps that long and answers "slept 0.3": a tool a worker process builds from its file."""
+
+    name, start, end = "sleep", "<sleep>", "</sleep>"
+
+    def __call__(self, text):
+        time.sleep(float(text))
+        return f"slept {text}"
+
+
+class SeveralSleeps(tools.ToolEnvironment):
+    """A turn holding several calls: every <sleep>...</sleep> of it (as a native tool-call turn may hold several)."""
+
+    def __init__(self):
+        super().__init__([Sleep()])
+
+    def calls(self, model_text):
+        return [(0, call.split("</sleep>")[0]) for call in model_text.split("<sleep>")[1:]]
