@@ -228,7 +228,10 @@ def async_zero3_run(ray_cluster, tiny_model_dir, eval_file, tmp_path_factory) ->
 @pytest.fixture(scope="module")
 def sync_zero2_run(ray_cluster, tiny_model_dir, eval_file, tmp_path_factory) -> RayRun:
     workdir = tmp_path_factory.mktemp("ray_sync")
-    process = run_to_completion(ray_run_command(ray_cluster, eval_file, workdir, tiny_model_dir, "sync", 2), cwd=workdir)
+    # --seed 2: sampling noise under which two steps change the tiny model's greedy eval answers (under --seed 1's, since
+    # each sample draws from a seed of its own, the two updates left every greedy answer as it was).
+    command = ray_run_command(ray_cluster, eval_file, workdir, tiny_model_dir, "sync", 2, "--seed", "2")
+    process = run_to_completion(command, cwd=workdir)
     return RayRun(workdir / "output", num_steps=2, async_mode=False, stdout=process.stdout)
 
 
