@@ -18,9 +18,12 @@ numbers are those of what was saved or pushed, not of the weights a training run
 
 With `--tools` (and the trainer's other tool flags, same names and defaults) the responses are decoded as training
 decodes them: each call is answered and its output appended (generation/engine_batches.py), the whole text is graded,
-and `{mode}_{split}_tool_calls` reports the share of responses that called a tool at least once.
+and `{mode}_{split}_tool_calls` reports the share of responses that called a tool at least once. Each environment
+is reset with its dataset row, the row's other columns included, and `--environment_column` routes each row to its
+own, as in training.
 """
 
+import functools
 import gc
 import itertools
 import json
@@ -36,6 +39,7 @@ from open_instruct.data.embedded import EMBEDDED_ALIASES, resolve_dataset_name, 
 from open_instruct.data.prompt_dataset import DatasetArgs, build_prompt_datasets
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.environments.native_tools import tool_call_format
+from open_instruct.environments.routing import environment_row, environment_rows, row_environment_problem
 from open_instruct.environments.tool_parsers import TAGS
 from open_instruct.generation.engine_batches import generate_batch
 from open_instruct.generation.evaluation import tool_call_rate, verifiable_correct_rate
@@ -64,7 +68,7 @@ class EvalArgs:
 
 
 TOOL_FLAGS = ("tools", "max_tool_calls", "tool_timeout_s", "tool_output_max_tokens", "tool_output_wrapper",
-              "tool_call_parser")
+              "tool_call_parser", "environment_column")
 # The trainer's tool flags, taken from its GenerationArgs (one definition: same names, defaults and help).
 ToolArgs = make_dataclass("ToolArgs", [
     (f.name, f.type, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
@@ -79,17 +83,38 @@ def eval_tool_settings(tool_args, chat_template_name: str | None = None) -> dict
     return tool_settings(gen, chat_template_name)
 
 
-def eval_prompts(data_args: DatasetArgs, tokenizer, tools: dict | None = None) -> dict[str, PromptBatch]:
-    """Named prompt sets: the train mix of `data_args` and, when given, its eval mix as 'test'. With a native tool-call
-    format (`tools["parser"]`), the prompts are rendered with the tools' schemas, as the trainer renders them."""
-    schemas = []
+@dataclass
+class EvalPrompts:
+    """One named prompt set: its prompts and, with --tools, each prompt's dataset row for its environment's `reset`
+    (environments/routing.py `environment_rows`: the row's extra columns too)."""
+
+    prompts: PromptBatch
+    rows: list[dict] | None
+
+
+def eval_prompts(data_args: DatasetArgs, tokenizer, tools: dict | None = None) -> dict[str, EvalPrompts]:
+    """Named prompt sets: the train mix of `data_args` and, when given, its eval mix as 'test'. With `tools`, each row
+    keeps its other columns for its environment, as in training (a row naming no --tools entry in
+    --environment_column is a ValueError in one line); with a native tool-call format (`tools["parser"]`), the prompts
+    are rendered with the tools' schemas, as the trainer renders them."""
+    schemas, check_row = [], None
     if tools is not None:
         schemas = tool_call_format(tools["names"], tools.get("parser", TAGS), tokenizer, data_args.chat_template_name).schemas
-    train, evaluation = build_prompt_datasets(data_args, tokenizer, tool_schemas=schemas)
-    sets = {"train": prompt_batch(train, list(range(len(train))), tokenizer)}
-    if evaluation is not None:
-        sets["test"] = prompt_batch(evaluation, list(range(len(evaluation))), tokenizer)
-    return sets
+        if tools.get("environment_column") is not None:
+            check_row = functools.partial(check_environment_value, tools)
+    train, evaluation = build_prompt_datasets(data_args, tokenizer, check_row, check_row,
+                                              keep_extra_columns=tools is not None, tool_schemas=schemas)  # fmt: skip
+    sets = {"train": train} | ({"test": evaluation} if evaluation is not None else {})
+    return {name: EvalPrompts(prompt_batch(dataset, list(range(len(dataset))), tokenizer),
+                              environment_rows(dataset, list(range(len(dataset)))) if tools is not None else None)
+            for name, dataset in sets.items()}  # fmt: skip
+
+
+def check_environment_value(tools: dict, row: dict, where: str) -> None:
+    """The environment a row names in --environment_column is one of --tools (as written)."""
+    problem = row_environment_problem(environment_row(row), tools["environment_column"], list(tools["environment_names"]))
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
 
 
 def model_folder(model: str) -> str:
@@ -115,19 +140,20 @@ def evaluate_model(model: str, args: EvalArgs, data_args: DatasetArgs, reward: R
         tokenizer = load_tokenizer(path)
         prompt_sets = eval_prompts(data_args, tokenizer, tools)
         reward_manager = RewardManager(reward or RewardConfig())
-        reward_manager.validate(prompt_sets["train"].verifier_names)
+        reward_manager.validate(prompt_sets["train"].prompts.verifier_names)
     llm = create_engine(EngineConfig(path, max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype))
     stop_token_ids = stop_token_ids_for(tokenizer, "eos")
     modes = {"greedy": (1, 0.0)} | ({"sampled": (args.samples, args.temperature)} if args.samples > 0 else {})
     result = {"model": model, "path": path}
     for mode, (n, temperature) in modes.items():
         settings = dict(n=n, temperature=temperature, max_tokens=args.response_length, stop_token_ids=stop_token_ids)
-        for name, prompts in prompt_sets.items():
-            start = time.time()
+        for name, prompt_set in prompt_sets.items():
+            start, prompts = time.time(), prompt_set.prompts
             if tools is None:
                 completions = generate(llm, prompts.token_ids, sampling_params(**settings))
-            else:  # decoded step by step, each call answered, as in training
-                completions = generate_batch(llm, prompts.token_ids, {**settings, "tools": tools}, args.seed)
+            else:  # decoded step by step, each call answered, each environment reset with its row, as in training
+                completions = generate_batch(llm, prompts.token_ids, {**settings, "tools": tools}, args.seed,
+                                             rows=prompt_set.rows)  # fmt: skip
             result[f"{mode}_{name}"] = verifiable_correct_rate(completions, prompts, reward_manager)
             if tools is not None:
                 result[f"{mode}_{name}_tool_calls"] = tool_call_rate(completions)

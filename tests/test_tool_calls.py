@@ -21,6 +21,7 @@ from open_instruct.environments.tool_schemas import check_schema, function_schem
 from open_instruct.rl import tools
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "tool_environments.py")
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +317,118 @@ def test_a_native_turns_unreadable_calls_are_answered_without_a_worker(tokenizer
     assert (outcome.calls, outcome.errors, environment.errors) == (2, 1, 1)
 
 
+# ---------------------------------------------------------------- an environment of one's own, in the native format
+
+
+def locked_box(kind, tokenizer, seen: set | None = None, names: list[str] | None = None):
+    """A NativeEnvironment around `kind` (tests/support/tool_environments.py), reset with the code 1234; with `seen`,
+    the parser, the template's turns and the output cut note the threads that use them. The prompts show `names`'
+    schemas (default: the box's own)."""
+    seen = set() if seen is None else seen
+    schemas = native_tools.tool_schemas(names) if names else list(kind.schemas)
+    environment = native_tools.NativeEnvironment(
+        kind(), ThreadsSeen(VllmToolCalls("hermes", tokenizer, list(kind.schemas)), seen),
+        ThreadsSeen(ToolTurns(tokenizer, CHATML_TOOLS_TEMPLATE, schemas), seen),
+        cut_output=lambda text: (seen.add(threading.get_ident()), (text[:40], len(text) > 40))[1])  # fmt: skip
+    environment.reset({"code": "1234"})
+    return environment
+
+
+BOX_SETTINGS = {"names": ["box"], "timeout_s": 1.0, "workers": 1}
+
+
+def test_an_environment_gets_the_parsed_calls_and_answers_each_with_a_tool_turn(tokenizer):
+    """`step_calls` gets the turn's calls as hermes read them (a bad one with its error) and answers one result per
+    call: the model reads one tool turn per call, token-exact, with the turn's reward and done. The calls are read and
+    the turns rendered in this (the engine's) thread; the user's step_calls runs in a pool thread."""
+    from tests.support.tool_environments import LockedBox
+
+    seen: set[int] = set()
+    environment = locked_box(LockedBox, tokenizer, seen)
+    turn = (call_text("try_code", {"code": "1111"}) + call_text("try_code", {"code": 1234})
+            + call_text("try_code", {"code": "1234"}) + IM_END)  # fmt: skip
+    LockedBox.step_threads.clear()
+    outcome = run_native_turn(environment, turn, BOX_SETTINGS)
+    bad_type = "Error: try_code: argument code: 1234 is not of type 'string'"
+    results = [("try_code", "wrong"), ("try_code", bad_type[:40]), ("try_code", "open")]
+    assert outcome.observation.token_ids == ToolTurns(tokenizer, CHATML_TOOLS_TEMPLATE, list(LockedBox.schemas)).after(
+        turn, results)
+    assert outcome.observation.text == (f"\n{IM_START}user\n<tool_response>\nwrong\n</tool_response>\n<tool_response>\n"
+                                        f"{bad_type[:40]}\n</tool_response>\n<tool_response>\nopen\n</tool_response>"
+                                        f"{IM_END}\n{IM_START}assistant\n")  # fmt: skip
+    assert (outcome.reward, outcome.done, outcome.calls, outcome.errors, outcome.outputs_cut) == (1.0, True, 3, 1, 1)
+    assert not outcome.cut  # each result was cut before it was rendered; the engine appends the ids as they are
+    assert environment.environment.tries == 2
+    assert seen == {threading.get_ident()}
+    assert LockedBox.step_threads and threading.get_ident() not in LockedBox.step_threads
+
+
+def test_an_environment_answering_the_turn_with_one_text_gets_one_tool_turn(tokenizer):
+    from tests.support.tool_environments import LockedBoxOneAnswer
+
+    environment = locked_box(LockedBoxOneAnswer, tokenizer)
+    turn = call_text("try_code", {"code": "1"}) + call_text("try_code", {"code": "2"}) + IM_END
+    observation, reward, done = environment.step(turn)  # the whole turn in the calling thread
+    assert (reward, done, environment.errors) == (0.0, False, 0)
+    assert observation.token_ids == ToolTurns(tokenizer, CHATML_TOOLS_TEMPLATE, list(LockedBoxOneAnswer.schemas)).after(
+        turn, [("try_code", "2 wrong, 2 tries so far")])
+    observation, _, _ = environment.step('<tool_call>{"name": "try_code", "argu' + IM_END)  # unreadable: counted
+    assert environment.errors == 1 and "0 wrong, 2 tries so far" in observation.text  # answered, not a try
+
+
+@pytest.mark.parametrize("kind, expected, errors, timeouts", [
+    ("LockedBoxMiscounts", "Error: ValueError: step_calls answered 2 results for 1 calls", 1, 0),
+    ("LockedBoxHangs", "Error: the call took longer than 1 s and was stopped", 0, 1),  # its sample ends
+])  # fmt: skip
+def test_an_environment_whose_step_fails_is_answered_with_a_tool_turn_saying_why(tokenizer, kind, expected, errors,
+                                                                                  timeouts):  # fmt: skip
+    from tests.support import tool_environments
+
+    environment = locked_box(getattr(tool_environments, kind), tokenizer)
+    outcome = run_native_turn(environment, call_text("try_code", {"code": "1234"}) + IM_END, BOX_SETTINGS)
+    assert outcome.observation.text == (f"\n{IM_START}user\n<tool_response>\n{expected[:40]}\n</tool_response>{IM_END}\n"
+                                        f"{IM_START}assistant\n")  # fmt: skip
+    assert (outcome.errors, outcome.timeouts, outcome.environment_lost, outcome.reward) == (errors, timeouts, bool(timeouts), 0.0)
+
+
+def test_rows_are_routed_to_native_environments_and_tools_by_their_column(tokenizer):
+    """--environment_column with --tool_call_parser hermes: a row naming the box gets it (its calls checked against its
+    own schemas), a row without a value gets the tools; every prompt shows every schema."""
+    box = f"{SUPPORT}:LockedBox"
+    settings = {"names": [box, "calculator"], "parser": "hermes", "chat_template_name": "chatml_tools",
+                "timeout_s": 1.0, "environment_column": "env", "environment_names": {box: box, "calculator": "calculator"}}  # fmt: skip
+    route = native_tools.native_router(settings, tokenizer)
+    environment = route({"env": box})()
+    assert isinstance(environment, native_tools.NativeEnvironment)
+    environment.reset({"code": "7"})
+    observation, reward, done = environment.step(call_text("try_code", {"code": "7"}) + call_text("calculator", {"expression": "1"}) + IM_END)
+    assert (reward, done) == (1.0, True)
+    assert "open" in observation.text and "Error: unknown function 'calculator'; the tools are try_code" in observation.text
+    assert "try_code" in environment.turns.render([{"role": "user", "content": "Hi"}], True)  # the prompt's schemas
+    assert "calculator" in environment.turns.render([{"role": "user", "content": "Hi"}], True)
+    tools_environment = route({"env": None})()
+    assert isinstance(tools_environment, native_tools.NativeToolEnvironment) and list(tools_environment.tools) == ["calculator"]
+    assert native_tools.native_router({**settings, "parser": "tags"}, tokenizer) is None
+    # The flags pass their checks (once refused), and the prompts are rendered with both schemas.
+    from open_instruct.run.args import GenerationArgs
+    from open_instruct.run.validation import tool_call_schemas, validate_tool_flags
+
+    gen = GenerationArgs(tools=[box, "calculator"], tool_call_parser="hermes", environment_column="env")
+    validate_tool_flags(gen)
+    names = [schema["function"]["name"] for schema in tool_call_schemas(gen, tokenizer, "chatml_tools")]
+    assert names == ["try_code", "calculator"]
+
+
+def test_an_environment_reading_text_only_is_refused_in_the_native_format_and_a_native_one_in_the_tags(tokenizer):
+    with pytest.raises(ValueError, match="EveryLetter is an environment called by its end strings .it has no step_calls"):
+        native_tools.tool_call_format([f"{SUPPORT}:EveryLetter"], "hermes", tokenizer, "chatml_tools")
+    assert native_tools.tool_call_format([f"{SUPPORT}:EveryLetter"], "auto", tokenizer, "chatml_tools").parser == "tags"
+    assert native_tools.tool_call_format([f"{SUPPORT}:LockedBox"], "auto", tokenizer, "chatml_tools").parser == "hermes"
+    with pytest.raises(ValueError, match="LockedBox takes native tool calls only .step_calls, no end_strings."):
+        native_tools.tool_call_format([f"{SUPPORT}:LockedBox"], "tags", tokenizer, "chatml_tools")
+    assert tools.tool_names_problem([f"{SUPPORT}:LockedBox"]) is None  # no end strings needed to take native calls
+
+
 def test_prompts_are_rendered_with_the_schemas_and_cached_apart(tokenizer, calculator_schema, tmp_path):
     import datasets
 
@@ -339,6 +452,10 @@ def test_prompts_are_rendered_with_the_schemas_and_cached_apart(tokenizer, calcu
     (["--tool_call_parser", "hermes"], "--tool_call_parser 'hermes' shapes tool calls, and --tools is not set"),
     (["--tools", "{tmp}/bad.py:BadSchema", "--chat_template_name", "chatml_tools"],
      "the tool 'bad''s parameters are not valid JSON Schema"),
+    (["--tools", f"{SUPPORT}:EveryLetter", "--tool_call_parser", "hermes", "--chat_template_name", "chatml_tools"],
+     "EveryLetter is an environment called by its end strings (it has no step_calls(calls, model_text))"),
+    (["--tools", f"{SUPPORT}:LockedBox", "--tool_call_parser", "tags"],
+     "LockedBox takes native tool calls only (step_calls, no end_strings) and this run uses the tags protocol"),
 ])  # fmt: skip
 def test_bad_tool_call_flags_fail_fast_with_one_line(flags, expected, tmp_path, capsys, arithmetic_data_dir):
     from open_instruct.ppo_vllm_thread_ray_gtrl import cli
@@ -400,3 +517,45 @@ def test_a_native_call_is_answered_and_the_sample_decodes_on(tiny_model_dir):
     assert completion.sampled[-1] and completion.finish_reason == "stop"
     assert completion.tool_stats["calls"] == 1 and completion.tool_stats["errors"] == 0
     assert "<tool_response>\n57\n</tool_response>" in completion.text
+
+
+@pytest.mark.e2e
+def test_rows_routed_to_a_native_environment_and_to_tools_are_answered_in_one_batch(tiny_model_dir):
+    """--environment_column with --tool_call_parser hermes on the engine: the row naming LockedBox gets its calls handed
+    to its step_calls with the row's code, its tool turn token-exact and its reward on the turn's last sampled token
+    (the right code ends the sample); the row without a value gets the calculator, and goes on after its answer."""
+    from open_instruct.generation import vllm_engine
+    from open_instruct.generation.engine_batches import EngineBatches, Sample
+
+    llm = vllm_engine.create_engine(vllm_engine.EngineConfig(model_path=tiny_model_dir, max_model_len=512, seed=0))
+    tokenizer = llm.get_tokenizer()
+    box = f"{SUPPORT}:LockedBox"
+    schemas = native_tools.tool_schemas([box, "calculator"])
+    prompt = tokenizer.encode(render(tokenizer, [{"role": "user", "content": "Open the box."}], schemas, True),
+                              add_special_tokens=False)  # fmt: skip
+    contents = [call_text("try_code", {"code": "1234"}), call_text("calculator", {"expression": "(12 + 7) * 3"})]
+    rows = [{"env": box, "code": "1234"}, {"code": "unused"}]
+    samples = []
+    for index, (content, row) in enumerate(zip(contents, rows)):
+        sampled = tokenizer.encode(content, add_special_tokens=False)
+        samples.append(asdict(Sample(0, index, prompt, max_tokens=200, seed=1, index=index, token_ids=list(sampled),
+                                     logprobs=[None] * len(sampled), versions=[0] * len(sampled),
+                                     sampled=[True] * len(sampled), text=content, row=row)))  # fmt: skip
+    settings = {"names": [box, "calculator"], "max_calls": 5, "timeout_s": 5.0, "output_max_tokens": 64,
+                "wrapper": "{output}", "parser": "hermes", "chat_template_name": "chatml_tools",
+                "environment_column": "env", "environment_names": {box: box, "calculator": "calculator"}}  # fmt: skip
+    params = dict(n=1, temperature=1.0, max_tokens=200, stop_token_ids=list(range(len(tokenizer))), stop_strings=None,
+                  with_logprobs=True, tools=settings)  # fmt: skip
+    batches = EngineBatches(llm)
+    batches.restore([{"batch_id": 0, "params": params, "samples": samples}])
+    opened, calculated = batches.run_until_complete(0)
+
+    turns = ToolTurns(tokenizer, CHATML_TOOLS_TEMPLATE, schemas)
+    sampled = len(tokenizer.encode(contents[0], add_special_tokens=False))
+    stop_id = opened.token_ids[sampled]  # the turn's one sampled token, which stopped the request
+    expected = turns.after(contents[0] + tokenizer.decode([stop_id]), [("try_code", "open")])
+    assert opened.token_ids[sampled + 1 :] == expected and opened.sampled[sampled + 1 :] == [False] * len(expected)
+    assert opened.turn_rewards == [[sampled, 1.0]] and opened.finish_reason == "stop"
+    assert (opened.tool_stats["calls"], opened.tool_stats["reward"], opened.tool_stats["errors"]) == (1, 1.0, 0)
+    assert "<tool_response>\n57\n</tool_response>" in calculated.text and calculated.turn_rewards is None
+    assert calculated.sampled[-1] and calculated.tool_stats["calls"] == 1

@@ -10,6 +10,11 @@ of the tool turns and the next generation prompt (chat_turns.ToolTurns), which t
 tokenizer (the parser's, the template's, the output cut's) is used in those two parts only: never in a pool thread,
 since a fast tokenizer shared between threads is not safe. A turn with no call ends the sample as before.
 
+A user's environment that defines `step_calls(calls, model_text)` (rl/tools.py `Environment`) takes part the same way
+(`NativeEnvironment`): the calls are read in the engine's thread, its `step_calls` runs in a pool thread under the
+time limit, and its results are rendered as tool turns back in the engine's thread. `native_router` builds each
+sample's environment, by its row's --environment_column value where there is one (routing.py).
+
 `tool_call_format` resolves the flags once (the checks before any model loads use it too): the parser that
 `--tool_call_parser` stands for with this template, the template, and the tools' schemas.
 """
@@ -19,10 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from open_instruct.data.chat_templates import resolve_chat_template
+from open_instruct.environments import routing
 from open_instruct.environments.chat_turns import ToolTurns
 from open_instruct.environments.tool_parsers import (
     AUTO,
     TAGS,
+    ToolCall,
     VllmToolCalls,
     renders_tools,
     resolve_parser_name,
@@ -48,35 +55,56 @@ class ToolCallFormat:
 
 
 def tool_schemas(names: list[str]) -> list[dict]:
-    """The schemas of the tools `--tools names` builds (each checked); a ValueError in one line for a tool with none or
-    an invalid one. An environment has none: it is called with its end strings."""
+    """The schemas of the tools and environments `--tools names` builds (each checked; the same schema declared twice
+    is shown once); a ValueError in one line for a tool with none or an invalid one, an environment that cannot take
+    native calls (no `step_calls`) or offers no function, and two different functions of one name."""
     schemas = []
     for name in names:
-        found = tools.tool_class(name)
-        if not issubclass(found, tools.Tool):
-            raise ValueError(f"--tools {name} is an environment, called by its end strings; pass --tool_call_parser tags")
-        try:
-            schema = tool_schema(found)
-        except ValueError as error:
-            raise ValueError(f"--tools {name}: {error}") from None
-        if schema is None:
-            raise ValueError(f"--tools {name}: the tool has no schema; declare `schema = {{...}}` on it or give it a "
-                             f"typed `call(self, ...)` method, or pass --tool_call_parser tags")  # fmt: skip
-        problem = check_schema(schema)
-        if problem is not None:
-            raise ValueError(f"--tools {name}: {problem}")
-        schemas.append(schema)
+        for schema in name_schemas(name):
+            problem = check_schema(schema)
+            if problem is not None:
+                raise ValueError(f"--tools {name}: {problem}")
+            same_name = [known for known in schemas if known["function"]["name"] == schema["function"]["name"]]
+            if same_name and same_name[0] != schema:
+                raise ValueError(f"--tools {' '.join(names)}: two different functions are named "
+                                 f"{schema['function']['name']!r} (every prompt shows them all); rename one")  # fmt: skip
+            if not same_name:
+                schemas.append(schema)
     return schemas
+
+
+def name_schemas(name: str) -> list:
+    """The schemas one --tools name offers the model: a tool's one, or an environment's `schemas` (unchecked)."""
+    found = tools.tool_class(name)
+    if issubclass(found, tools.Environment):
+        if not tools.takes_calls(found):
+            raise ValueError(f"--tools {name} is an environment called by its end strings (it has no "
+                             f"step_calls(calls, model_text)); give it step_calls and `schemas`, or pass "
+                             f"--tool_call_parser tags")  # fmt: skip
+        if not found.schemas:
+            raise ValueError(f"--tools {name}: the environment offers no function; list its functions' schemas in "
+                             f"`schemas = [{{\"type\": \"function\", ...}}]`, or pass --tool_call_parser tags")  # fmt: skip
+        return list(found.schemas)
+    try:
+        schema = tool_schema(found)
+    except ValueError as error:
+        raise ValueError(f"--tools {name}: {error}") from None
+    if schema is None:
+        raise ValueError(f"--tools {name}: the tool has no schema; declare `schema = {{...}}` on it or give it a "
+                         f"typed `call(self, ...)` method, or pass --tool_call_parser tags")  # fmt: skip
+    return [schema]
 
 
 def tool_call_format(names: list[str], parser: str, tokenizer, chat_template_name: str | None) -> ToolCallFormat:
     """Resolve `--tool_call_parser parser` for `--tools names` with the tokenizer's template (or the named one); a
     ValueError in one line when they do not fit together (checked before any model loads)."""
-    is_environment = any(issubclass(tools.tool_class(name), tools.Environment) for name in names)
-    if parser == TAGS or (is_environment and parser == AUTO):
-        return ToolCallFormat(TAGS, "", [])
+    # `auto` keeps the tags for an environment that only reads text (no `step_calls`): it is called by its end strings.
+    reads_text = any(issubclass(found, tools.Environment) and not tools.takes_calls(found)
+                     for found in map(tools.tool_class, names))  # fmt: skip
+    if parser == TAGS or (reads_text and parser == AUTO):
+        return tags_format(names)
     if parser == AUTO and chat_template_name is None and not getattr(tokenizer, "chat_template", None):
-        return ToolCallFormat(TAGS, "", [])  # a base model's tokenizer: no template to read a format from
+        return tags_format(names)  # a base model's tokenizer: no template to read a format from
     _, chat_template = resolve_chat_template(tokenizer, chat_template_name)
 
     def render(with_tools):
@@ -88,7 +116,7 @@ def tool_call_format(names: list[str], parser: str, tokenizer, chat_template_nam
     # the tags, and tools written for the tags need no schema.
     resolved = resolve_parser_name(parser, chat_template, renders_tools(render, [PROBE_SCHEMA]))
     if resolved == TAGS:
-        return ToolCallFormat(TAGS, "", [])
+        return tags_format(names)
     schemas = tool_schemas(names)
     try:
         VllmToolCalls(resolved, tokenizer, schemas)
@@ -99,6 +127,18 @@ def tool_call_format(names: list[str], parser: str, tokenizer, chat_template_nam
         raise ValueError(f"--tool_call_parser {resolved}: {' '.join(str(error).split())}; pick the parser of this "
                          f"model's format, or --tool_call_parser tags") from None  # fmt: skip
     return ToolCallFormat(resolved, chat_template, schemas)
+
+
+def tags_format(names: list[str]) -> ToolCallFormat:
+    """Today's tag protocol; a ValueError in one line when an environment of `names` has no end string (it takes
+    native calls only, `step_calls`: a tags run could never call it)."""
+    for name in names:
+        found = tools.tool_class(name)
+        if issubclass(found, tools.Environment) and tools.takes_calls(found) and not found.end_strings:
+            raise ValueError(f"--tools {name} takes native tool calls only (step_calls, no end_strings) and this run "
+                             f"uses the tags protocol; pass --tool_call_parser hermes (or the model's format) with "
+                             f"a template that renders tools (--chat_template_name chatml_tools)")  # fmt: skip
+    return ToolCallFormat(TAGS, "", [])
 
 
 class NativeToolEnvironment(tools.Environment):
@@ -152,22 +192,107 @@ class NativeToolEnvironment(tools.Environment):
         return tools.TokenObservation(self.turns.tokenizer.decode(ids), ids)
 
 
-def native_builder(settings: dict, tokenizer, cut_output: Callable[[str], tuple[str, bool]] | None = None
-                   ) -> Callable[[], NativeToolEnvironment] | None:  # fmt: skip
-    """What builds one sample's environment for the engine's tool settings (a batch's params["tools"]) in the native
-    format; None when the run uses today's tags (rl/tools.py, environments/routing.py). The parser and the turns are
-    built once, here, and shared by the samples (both stateless)."""
+class NativeEnvironment(tools.Environment):
+    """A user's environment in the native format: each turn's calls, read by the run's parser, go to its
+    `step_calls(calls, model_text)` (rl/tools.py `Environment`), and its answer becomes the template's tool turns.
+    No string ends a turn: the engine asks `makes_calls` when the model stops, as of a NativeToolEnvironment.
+
+    The engine runs a turn in three parts (tool_pool.py): `read_turn` parses the calls in its own thread, `answer_turn`
+    runs the user's `step_calls` in a pool thread under --tool_timeout_s (user code that may hang), and `render`, back
+    in the engine's thread, cuts each result to --tool_output_max_tokens and renders the tool turns token-exactly
+    (ToolTurns.after). The parser's and the template's tokenizer is used in the first and last parts only."""
+
+    def __init__(self, environment: tools.Environment, parser: VllmToolCalls, turns: ToolTurns,
+                 cut_output: Callable[[str], tuple[str, bool]] | None = None):  # fmt: skip
+        self.environment, self.parser, self.turns = environment, parser, turns
+        self.cut_output = cut_output or (lambda text: (text, False))
+        self.end_strings = ()
+        self.bad_call_turns = 0  # turns holding a call that could not be read or checked (counted in `errors`)
+        self.outputs_cut = 0
+        self.turn_text, self.turn_calls = "", []
+
+    @property
+    def errors(self) -> int:
+        return self.environment.errors + self.bad_call_turns
+
+    def reset(self, row: dict) -> None:
+        self.environment.reset(row)
+
+    def makes_calls(self, turn_text: str) -> bool:
+        return self.parser.attempted(turn_text)
+
+    def step(self, model_text: str) -> tuple[tools.TokenObservation, float, bool]:
+        """The whole turn in the calling thread, no time limit (the engine runs it in parts)."""
+        self.read_turn(model_text)
+        observation, reward, done = self.answer_turn()
+        return self.render(observation), reward, done
+
+    def read_turn(self, model_text: str) -> None:
+        """The turn's calls, as the parser reads them (a call that cannot be read: its `error` set; a turn whose calls
+        cannot be read at all: one such call), kept for `answer_turn` and `render`."""
+        try:
+            calls = self.parser.calls(model_text) or [ToolCall(None, None, UNREADABLE)]
+        except Exception as error:  # noqa: BLE001 - a parser's failure on model text is the model's error to read
+            calls = [ToolCall(None, None, tools.failure_text(error))]
+        self.turn_text, self.turn_calls = model_text, calls
+        self.bad_call_turns += any(call.error is not None for call in calls)
+
+    def answer_turn(self) -> tuple[list[str] | str, float, bool]:
+        """The user's `step_calls` on the turn `read_turn` read: (a result per call, or one text; reward; done). A list
+        of another length than the calls raises (the model reads why)."""
+        observation, reward, done = self.environment.step_calls(list(self.turn_calls), self.turn_text)
+        if isinstance(observation, (list, tuple)) and len(observation) != len(self.turn_calls):
+            raise ValueError(f"step_calls answered {len(observation)} results for {len(self.turn_calls)} calls; answer "
+                             f"one per call, or one text for the turn")  # fmt: skip
+        return observation, reward, done
+
+    def render(self, observation: list[str] | str | tools.TokenObservation) -> tools.TokenObservation:
+        """The tool turns of `observation` after the turn's text: a result per call (each a `tool` turn named by its
+        call's function), or one text (one `tool` turn; also the error text of a step that raised or ran past its
+        time), each cut to its budget (counted in `outputs_cut`); a TokenObservation as it is."""
+        if isinstance(observation, tools.TokenObservation):
+            return observation
+        names = [call.name or "error" for call in self.turn_calls]
+        if isinstance(observation, str):
+            observation, names = [observation], names[:1]
+        results = []
+        for name, result in zip(names, observation, strict=True):
+            result, was_cut = self.cut_output(str(result))
+            self.outputs_cut += was_cut
+            results.append((name, result))
+        ids = self.turns.after(self.turn_text, results)
+        return tools.TokenObservation(self.turns.tokenizer.decode(ids), ids)
+
+
+NATIVE_ENVIRONMENTS = (NativeToolEnvironment, NativeEnvironment)  # the engine ends their turns on the stop token
+
+
+def native_router(settings: dict, tokenizer, cut_output: Callable[[str], tuple[str, bool]] | None = None
+                  ) -> Callable[[dict], Callable[[], tools.Environment]] | None:  # fmt: skip
+    """What builds each sample's environment for the engine's tool settings (a batch's params["tools"]) in the native
+    format: `route(row)` is the builder of the row's environment (routing.environment_router: with
+    --environment_column the row's own, else --tools as a whole); None when the run uses today's tags. A group of
+    tools is a NativeToolEnvironment, an environment with `step_calls` a NativeEnvironment. Every prompt shows every
+    schema of --tools; a sample's calls are checked against its own environment's (another's is an unknown function).
+    The parsers and the turns are built once, here, and shared by the samples (all stateless)."""
     names = settings["names"]
-    if settings.get("parser", TAGS) == TAGS or settings.get("environment_column") is not None:
-        return None  # today's tags (a checkpoint older than the flag too), or rows routed to environments
+    if settings.get("parser", TAGS) == TAGS:
+        return None  # today's tags (a checkpoint older than the flag too)
     found = tool_call_format(names, settings.get("parser", TAGS), tokenizer, settings.get("chat_template_name"))
     if found.parser == TAGS:
         return None
-    parser = VllmToolCalls(found.parser, tokenizer, found.schemas)
     turns = ToolTurns(tokenizer, found.chat_template, found.schemas)
     if not turns.exact:
         log.warning("the chat template's render of a conversation with tool turns does not extend its render without "
                     "them: tool turns are appended after the sampled tokens, not token-exact")  # fmt: skip
-    classes = [tools.tool_class(name) for name in names]
-    return lambda: NativeToolEnvironment([found_class() for found_class in classes], parser, turns,
-                                         settings["timeout_s"], cut_output)  # fmt: skip
+
+    def group_builder(group: list[str]) -> Callable[[], tools.Environment]:
+        parser = VllmToolCalls(found.parser, tokenizer, tool_schemas(group))
+        classes = [tools.tool_class(name) for name in group]
+        if len(classes) == 1 and issubclass(classes[0], tools.Environment):
+            return lambda: NativeEnvironment(classes[0](), parser, turns, cut_output)
+        return lambda: NativeToolEnvironment([found_class() for found_class in classes], parser, turns,
+                                             settings["timeout_s"], cut_output)  # fmt: skip
+
+    written = settings.get("environment_names") or dict(zip(names, names))
+    return routing.environment_router(written, settings.get("environment_column"), group_builder=group_builder)

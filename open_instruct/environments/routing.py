@@ -90,17 +90,21 @@ def row_environment_problem(row: dict, column: str, names: list[str]) -> str | N
 
 def environment_router(names: dict[str, str], column: str | None, wrapper: str = DEFAULT_OUTPUT_WRAPPER,
                        cut_output: Callable[[str], tuple[str, bool]] | None = None,
+                       group_builder: Callable[[list[str]], Callable[[], Environment]] | None = None,
                        ) -> Callable[[dict], Callable[[], Environment]]:  # fmt: skip
     """What builds a row's environment: `route(row)` is the builder (a callable taking no arguments) of the environment
     `row[column]` names. `names`: each --tools name as the rows write it -> the name the engine imports (absolute
     file paths, tools.absolute_names). A value no --tools entry holds (the data check refuses it first) gets a builder
-    that raises, so only that sample's environment fails to start."""
+    that raises, so only that sample's environment fails to start. `group_builder(import_names)`: the builder of one
+    group of names (one environment, or tools together); default: today's tags (`environment_builder`), a native
+    tool-call format passes its own (native_tools.native_router)."""
+    group_builder = group_builder or (lambda group: environment_builder(group, wrapper, cut_output))
     written = list(names)
     if column is None:
-        everything = environment_builder(list(names.values()), wrapper, cut_output)
+        everything = group_builder(list(names.values()))
         return lambda row: everything
-    builders = {name: environment_builder([names[name]], wrapper, cut_output) for name in written}
-    default = environment_builder(default_environment(list(names.values())), wrapper, cut_output)
+    builders = {name: group_builder([names[name]]) for name in written}
+    default = group_builder(default_environment(list(names.values())))
 
     def route(row: dict) -> Callable[[], Environment]:
         value = row.get(column)

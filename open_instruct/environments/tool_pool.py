@@ -14,9 +14,11 @@ Where a call runs:
   outputs are joined in the calls' order.
 - A tool registered in code at run time (`tools.TOOLS["name"] = Class` in the trainer's process) cannot be rebuilt by
   name in another process: its calls run in a thread. So does each step of a stateful `Environment` (user code holding
-  one sample's state in the engine's process, which cannot move cheaply). A thread cannot be stopped: one past its
-  time is left running, counted (tools/abandoned_threads) and warned about, and a stateful environment whose step hung
-  is dropped and its sample ends (finish reason "environment_error"), since its state can no longer be trusted.
+  one sample's state in the engine's process, which cannot move cheaply); a native one's (`step_calls`,
+  `renders_turns`) too, its calls read before and its tool turns rendered after, in the engine's thread. A thread
+  cannot be stopped: one past its time is left running, counted (tools/abandoned_threads) and warned about, and a
+  stateful environment whose step hung is dropped and its sample ends (finish reason "environment_error"), since its
+  state can no longer be trusted.
 
 The processes are started with `python -m` (not forked: the engine's process holds vLLM's threads, whose locks a
 fork would copy held) and talk JSON lines through pipes, never pickle (model-written text goes in, tool output
@@ -86,6 +88,13 @@ def runs_calls(environment: tools.Environment) -> bool:
     `observation([(output, failed)]) -> observation` (ToolEnvironment's and NativeToolEnvironment's; any other
     environment's whole `step` runs in one thread). Both run in the engine's thread, so they may use its tokenizer."""
     return callable(getattr(environment, "calls", None)) and callable(getattr(environment, "observation", None))
+
+
+def renders_turns(environment: tools.Environment) -> bool:
+    """Whether the environment's step runs in three parts (native_tools.NativeEnvironment: a user's `step_calls`):
+    `read_turn(text)` in the engine's thread, `answer_turn()` in a pool thread under the time limit, `render(answer)`
+    back in the engine's thread, which makes its tool turns with the engine's tokenizer."""
+    return all(callable(getattr(environment, name, None)) for name in ("read_turn", "answer_turn", "render"))
 
 
 class CallPool:
@@ -224,9 +233,13 @@ class ParkedTurn:
                                outputs_cut=getattr(self.environment, "outputs_cut", 0) - cuts_before,
                                abandoned_threads=sum(r.abandoned_thread for r in self.results), cut=False)  # fmt: skip
         step = self.results[0]
+        observation, cut, calls, cuts_before = step.observation, True, 1, getattr(self.environment, "outputs_cut", 0)
+        if renders_turns(self.environment):  # its results (or its error's text) as the template's tool turns
+            observation, cut, calls = self.environment.render(observation), False, len(self.environment.turn_calls)
         errors = step.error or (not step.timed_out and self.environment.errors > self.errors_before)
-        return TurnOutcome(step.observation, step.reward, step.done, step.seconds, int(errors), int(step.timed_out),
-                           abandoned_threads=int(step.timed_out), environment_lost=step.timed_out)  # fmt: skip
+        return TurnOutcome(observation, step.reward, step.done, step.seconds, int(errors), int(step.timed_out),
+                           getattr(self.environment, "outputs_cut", 0) - cuts_before, int(step.timed_out),
+                           environment_lost=step.timed_out, cut=cut, calls=calls)  # fmt: skip
 
 
 class ParkedTurns:
@@ -245,7 +258,13 @@ class ParkedTurns:
         self.pending += 1
         if not runs_calls(environment):
             turn = ParkedTurn(key, environment, 1, [None], errors_before=environment.errors)
-            future = pool.submit(lambda: tools.run_steps([(environment, text)], timeout_s)[0])
+            native = renders_turns(environment)
+            if native:  # a native environment: its calls read here, its results rendered in `outcome`
+                environment.read_turn(text)
+                step = environment.answer_turn
+            else:
+                step = functools.partial(environment.step, text)
+            future = pool.submit(lambda: tools.guarded_steps([step], timeout_s, per_call=native)[0])
             future.add_done_callback(functools.partial(self._answered, turn, 0, None, threading.Lock()))
             return
         failed = []  # a turn whose calls cannot be read

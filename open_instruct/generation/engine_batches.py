@@ -53,7 +53,9 @@ the batch's other samples go on.
 With a native tool-call format (--tool_call_parser hermes, ...; environments/native_tools.py) no string ends a turn:
 a request that finishes on its stop token ends one, and when its environment reads a call in the turn's text the stop
 token is kept as the turn's last sampled token and the sample is answered like any other turn, its observation the
-chat template's tool turns as token ids, appended as they are (never decoded and tokenised again).
+chat template's tool turns as token ids, appended as they are (never decoded and tokenised again). The calls go to
+its tools, or to its environment's `step_calls` (environments/native_tools.py `NativeEnvironment`), by its row's
+--environment_column value where there is one.
 """
 
 import copy
@@ -229,16 +231,18 @@ class EngineBatches:
         output is cut to its token budget by the engine's tokenizer). A sample whose environment cannot start is kept
         in `unstarted`: it ends at its first token (`_end_unstarted`)."""
         tokenizer, budget = self.llm.get_tokenizer(), settings["output_max_tokens"]
-        # --environment_column: each row names its environment among the --tools names (as the rows write them).
-        route = routing.environment_router(settings.get("environment_names") or dict(zip(settings["names"], settings["names"])),
-                                           settings.get("environment_column"), settings["wrapper"],
-                                           lambda text: cut_to_tokens(tokenizer, text, budget))  # fmt: skip
+        def cut_output(text: str) -> tuple[str, bool]:
+            return cut_to_tokens(tokenizer, text, budget)
+
+        # --environment_column: each row names its environment among the --tools names (as the rows write them); with
+        # --tool_call_parser hermes, ... in the native format (environments/native_tools.py).
+        route = native_tools.native_router(settings, tokenizer, cut_output) or routing.environment_router(
+            settings.get("environment_names") or dict(zip(settings["names"], settings["names"])),
+            settings.get("environment_column"), settings["wrapper"], cut_output)  # fmt: skip
         # Each sample its own copy: the n samples of a prompt share its row, and an environment may change what it got.
         rows = [{**copy.deepcopy(s.row or {}), "prompt_token_ids": s.prompt_token_ids, "prompt_index": s.prompt_index}
                 for s in samples]  # fmt: skip
-        # --tool_call_parser hermes, ...: every sample gets the native format's environment (environments/native_tools).
-        native = native_tools.native_builder(settings, tokenizer, lambda text: cut_to_tokens(tokenizer, text, budget))
-        builds = [native or route(row) for row in rows]
+        builds = [route(row) for row in rows]
         failed = []
         for sample, attempt in zip(samples, tools.start_environments(builds, rows, settings["timeout_s"])):
             if attempt.error is None:
@@ -323,7 +327,7 @@ class EngineBatches:
         it stopped on its stop token and its environment reads a call in the turn. Then the stop token is kept as the
         turn's last sampled token (its text too: the template's turn end continues after it) and the sample goes on."""
         environment = self.environments.get(id(sample))
-        if not isinstance(environment, native_tools.NativeToolEnvironment) or piece.finish_reason != "stop":
+        if not isinstance(environment, native_tools.NATIVE_ENVIRONMENTS) or piece.finish_reason != "stop":
             return False
         if not environment.makes_calls(sample.text[sample.turn_start :]):
             return False

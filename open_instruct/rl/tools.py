@@ -10,7 +10,9 @@ Two shapes, both found by name in a registry (as the verifiers are):
   observation's tokens are appended to the sample (they are never trained on), `reward` is the turn's (PPO places it
   on the turn's last sampled token, GRPO adds it to the sample's score), and `done` ends the sample. `row` is the
   sample's dataset row, its extra columns included; with --environment_column each row names its own environment
-  (environments/routing.py).
+  (environments/routing.py). With a native tool-call format (--tool_call_parser hermes, ...) an environment that
+  defines `step_calls(calls, model_text)` gets each turn's parsed calls instead, and its results are the chat
+  template's tool turns (environments/native_tools.py `NativeEnvironment`).
 
 `ToolEnvironment` is the environment `--tools NAME ...` builds: each turn, the last call of the tool whose end string
 ended the turn runs, and its output (cut to --tool_output_max_tokens, wrapped by --tool_output_wrapper) is the
@@ -81,9 +83,26 @@ class Environment:
         The reward is recorded at the turn's last sampled token (the one before the observation,
         Completion.turn_rewards): PPO adds it to that token's reward, so GAE credits the tokens before it and not the
         later turns; GRPO adds the sum of a sample's turn rewards to its score. The argument is the turn's text, as
-        the model wrote it (call markup included); an environment that wants native tool calls can parse it with a vLLM
-        parser (environments/tool_parsers.py `VllmToolCalls.calls`) into `ToolCall`s (name, arguments, error)."""
+        the model wrote it (call markup included). In a run with a native tool-call format an environment that has
+        `step_calls` gets the parsed calls there instead."""
         raise NotImplementedError
+
+    # The native format (--tool_call_parser hermes, ...): an environment that defines
+    #
+    #     def step_calls(self, calls: list[ToolCall], model_text: str) -> tuple[list[str] | str, float, bool]
+    #
+    # is handed each turn's calls as the run's parser read them (environments/tool_parsers.py `ToolCall`: `name`,
+    # `arguments` checked against `schemas`, or `error`, why the call could not be read), with the turn's text, and
+    # answers (results, reward, done): one result text per call, in the calls' order (each rendered as a `tool` turn of
+    # the chat template), or one text for the whole turn (one `tool` turn). `schemas`: the functions it offers the
+    # model, OpenAI-style function schemas (environments/tool_schemas.py), shown in every prompt. It is tried before
+    # `step`: an environment with both serves a tags run and a native one. See docs/tools.md "Writing an environment".
+    schemas: tuple[dict, ...] = ()
+
+
+def takes_calls(environment: "Environment | type") -> bool:
+    """Whether an environment (or its class) takes a native turn's parsed calls: it defines `step_calls`."""
+    return callable(getattr(environment, "step_calls", None))
 
 
 # ---------------------------------------------------------------- the calculator
@@ -297,7 +316,7 @@ class TokenObservation:
 class StepOutcome:
     """What one environment step gave: the observation, reward, done, and how it went."""
 
-    observation: str | TokenObservation
+    observation: str | list[str] | TokenObservation  # a list: a native environment's results, one per call
     reward: float
     done: bool
     seconds: float
@@ -308,14 +327,24 @@ class StepOutcome:
 def run_steps(calls: list[tuple[Environment, str]], timeout_s: float) -> list[StepOutcome]:
     """`env.step(text)` for each (env, text), all at once, each given `timeout_s` seconds (`run_guarded`); outcomes in
     the calls' order. A step that raises is answered with its error, one past its time with a timeout message."""
+    return guarded_steps([functools.partial(environment.step, text) for environment, text in calls], timeout_s)
 
-    def step(environment: Environment, text: str) -> tuple[str, float, bool]:
-        observation, reward, done = environment.step(text)
-        observation = observation if isinstance(observation, TokenObservation) else str(observation)
+
+def guarded_steps(steps: list[Callable[[], tuple]], timeout_s: float, per_call: bool = False) -> list[StepOutcome]:
+    """Each of `steps` (a call answering (observation, reward, done)) at once, under `timeout_s` (`run_guarded`). The
+    observation is made text, unless it is a TokenObservation or, with `per_call` (a native environment's step_calls),
+    a list of results, one per call (each made text)."""
+
+    def step(run_step: Callable[[], tuple]) -> tuple[str | list[str] | TokenObservation, float, bool]:
+        observation, reward, done = run_step()
+        if per_call and isinstance(observation, (list, tuple)):
+            observation = [str(result) for result in observation]
+        elif not isinstance(observation, TokenObservation):
+            observation = str(observation)
         return observation, float(reward), bool(done)
 
     outcomes = []
-    for attempt in run_guarded([functools.partial(step, env, text) for env, text in calls], timeout_s):
+    for attempt in run_guarded([functools.partial(step, run_step) for run_step in steps], timeout_s):
         if attempt.timed_out:
             outcomes.append(StepOutcome(f"Error: the call {attempt.error}", 0.0, False, attempt.seconds, timed_out=True))
         elif attempt.error is not None:
@@ -460,7 +489,9 @@ def tool_names_problem(names: list[str]) -> str | None:
         built.append(instance)
     ends = [instance.end for instance in built if isinstance(instance, Tool)]
     end_strings = [found.end_strings if issubclass(found, Environment) else (found.end,) for found in classes]
-    empty = [name for name, strings in zip(names, end_strings) if not strings or not all(strings)]
+    # An environment that takes native calls (`step_calls`) needs none: its turns end on the stop token.
+    empty = [name for name, found, strings in zip(names, classes, end_strings)
+             if not (strings and all(strings)) and not (not strings and takes_calls(found))]  # fmt: skip
     if empty:
         return f"--tools {' '.join(empty)}: a tool or environment needs non-empty end strings to be called"
     if len(set(ends)) != len(ends):

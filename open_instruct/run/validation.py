@@ -295,9 +295,9 @@ def validate_tool_flags(gen: GenerationArgs) -> None:
 
 
 def validate_tool_call_parser(gen: GenerationArgs) -> None:
-    """--tool_call_parser names a parser (tags, auto, or one of vLLM's: importing vLLM, a few seconds, only then) and
-    the native format serves tools, not environments: the checks that need no tokenizer (`tool_call_schemas` does
-    the rest)."""
+    """--tool_call_parser names a parser (tags, auto, or one of vLLM's: importing vLLM, a few seconds, only then): the
+    check that needs no tokenizer (`tool_call_schemas` does the rest: the schemas, environments that take native
+    calls)."""
     parser = gen.tool_call_parser
     if parser in (TAGS, AUTO):
         return
@@ -305,17 +305,13 @@ def validate_tool_call_parser(gen: GenerationArgs) -> None:
     if parser not in known:
         raise ConfigError(f"--tool_call_parser {parser} is not a known parser; pass auto, tags or one of vLLM's "
                           f"({', '.join(sorted(known)[:12])}, ...).")  # fmt: skip
-    if gen.environment_column is not None:
-        raise ConfigError(f"--tool_call_parser {parser} reads native calls of tools, and --environment_column routes "
-                          "rows to environments (called by their end strings); pass --tool_call_parser tags, or drop "
-                          "--environment_column.")  # fmt: skip
 
 
 def tool_call_schemas(gen: GenerationArgs, tokenizer, chat_template_name: str | None) -> list[dict]:
     """The tools' schemas the prompts are rendered with (`tools=`): empty with the tags protocol. The parser that
     --tool_call_parser stands for with this template, the schemas (valid JSON Schema) and a template that renders
     tools are checked here, before any model loads: ConfigError in one line otherwise."""
-    if not gen.tools or gen.tool_call_parser == TAGS or gen.environment_column is not None:
+    if not gen.tools:
         return []
     try:
         return tool_call_format(gen.tools, gen.tool_call_parser, tokenizer, chat_template_name).schemas

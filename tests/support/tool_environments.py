@@ -1,10 +1,12 @@
 """A tool-calling environment for runs of the tiny model, which never writes a real call: its turn ends at every letter
 or digit it writes, so its responses call as often as --max_tool_calls lets them. Passed by path:
-`--tools tests/support/tool_environments.py:EveryLetter`."""
+`--tools tests/support/tool_environments.py:EveryLetter`. `LockedBox` and its variants take native tool calls
+(`step_calls`), for runs with --tool_call_parser hermes."""
 
 import itertools
 import random
 import string
+import threading
 import time
 
 from open_instruct.rl import tools
@@ -129,3 +131,54 @@ class SeveralSleeps(tools.ToolEnvironment):
 
     def calls(self, model_text):
         return [(0, call.split("</sleep>")[0]) for call in model_text.split("<sleep>")[1:]]
+
+
+class LockedBox(tools.Environment):
+    """A native-format environment (--tool_call_parser hermes): the model opens a box whose code is its row's `code`
+    column by calling `try_code`. `step_calls` gets the turn's calls as the parser read them and answers each on its
+    own (a tool turn per call); the right code earns 1 and ends the sample. The threads its steps ran on are noted in
+    `step_threads` (a pool thread's, never the engine's)."""
+
+    schemas = [{"type": "function", "function": {
+        "name": "try_code", "description": "Try a code on the locked box.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]  # fmt: skip
+    step_threads: set = set()
+
+    def reset(self, row):
+        self.code, self.tries = str(row["code"]), 0
+
+    def step_calls(self, calls, model_text):
+        self.step_threads.add(threading.get_ident())
+        results = []
+        for call in calls:
+            if call.error is not None:  # bad JSON, an unknown function, arguments that do not fit: the model reads why
+                results.append(f"Error: {call.error}")
+                continue
+            self.tries += 1
+            results.append("open" if call.arguments["code"] == self.code else "wrong")
+        opened = "open" in results
+        return results, float(opened), opened
+
+
+class LockedBoxOneAnswer(LockedBox):
+    """The same box answering the whole turn with one text (one tool turn), however many calls it made."""
+
+    def step_calls(self, calls, model_text):
+        results, reward, done = super().step_calls(calls, model_text)
+        return f"{results.count('wrong')} wrong, {self.tries} tries so far", reward, done
+
+
+class LockedBoxMiscounts(LockedBox):
+    """Answers one result too many: the model reads an error, counted."""
+
+    def step_calls(self, calls, model_text):
+        results, reward, done = super().step_calls(calls, model_text)
+        return results + ["extra"], reward, done
+
+
+class LockedBoxHangs(LockedBox):
+    """Its step hangs past any --tool_timeout_s a test gives."""
+
+    def step_calls(self, calls, model_text):
+        time.sleep(3)
+        return super().step_calls(calls, model_text)
