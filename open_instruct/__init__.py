@@ -3,7 +3,7 @@
 The package is a stack of layers; each imports only the layers below it (tests/test_layers.py keeps it so):
 
     ppo_vllm_thread_ray_gtrl.py   entry points: the trainer's recipe (GRPO: grpo_vllm_thread_ray_gtrl.py),
-    evaluate.py                   a saved model's eval, memory_plan.py
+    evaluate.py                   a saved model's eval, memory_plan.py, sft_warmup.py (a supervised warm-up)
     learner/                      the training side: models, PPO/GRPO learners, one process or DeepSpeed ranks on Ray
     generation/                   the rollout side: vLLM engines, the generation thread, the weight broadcast
     run/                          configuration and bookkeeping: flags, checks, checkpoints, logs, hub

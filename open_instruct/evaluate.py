@@ -18,7 +18,10 @@ numbers are those of what was saved or pushed, not of the weights a training run
 
 With `--tools` (and the trainer's other tool flags, same names and defaults) the responses are decoded as training
 decodes them: each call is answered and its output appended (generation/engine_batches.py), the whole text is graded,
-and `{mode}_{split}_tool_calls` reports the share of responses that called a tool at least once. Each environment
+and `{mode}_{split}_tool_calls` reports the share of responses that called a tool at least once,
+`{mode}_{split}_calls_per_answer` the calls per response and `{mode}_{split}_correct_used_tool` the share of the
+correct responses that called one. `--output_json` also keeps the first few responses of each (`_examples`), to read
+what the model did. Each environment
 is reset with its dataset row, the row's other columns included, and `--environment_column` routes each row to its
 own, as in training.
 """
@@ -42,7 +45,7 @@ from open_instruct.environments.native_tools import tool_call_format
 from open_instruct.environments.routing import environment_row, environment_rows, row_environment_problem
 from open_instruct.environments.tool_parsers import TAGS
 from open_instruct.generation.engine_batches import generate_batch
-from open_instruct.generation.evaluation import tool_call_rate, verifiable_correct_rate
+from open_instruct.generation.evaluation import tool_call_rate, tool_use, verifiable_correct_rate
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine, generate, sampling_params
 from open_instruct.rl.rewards import RewardConfig, RewardManager
 from open_instruct.run import console
@@ -117,6 +120,9 @@ def check_environment_value(tools: dict, row: dict, where: str) -> None:
         raise ValueError(f"{where}: {problem}")
 
 
+EXAMPLES_KEPT = 4  # responses per mode and split written to --output_json, to read what the model did
+
+
 def model_folder(model: str) -> str:
     """The local folder of one MODEL argument, before any engine starts: a saved folder or an embedded alias as it is,
     a hub id's snapshot (downloaded as the trainer does); anything else is a ConfigError in one line."""
@@ -157,7 +163,10 @@ def evaluate_model(model: str, args: EvalArgs, data_args: DatasetArgs, reward: R
             result[f"{mode}_{name}"] = verifiable_correct_rate(completions, prompts, reward_manager)
             if tools is not None:
                 result[f"{mode}_{name}_tool_calls"] = tool_call_rate(completions)
+                for key, value in tool_use(completions, prompts, reward_manager).items():
+                    result[f"{mode}_{name}_{key}"] = value
             result[f"{mode}_{name}_responses"] = len(completions)
+            result[f"{mode}_{name}_examples"] = [c.text for c in completions[:EXAMPLES_KEPT]]  # in --output_json only
             print(f"[eval] {model}: {mode} on {name} ({len(completions)} responses) in {time.time() - start:.1f}s")
         if "test" in prompt_sets:  # both splits together, from their responses: no second generation
             counts = [result[f"{mode}_{name}_responses"] for name in ("train", "test")]
@@ -170,7 +179,8 @@ def evaluate_model(model: str, args: EvalArgs, data_args: DatasetArgs, reward: R
 
 
 def format_table(results: list[dict]) -> str:
-    columns = [key for key in results[0] if key not in ("model", "path") and not key.endswith("_responses")]
+    columns = [key for key in results[0]
+               if key not in ("model", "path") and not key.endswith(("_responses", "_examples"))]  # fmt: skip
     lines = ["| model | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
     for result in results:
         lines.append(f"| {result['model']} | " + " | ".join(f"{result[c]:.3f}" for c in columns) + " |")

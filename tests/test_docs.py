@@ -202,8 +202,9 @@ def script_flags() -> set[str]:
         names.update(re.findall(r"(--[a-z][\w-]+)\)", path.read_text(encoding="utf-8")))  # case patterns
         names.update(re.findall(r"== \"(--[a-z][\w-]+)\"", path.read_text(encoding="utf-8")))
     from open_instruct.evaluate import EvalArgs
+    from open_instruct.sft_warmup import WarmupArgs
 
-    names.update(f"--{field.name}" for field in fields(EvalArgs))
+    names.update(f"--{field.name}" for group in (EvalArgs, WarmupArgs) for field in fields(group))
     return names
 
 

@@ -221,7 +221,8 @@ def test_algorithm_defaults_follow_the_entry_point_and_lose_to_given_flags():
     assert settings(parse_args([*tiny, "--algorithm", "grpo"]))[3] == 1  # --algorithm itself brings the defaults too
 
 
-@pytest.mark.parametrize("name", ["grpo_arithmetic_cpu.yaml", "grpo_arithmetic_gpu.yaml", "grpo_tools_cpu.yaml"])
+@pytest.mark.parametrize("name", ["grpo_arithmetic_cpu.yaml", "grpo_arithmetic_gpu.yaml", "grpo_tools_cpu.yaml",
+                                  "grpo_native_tools_cpu.yaml"])
 def test_shipped_grpo_configs_are_grpo_and_pass_the_flag_checks(name):
     from open_instruct.run.validation import validate_flags
 

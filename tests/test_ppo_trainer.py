@@ -390,7 +390,7 @@ def test_yaml_config_with_a_command_line_override(tmp_path):
     "name",
     ["ppo_arithmetic_cpu.yaml", "ppo_arithmetic_gpu.yaml", "ppo_tulu3_8b.yaml", "ppo_tulu3_8b_lora_1node.yaml",
      "grpo_arithmetic_cpu.yaml", "grpo_arithmetic_gpu.yaml", "ppo_word_problems_cpu.yaml", "grpo_tools_cpu.yaml",
-     "ppo_tools_cpu.yaml"],
+     "ppo_tools_cpu.yaml", "grpo_native_tools_cpu.yaml"],
 )  # fmt: skip
 def test_shipped_configs_parse_into_consistent_sizes(name):
     """The shipped recipes: a key the dataclasses do not know, or sizes that do not divide, fails here."""

@@ -12,8 +12,8 @@ class DatasetArgs:
     dataset_mixer_list: list[str] = field(
         default_factory=list,
         metadata={"help": "Sources and amounts, alternating: `name_or_path frac_or_count ...` (e.g. `a.parquet 1.0`); "
-                          "`embedded_arithmetic`, `embedded_word_problems` and `embedded_tool_arithmetic` name the built-in "
-                          "tasks."},
+                          "`embedded_arithmetic`, `embedded_word_problems`, `embedded_tool_arithmetic` and "
+                          "`embedded_org_chart` name the built-in tasks."},
     )
     dataset_mixer_list_splits: list[str] = field(
         default_factory=lambda: ["train"],

@@ -6,8 +6,9 @@
 - A tiny random-weight Llama with the same tokenizer, for tests that need a real model and a real
   engine but not a trained one.
 - The arithmetic task (see `arithmetic_task.py`), the mixed-length word problems (`word_problems.py`) and the tool-use
-  task (`arithmetic_task.py` too), written as parquet splits; a dataset mixer names them `embedded_arithmetic`,
-  `embedded_word_problems` and `embedded_tool_arithmetic`.
+  task (`arithmetic_task.py` too) and the native tool-call task (`org_chart_task.py`), written as parquet splits; a
+  dataset mixer names them `embedded_arithmetic`, `embedded_word_problems`, `embedded_tool_arithmetic` and
+  `embedded_org_chart`.
 
 Everything lands under `$OPEN_INSTRUCT_CACHE` (default `~/.cache/open_instruct`). Each folder is
 built in a temporary directory and renamed into place, under a file lock, so concurrent runs and
@@ -158,9 +159,21 @@ def tool_arithmetic_data_path(seed: int = 0) -> str:
     )
 
 
+def org_chart_data_path(seed: int = 0) -> str:
+    """The embedded native tool-use task (an org chart read through `manager_of` calls) as `train.parquet` and
+    `test.parquet`."""
+    from open_instruct.data.org_chart_task import write_org_chart_dataset
+
+    return build_once(
+        os.path.join(cache_dir(), "data", f"org-chart-seed{seed}"),
+        lambda out: write_org_chart_dataset(out, seed=seed),
+        marker="test.parquet",
+    )
+
+
 # Names a dataset mixer (--dataset_mixer_list, --dataset_mixer_eval_list) may give for an embedded task.
 EMBEDDED_DATASETS = {"embedded_arithmetic": arithmetic_data_path, "embedded_word_problems": word_problems_data_path,
-                     "embedded_tool_arithmetic": tool_arithmetic_data_path}  # fmt: skip
+                     "embedded_tool_arithmetic": tool_arithmetic_data_path, "embedded_org_chart": org_chart_data_path}  # fmt: skip
 
 
 def resolve_dataset_name(name: str) -> str:

@@ -20,6 +20,22 @@ def verifiable_correct_rate(completions, prompts: PromptBatch, reward_manager: R
     return metrics["objective/verifiable_correct_rate"]
 
 
+def tool_use(completions, prompts: PromptBatch, reward_manager: RewardManager) -> dict[str, float]:
+    """How the responses used their tools: calls per response, and the share of the correct responses (by each row's
+    verifier) that called a tool at least once (0 when none is correct)."""
+    calls = [(c.tool_stats or {}).get("calls", 0) for c in completions]
+    graded = [i for i, c in enumerate(completions) if prompts.ground_truths[c.prompt_index] is not None]
+    _, correct, _ = reward_manager.score_and_correct(
+        [completions[i].text for i in graded],
+        [prompts.ground_truths[completions[i].prompt_index] for i in graded],
+        [prompts.verifier_names[completions[i].prompt_index] for i in graded],
+        [completions[i].finish_reason == "stop" for i in graded],
+    )
+    right = [i for i, verdict in zip(graded, correct.tolist()) if verdict > 0.5]
+    return {"calls_per_answer": sum(calls) / max(1, len(completions)),
+            "correct_used_tool": sum(calls[i] > 0 for i in right) / len(right) if right else 0.0}  # fmt: skip
+
+
 def tool_call_rate(completions) -> float:
     """The share of responses that called a tool at least once (0 for responses generated without tools)."""
     return sum(bool(c.tool_stats and c.tool_stats["calls"] > 0) for c in completions) / max(1, len(completions))

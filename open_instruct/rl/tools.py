@@ -28,6 +28,7 @@ the steps and appends the tokens.
 import ast
 import functools
 import inspect
+import json
 import os
 import re
 import sys
@@ -415,11 +416,50 @@ class PythonTool(Tool):
         return self(code)
 
 
+# ---------------------------------------------------------------- the org chart (a native-format environment)
+
+
+class OrgChart(Environment):
+    """The embedded native tool-use task's environment (data/org_chart_task.py, `--tools org_chart` with a native
+    `--tool_call_parser`): `manager_of(person)` answers from the row's own org chart, its `managers` column (JSON,
+    person -> manager). It gives no reward of its own (the verifier grades the final answer) and never ends a sample:
+    a turn without a call does."""
+
+    schemas = ({"type": "function", "function": {
+        "name": "manager_of", "description": "The name of a person's manager in the org chart.",
+        "parameters": {"type": "object", "properties": {"person": {"type": "string", "description": "a first name"}},
+                       "required": ["person"]}}},)  # fmt: skip
+
+    def reset(self, row: dict) -> None:
+        managers = row.get("managers")
+        self.managers = json.loads(managers) if isinstance(managers, str) else dict(managers or {})
+
+    def step_calls(self, calls: list, model_text: str) -> tuple[list[str], float, bool]:
+        results = []
+        for call in calls:
+            if call.error is not None:
+                self.errors += 1
+                results.append(f"Error: {call.error}")
+            else:
+                results.append(self.answer(self.managers, call.arguments["person"]))
+        return results, 0.0, False
+
+    @staticmethod
+    def answer(managers: dict[str, str], person: str) -> str:
+        """What `manager_of(person)` answers in this chart (also the task's demonstrations' tool results)."""
+        if person in managers:
+            return managers[person]
+        if person in managers.values():
+            return f"{person} has no manager."
+        return f"Error: no one named {person!r} is in the org chart."
+
+
 # ---------------------------------------------------------------- the registries
 
 TOOLS: dict[str, Callable[[], Tool]] = {"calculator": Calculator, "python": PythonTool}
-# Environments registered in code: ENVIRONMENTS["name"] = MyEnvironment (a class taking no arguments).
-ENVIRONMENTS: dict[str, Callable[[], Environment]] = {}
+# Environments by name: the built-in ones, and those registered in code (ENVIRONMENTS["name"] = MyEnvironment, a class
+# taking no arguments).
+ENVIRONMENTS: dict[str, Callable[[], Environment]] = {"org_chart": OrgChart}
 FILE_USAGE = ("give a built-in name, or path/to/file.py:name for a Tool or Environment subclass, or a typed function, "
               "of your own")
 

@@ -21,6 +21,7 @@ from transformers import HfArgumentParser
 
 from open_instruct import MayChangeOnResume
 from open_instruct.data.dataset_args import DatasetArgs
+from open_instruct.data.embedded import EMBEDDED_DATASETS
 from open_instruct.rl.reward_config import RewardConfig
 from open_instruct.rl.tools import DEFAULT_OUTPUT_WRAPPER, absolute_names
 
@@ -569,9 +570,6 @@ def yaml_to_cli(path: str) -> list[str]:
     return argv
 
 
-EMBEDDED_DATASET_NAMES = ("embedded_arithmetic", "embedded_word_problems", "embedded_tool_arithmetic")  # data/embedded.py
-
-
 def mixer_eval_list(args: "Args") -> list:
     return args.data.dataset_mixer_eval_list or []
 
@@ -580,7 +578,7 @@ class ConfigError(ValueError):
     """A flag, file or setting the run cannot use; the message names it and the fix (printed as one line)."""
 
 
-class _Parser(HfArgumentParser):
+class FlagParser(HfArgumentParser):
     """Full flag names only (`--learn` is not `--learning_rate`), and errors raised, not printed with the usage."""
 
     def __init__(self, groups):
@@ -598,7 +596,7 @@ def parse_args(argv: list[str] | None = None, algorithm: str = "ppo") -> Args:
         if not os.path.isfile(argv[0]):
             raise ConfigError(f"config file {argv[0]} does not exist; check the path (relative to {os.getcwd()}).")
         argv = yaml_to_cli(argv[0]) + argv[1:]
-    parser = _Parser(ARG_GROUPS)
+    parser = FlagParser(ARG_GROUPS)
     parser.set_defaults(algorithm=algorithm)
     chosen, _ = parser.parse_known_args(argv)  # the algorithm first (a YAML or flag may name it), then its defaults
     parser.set_defaults(**ALGORITHM_DEFAULTS[chosen.algorithm])
@@ -614,7 +612,7 @@ def parse_args(argv: list[str] | None = None, algorithm: str = "ppo") -> Args:
         data_dir = arithmetic_data_path()
         args.data.dataset_mixer_list = [data_dir, "1.0"]
         args.data.dataset_mixer_eval_list = args.data.dataset_mixer_eval_list or [data_dir, "1.0"]
-    if any(name in EMBEDDED_DATASET_NAMES for name in args.data.dataset_mixer_list + mixer_eval_list(args)):
+    if any(name in EMBEDDED_DATASETS for name in args.data.dataset_mixer_list + mixer_eval_list(args)):
         from open_instruct.data.embedded import resolve_dataset_name
 
         for mixer in (args.data.dataset_mixer_list, mixer_eval_list(args)):
