@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from open_instruct.data.chat_templates import render_prompt, resolve_chat_template
 from open_instruct.data.embedded import resolve_dataset_name, resolve_model_path
+from open_instruct.data.sources import read_raw_rows
 from open_instruct.data.tokenizer import load_tokenizer
 from open_instruct.environments.chat_turns import ToolTurns
 from open_instruct.environments.native_tools import tool_schemas
@@ -118,27 +119,18 @@ def demonstration_example(messages: list[dict], tokenizer, turns: ToolTurns, sto
 
 def load_demonstrations(args: WarmupArgs) -> list[list[dict]]:
     """The first `--examples` demonstrations of the dataset's `--split` (one line for each problem)."""
-    import datasets
-
-    datasets.disable_progress_bars()  # the console shows the warm-up's own lines
-    source = resolve_dataset_name(args.dataset)
-    if os.path.isdir(source):
-        path = os.path.join(source, f"{args.split}.parquet")
-        if not os.path.isfile(path):
-            raise ValueError(f"--split {args.split}: {source} has no {args.split}.parquet; give a split it has")
-        rows = datasets.load_dataset("parquet", data_files=path, split="train")
-    elif os.path.isfile(source):
-        kind = "json" if source.endswith((".json", ".jsonl")) else "parquet"
-        rows = datasets.load_dataset(kind, data_files=source, split="train")
-    else:
-        rows = datasets.load_dataset(source, split=args.split)
-    if args.demonstration_column not in rows.column_names:
-        raise ValueError(f"--demonstration_column {args.demonstration_column}: {source} has no such column "
-                         f"(it has {', '.join(rows.column_names)})")  # fmt: skip
+    try:
+        rows = read_raw_rows(resolve_dataset_name(args.dataset), args.split)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--dataset {args.dataset} --split {args.split}: {error}") from error
+    columns = list(rows[0]) if rows else []
+    if args.demonstration_column not in columns:
+        raise ValueError(f"--demonstration_column {args.demonstration_column}: {args.dataset} has no such column "
+                         f"(it has {', '.join(columns)})")  # fmt: skip
     if args.examples < 1 or args.examples > len(rows):
-        raise ValueError(f"--examples {args.examples}: give 1 to {len(rows)} (the rows of {source})")
+        raise ValueError(f"--examples {args.examples}: give 1 to {len(rows)} (the rows of {args.dataset})")
     conversations = []
-    for index, value in enumerate(rows[args.demonstration_column][: args.examples]):
+    for index, value in enumerate(row[args.demonstration_column] for row in rows[: args.examples]):
         conversation = json.loads(value) if isinstance(value, str) else value
         if not isinstance(conversation, list) or not all(isinstance(m, dict) and "role" in m for m in conversation):
             raise ValueError(f"--demonstration_column {args.demonstration_column}: row {index} is not a list of chat "
