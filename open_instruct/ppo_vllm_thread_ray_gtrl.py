@@ -56,9 +56,11 @@ from open_instruct.run.args import (
     Args,
     BatchSizes,
     ConfigError,
+    agent_settings,
     async_steps,
     batches_in_engine,
     compute_batch_sizes,
+    needs_rows,
     parse_args,
     tool_settings,
 )
@@ -317,7 +319,8 @@ class Run:
         self.batches = BatchCollector(self.rollouts, self.reward_manager, async_steps(self.args.gen),
                                       self.sizes.prompts_per_step, ppo.filter_zero_std_groups,
                                       ppo.filter_max_extra_batches, self.data.stop_token_ids,
-                                      ppo.filter_metric, with_tools=bool(self.args.gen.tools))  # fmt: skip
+                                      ppo.filter_metric, with_tools=bool(self.args.gen.tools),
+                                      with_agent=bool(self.args.gen.rollout_agent))  # fmt: skip
 
 
 def load_data(args: Args, pinned_commits: dict | None = None) -> RunData:
@@ -333,7 +336,7 @@ def load_data(args: Args, pinned_commits: dict | None = None) -> RunData:
         tokenizer = load_tokenizer(policy_path)
         train_dataset, eval_dataset = build_prompt_datasets(
             args.data, tokenizer, row_checker(args, "train"), row_checker(args, "eval"),
-            keep_extra_columns=bool(args.gen.tools),  # each row's other columns, for its environment's reset
+            keep_extra_columns=needs_rows(args.gen),  # each row's other columns, for its environment or agent
             # A native tool-call format (--tool_call_parser): the tools' schemas rendered into the prompts (tools=).
             tool_schemas=tool_call_schemas(args.gen, tokenizer, args.data.chat_template_name),
         )
@@ -353,7 +356,7 @@ def load_data(args: Args, pinned_commits: dict | None = None) -> RunData:
     eval_prompts = eval_rows = None
     if eval_dataset is not None:
         eval_prompts = prompt_batch(eval_dataset, list(range(len(eval_dataset))), tokenizer)
-        eval_rows = environment_rows(eval_dataset, list(range(len(eval_dataset)))) if args.gen.tools else None
+        eval_rows = environment_rows(eval_dataset, list(range(len(eval_dataset)))) if needs_rows(args.gen) else None
     return RunData(policy_path, tokenizer, stop_token_ids_for(tokenizer, args.gen.stop_token), train_dataset,
                    eval_prompts, local_args, longest_prompt, eval_rows)  # fmt: skip
 
@@ -416,7 +419,7 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
         rollouts = RolloutRequests(generator, learner, data.train_dataset, data.tokenizer, prompt_order,
                                    data.eval_prompts, sizes.eval_freq, args.run.seed, args.dist.vllm_sync_timeout_s,
                                    broadcast=args.dist.uses_ray, async_steps=async_steps(args.gen),
-                                   with_rows=bool(args.gen.tools))  # fmt: skip
+                                   with_rows=needs_rows(args.gen))  # fmt: skip
         if resume is not None:
             learner.read_checkpoint(resume.path)
             rollouts.load_state_dict(resume.trainer_state)
@@ -481,6 +484,7 @@ def start_generation_thread(args: Args, data: RunData, sizes: BatchSizes, placem
         cpu_cores=cpu_cores,
         tools=tool_settings(args.gen, args.data.chat_template_name),
         eval_rows=data.eval_rows,
+        agent=agent_settings(args.gen, args.data.chat_template_name, args.model.model_name_or_path),
     )
     thread = GenerationThread(settings, timeout_s=args.gen.queue_timeout_s, engine=engines)
     thread.start()
@@ -534,6 +538,8 @@ def describe_models(args: Args, data: RunData) -> str:
     verifiers = f"reward function {args.reward.reward_function}" if args.reward.reward_function else "verifiers"
     rewards = [name for name, on in ((verifiers, args.reward.apply_verifiable_reward),
                                      (f"reward model {model.reward_model_path}", args.reward.reward_model_multiplier != 0)) if on]  # fmt: skip
+    if args.gen.rollout_agent:  # the agent returns each rollout's reward
+        rewards = [f"the agent {args.gen.rollout_agent}"]
     evals = f"{len(data.eval_prompts.token_ids)} eval prompts" if data.eval_prompts is not None else "no eval set"
     return (f"[ppo] policy {model.model_name_or_path} ({data.policy_path}){lora}; value model: {value}; "
             f"reference: {reference}; "

@@ -229,6 +229,8 @@ def describe_eval(metrics: dict, num_prompts: int, samples_per_prompt: int, step
         parts.append(f"sampled {metrics['eval/sampled_correct_rate']:.3f} ({samples_per_prompt} per prompt)")
     if "eval/tool_call_rate" in metrics:  # a run with --tools
         parts.append(f"greedy tool-call rate {metrics['eval/tool_call_rate']:.3f}")
+    if "eval/agent/calls_per_rollout" in metrics:  # --rollout_agent: the rewards are the agent's
+        parts.append(f"agent reward, {metrics['eval/agent/calls_per_rollout']:.2f} calls per greedy rollout")
     parts.append(f"{num_prompts} prompts, mean length {metrics['eval/sequence_lengths']:.1f} tokens")
     when = "before training" if version == 0 else f"after step {version}"
     return f"[eval] {when}: " + ", ".join(parts)

@@ -101,6 +101,12 @@ def test_truncate_response_keeps_first_stop_token_and_pads_after():
     torch.testing.assert_close(response_length, torch.tensor([2, 4, 1, 4]))
 
 
+def test_turn_ends_are_sampled_tokens_followed_by_unsampled_ones():
+    sampled = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 0, 1, 0, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    expected = torch.tensor([[0, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(rl.turn_ends(sampled), expected)
+
+
 def test_truncate_response_when_pad_equals_stop_token():
     # SmolLM2: <|im_end|> is both the stop token and the pad token.
     im_end = 2

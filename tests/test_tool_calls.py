@@ -488,7 +488,8 @@ def test_a_native_call_is_answered_and_the_sample_decodes_on(tiny_model_dir):
     token (here every token stops a request, so each turn is one token): the engine answers the call with the
     template's tool turn, token-exact and never trained on, and the sample goes on to its next turn."""
     from open_instruct.generation import vllm_engine
-    from open_instruct.generation.engine_batches import EngineBatches, Sample
+    from open_instruct.generation.engine_batches import EngineBatches
+    from open_instruct.generation.samples import Sample
 
     llm = vllm_engine.create_engine(vllm_engine.EngineConfig(model_path=tiny_model_dir, max_model_len=512, seed=0))
     tokenizer = llm.get_tokenizer()
@@ -525,7 +526,8 @@ def test_rows_routed_to_a_native_environment_and_to_tools_are_answered_in_one_ba
     to its step_calls with the row's code, its tool turn token-exact and its reward on the turn's last sampled token
     (the right code ends the sample); the row without a value gets the calculator, and goes on after its answer."""
     from open_instruct.generation import vllm_engine
-    from open_instruct.generation.engine_batches import EngineBatches, Sample
+    from open_instruct.generation.engine_batches import EngineBatches
+    from open_instruct.generation.samples import Sample
 
     llm = vllm_engine.create_engine(vllm_engine.EngineConfig(model_path=tiny_model_dir, max_model_len=512, seed=0))
     tokenizer = llm.get_tokenizer()

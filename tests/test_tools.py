@@ -232,6 +232,9 @@ EOS, PAD = 2, 0
         ([[5], [6], [7], [8, EOS]], [[30], [31, 32], [33]], [1, 0, 1, 0, 0, 1, 0, 1, 1]),  # several calls
         ([[5], [6, EOS, 9]], [[30, EOS, 31]], [1, 0, 0, 0, 1, 1]),  # a stop token in a tool's output ends nothing; the sampled one does
         ([[5, 6]], [[30, 31]], [1, 1, 0, 0]),  # the response ends on a tool's output (--max_tool_calls, budget)
+        # A native call's turn ends on the sampled stop token, and the response goes on after the tool's turn: every
+        # turn is trained on (truncated at the stop token that ends the response, never at a turn's).
+        ([[5, EOS], [6, EOS], [7, EOS]], [[30, 31], [32]], [1, 1, 0, 0, 1, 1, 0, 1, 1]),
     ],
 )  # fmt: skip
 def test_the_response_mask_holds_the_models_tokens_and_the_attention_mask_every_token(model_pieces, tool_pieces,

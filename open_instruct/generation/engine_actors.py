@@ -462,6 +462,9 @@ class EngineGroup:
         self.joining = []
         return results
 
+    def batch_metrics(self, batch_id) -> dict[str, float]:
+        return {}  # agent batches run in the in-process engine only
+
     def restart_metrics(self) -> dict[str, float]:
         """For the learner's metrics: the restarts so far, and the seconds of one completed since the last call."""
         metrics = {"engine/restarts": float(self.restarts)}

@@ -62,12 +62,11 @@ import copy
 import itertools
 import logging
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-
-import numpy as np
+from dataclasses import asdict
 
 from open_instruct.environments import native_tools, routing, tool_pool
 from open_instruct.generation import vllm_engine
+from open_instruct.generation.samples import Sample, request_seed
 from open_instruct.rl import tools
 
 log = logging.getLogger(__name__)
@@ -77,91 +76,8 @@ log = logging.getLogger(__name__)
 MAX_CHARS_PER_TOKEN = 32
 
 
-def request_seed(batch_seed: int, sample_index: int, policy_version: int, tokens_so_far: int) -> int:
-    """The sampling seed of one vLLM request: sample `sample_index` of the batch seeded `batch_seed`, submitted under
-    policy `policy_version` with `tokens_so_far` tokens. vLLM gives a seeded request a generator of its own, so its
-    noise depends on these alone: not on the engine's global generator (which the engine's warm-up, other batches, an
-    eval or the learner may draw from or reseed), nor on which engine or process runs it. A resubmission (an in-flight
-    update, a tool's answer, a restored snapshot) starts a new stream, the same one in every run that gets there."""
-    return int(np.random.SeedSequence([batch_seed, sample_index, policy_version, tokens_so_far]).generate_state(1)[0])
-
-
-TOOL_STATS = ("calls", "errors", "timeouts", "outputs_cut", "seconds", "reward", "start_errors", "abandoned_threads")
 # While only parked samples remain, the engine waits this long for a call to finish before it looks again.
 PARKED_WAIT_S = 0.05
-
-
-@dataclass
-class Sample:
-    """One response being generated: its prompt, what it has generated so far, and the version of each token."""
-
-    batch_id: int
-    prompt_index: int  # into its batch's prompts
-    prompt_token_ids: list[int]
-    max_tokens: int
-    seed: int | None = None  # the batch's sampling seed (None: vLLM's global generator; greedy needs none)
-    index: int = 0  # its place in the batch (the requests' seeds: `request_seed`)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
-    versions: list[int | None] = field(default_factory=list)  # the policy version of each token; None: a tool's
-    sampled: list[bool] = field(default_factory=list)  # whether the model sampled each token (False: a tool's output)
-    text: str = ""
-    finish_reason: str | None = None  # set when it finished: "stop", "length", "max_tool_calls", "environment_error"
-    stop_reason: int | str | None = None
-    # With --tools: where the model's current turn starts in `text`, how much of the text was searched for the
-    # environment's end strings, and what its calls did (Completion.tool_stats).
-    turn_start: int = 0
-    searched_up_to: int = 0
-    stop_searched_up_to: int = 0  # how much of `text` was searched for the stop strings
-    tool_stats: dict = field(default_factory=lambda: dict.fromkeys(TOOL_STATS, 0))
-    # With --tools: the dataset row its environment's `reset` gets (JSON values; None: the engine was given no rows),
-    # and the turns' rewards, [index of the turn's last sampled token, reward] each (Completion.turn_rewards).
-    row: dict | None = None
-    turn_rewards: list[list] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def add(self, token_ids, logprobs, text: str, version: int) -> None:
-        self.token_ids += token_ids
-        if logprobs is None:
-            self.logprobs += [None] * len(token_ids)
-        else:
-            self.logprobs += [step[token].logprob for step, token in zip(logprobs, token_ids)]
-        self.versions += [version] * len(token_ids)
-        self.sampled += [True] * len(token_ids)
-        self.text += text
-
-    def add_observation(self, token_ids: list[int], text: str) -> None:
-        """An environment's answer (a tool's output): tokens the policy did not sample, so no logprob and no version;
-        the model's next turn starts after it."""
-        self.token_ids += token_ids
-        self.logprobs += [None] * len(token_ids)
-        self.versions += [None] * len(token_ids)
-        self.sampled += [False] * len(token_ids)
-        self.text += text
-        self.turn_start = self.searched_up_to = self.stop_searched_up_to = len(self.text)
-
-    def finish(self, finish_reason: str, stop_reason, version: int) -> None:
-        """A response that stopped on a stop token keeps it as its last token (vLLM leaves stop token ids out of the
-        output, so it is added back here, without an engine logprob): the learner scores and trains on it."""
-        if finish_reason == "stop" and isinstance(stop_reason, int):
-            if not self.token_ids or self.token_ids[-1] != stop_reason:
-                self.token_ids.append(stop_reason)
-                self.logprobs.append(None)
-                self.versions.append(version)
-                self.sampled.append(True)
-        self.finish_reason, self.stop_reason = finish_reason, stop_reason
-
-    def completion(self, with_logprobs: bool) -> vllm_engine.Completion:
-        with_tools = not all(self.sampled) or self.tool_stats["calls"] > 0
-        return vllm_engine.Completion(
-            self.prompt_index, list(self.token_ids), self.text, self.finish_reason,
-            list(self.logprobs) if with_logprobs else None, list(self.versions),
-            list(self.sampled) if with_tools else None, dict(self.tool_stats) if with_tools else None,
-            [list(turn) for turn in self.turn_rewards] or None,
-        )  # fmt: skip
 
 
 def observation_tokens(tokenizer, text: str) -> list[int]:
@@ -202,6 +118,7 @@ class EngineBatches:
         # None: as soon as its turn is back (--tool_reentry_steps 0). `arrived`: turns back, not yet due.
         self.due_step: dict[int, int | None] = {}
         self.arrived: dict[int, tool_pool.ParkedTurn] = {}
+        self.agents = None  # with --rollout_agent: agent_batches.AgentSamples, made at the first agent batch
 
     @property
     def admitted(self) -> list[int]:
@@ -214,11 +131,22 @@ class EngineBatches:
         on the weights. `rows`: with --tools, each prompt's dataset row, for its samples' environments."""
         if batch_id in self.batches:
             raise ValueError(f"batch {batch_id} is already in the engine")
+        if params.get("agent"):  # --rollout_agent: the batch's samples come from its rollouts' calls
+            self._agent_samples(params).admit(batch_id, len(prompt_token_ids), params, sampling_seed, rows)
+            return
         prompts = [ids for ids in prompt_token_ids for _ in range(params["n"])]
         samples = [Sample(batch_id, index // params["n"], list(ids), params["max_tokens"], sampling_seed, index,
                           row=None if rows is None else rows[index // params["n"]])
                    for index, ids in enumerate(prompts)]  # fmt: skip
         self._add(batch_id, samples, params)
+
+    def _agent_samples(self, params: dict):
+        """The agent rollouts of this engine (agent_batches.AgentSamples: its endpoint starts at the first)."""
+        if self.agents is None:
+            from open_instruct.generation.agent_batches import AgentSamples
+
+            self.agents = AgentSamples(self, params["agent"])
+        return self.agents
 
     def _add(self, batch_id: int, samples: list[Sample], params: dict) -> None:
         self.batches[batch_id], self.params[batch_id] = samples, params
@@ -259,10 +187,11 @@ class EngineBatches:
         from vllm.sampling_params import RequestOutputKind
 
         for sample in samples:
-            if sample.done:
+            if sample.done or sample.waiting:
                 continue
-            left = sample.max_tokens - len(sample.token_ids)
-            settings = {key: value for key, value in params.items() if key != "tools"}
+            # An agent's call ends at its own max_tokens (within the sample's budget).
+            left = (sample.max_tokens if sample.call is None else sample.call["end"]) - len(sample.token_ids)
+            settings = {key: value for key, value in params.items() if key not in ("tools", "agent")}
             # Stop strings are found here, on the accumulated text (`_stop_string_end`), never by vLLM.
             seed = None if sample.seed is None else request_seed(sample.seed, sample.index, self.policy_version,
                                                                   len(sample.token_ids))  # fmt: skip
@@ -279,7 +208,12 @@ class EngineBatches:
         """One engine step. First the parked samples whose turn has finished go back into the engine (`_reenter`);
         then every running request advances (a prefill chunk or one token). A sample whose text now ends a turn of its
         environment (a tool call's end string) is taken out of the engine and parked while its turn runs (`_park`).
-        While only parked samples remain, it waits up to PARKED_WAIT_S for a turn to finish instead."""
+        While only parked samples remain, it waits up to PARKED_WAIT_S for a turn to finish instead (and for an agent's
+        call while only agents' samples waiting for one remain)."""
+        if self.agents is not None and self.agents.active():
+            self.agents.take_calls(wait_s=0.0 if self.running or self.parked else PARKED_WAIT_S)
+            if not self.running and not self.parked:
+                return
         if self.parked:
             self._reenter(self._turns_due())
             if not self.running:
@@ -297,14 +231,14 @@ class EngineBatches:
                 continue
             stop_string = self._stop_string_end(sample)
             if stop_string is not None:  # as vLLM's own stop strings: the text ends with it, whatever ended the request
-                sample.finish("stop", stop_string, self.policy_version)
+                self._end_request(sample, "stop", stop_string)
                 del self.running[output.request_id]
                 if not output.finished:
                     stopped.append(output.request_id)
             elif output.finished and self._ends_native_turn(sample, piece):
                 turns.append((output.request_id, sample, len(sample.text)))  # its tool calls are answered: it goes on
             elif output.finished:
-                sample.finish(piece.finish_reason, piece.stop_reason, self.policy_version)
+                self._end_request(sample, piece.finish_reason, piece.stop_reason)
                 del self.running[output.request_id]
             elif id(sample) in self.environments:
                 environment = self.environments[id(sample)]
@@ -321,6 +255,13 @@ class EngineBatches:
                 del self.running[request_id]
             self._park([(sample, end) for _, sample, end in turns])
         self.steps += 1
+
+    def _end_request(self, sample: Sample, finish_reason: str, stop_reason) -> None:
+        """A request that ended: its sample finishes, or (an agent's) its call is answered and it waits for the next."""
+        if sample.rollout is not None:
+            self.agents.call_ended(sample, finish_reason, stop_reason)
+        else:
+            sample.finish(finish_reason, stop_reason, self.policy_version)
 
     def _ends_native_turn(self, sample: Sample, piece) -> bool:
         """Whether a request that finished ends a native turn that makes tool calls (--tool_call_parser hermes, ...):
@@ -342,7 +283,8 @@ class EngineBatches:
         """The stop string the sample's text now completes (its text is then cut just after it), or None. Searched from
         where the last search ended, so a string split over two steps or a resubmission is found when it completes,
         and never inside a tool's output."""
-        stop_strings = tuple(self.params[sample.batch_id].get("stop_strings") or ())
+        stop_strings = tuple((self.params[sample.batch_id].get("stop_strings") if sample.call is None
+                              else sample.call["stop"]) or ())  # an agent's call: its own stop strings; fmt: skip
         if not stop_strings:
             return None
         end = tools.turn_end(sample.text, stop_strings, sample.stop_searched_up_to, sample.turn_start)
@@ -464,11 +406,16 @@ class EngineBatches:
         """Step until every sample of `batch_id` has finished (the other batches advance with it); its completions in
         prompt order, and the batch leaves the engine. `between_steps()` is called before each step (the generation
         thread answers the learner there)."""
-        samples = self.batches[batch_id]
-        while not all(sample.done for sample in samples):
+        samples = self.batches[batch_id]  # an agent batch's grow as its rollouts call
+        agents = self.agents if self.agents is not None and batch_id in self.agents.rollouts else None
+        while not (all(sample.done for sample in samples) and (agents is None or agents.complete(batch_id))):
             if between_steps is not None:
                 between_steps()
             self.step()
+        if agents is not None:
+            completions = agents.completions(batch_id, self.params[batch_id].get("with_logprobs", False))
+            del self.batches[batch_id], self.params[batch_id]
+            return completions
         del self.batches[batch_id]
         for sample in samples:
             self.environments.pop(id(sample), None)
@@ -507,14 +454,18 @@ class EngineBatches:
         mid-call; otherwise a read: what the engine generates next is what it would have without it."""
         self._wait_for_parked()
         return [
+            self.agents.partial(batch_id) if self.agents is not None and batch_id in self.agents.rollouts else
             {"batch_id": batch_id, "params": self.params[batch_id], "samples": [asdict(s) for s in samples]}
             for batch_id, samples in self.batches.items()
-        ]
+        ]  # fmt: skip
 
     def restore(self, partial_batches: list[dict]) -> None:
         """Put `partial_batches` back (into a fresh engine, on resume): each unfinished sample continues as a request
         whose prompt is its prompt plus its tokens so far."""
         for batch in partial_batches:
+            if "agent_rollouts" in batch:  # an agent batch: its ended rollouts as they were, the others run again
+                self._agent_samples(batch["params"]).restore(batch)
+                continue
             self._add(batch["batch_id"], [Sample(**sample) for sample in batch["samples"]], batch["params"])
 
 

@@ -41,6 +41,12 @@ def tool_call_rate(completions) -> float:
     return sum(bool(c.tool_stats and c.tool_stats["calls"] > 0) for c in completions) / max(1, len(completions))
 
 
+def agent_reward_rate(completions: list, rollouts: int) -> float:
+    """The agents' mean reward over `rollouts` runs (one sample each counted: a rollout's splits share its reward; a
+    dropped rollout counts 0)."""
+    return sum(c.agent["reward"] for c in completions if c.agent["split"] == 0) / max(1, rollouts)
+
+
 def eval_metrics(rollout: Rollout, eval_prompts: PromptBatch, reward_manager: RewardManager) -> tuple[dict, list[dict]]:
     """Eval: greedy and sampled correct rates on the eval rows that have a ground truth, greedy length.
 
@@ -65,6 +71,15 @@ def eval_metrics(rollout: Rollout, eval_prompts: PromptBatch, reward_manager: Re
         if rollout.sampled_completions:
             result["eval/sampled_tool_call_rate"] = tool_call_rate(rollout.sampled_completions)
     by_key = {"eval/correct_rate": completions, "eval/sampled_correct_rate": rollout.sampled_completions}
+    if any(c.agent is not None for c in completions):  # --rollout_agent: the agent's reward is its verdict
+        prompts = max(1, len(eval_prompts.token_ids))
+        result["eval/correct_rate"] = agent_reward_rate(completions, prompts)
+        runs = rollout.engine_metrics.get("sampled_rollouts_per_prompt", 0)
+        result["eval/samples_per_prompt"] = float(runs)
+        if runs:
+            result["eval/sampled_correct_rate"] = agent_reward_rate(rollout.sampled_completions, prompts * runs)
+        result.update({f"eval/{key}": value for key, value in rollout.engine_metrics.items() if key.startswith("agent/")})
+        by_key = {}
     for key, eval_completions in by_key.items():
         correct_rate = verifiable_correct_rate(eval_completions, eval_prompts, reward_manager)
         if correct_rate is not None:

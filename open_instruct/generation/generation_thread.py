@@ -121,7 +121,10 @@ class GenerationSettings:
     cpu_cores: list[int] | None = None  # --vllm_cpu_cores: the cores this thread (its engine) runs on; None: all
     # --tools: {"names", "max_calls", "timeout_s", "output_max_tokens", "wrapper"} (tool_settings); None: no tools
     tools: dict | None = None
-    eval_rows: list[dict] | None = None  # with --tools: each eval prompt's dataset row, for its environment
+    eval_rows: list[dict] | None = None  # with --tools or an agent: each eval prompt's dataset row
+    # --rollout_agent: {"spec", "concurrency", "timeout_s", "max_calls", "failed", "host", "port", "parser",
+    # "chat_template_name", "served_name"} (run.args.agent_settings); None: the dataset's prompts are the rollouts
+    agent: dict | None = None
 
 
 def eval_samples_per_prompt(settings: GenerationSettings, policy_version: int) -> int:
@@ -204,7 +207,12 @@ class InProcessEngine:
     def restart_metrics(self) -> dict[str, float]:
         return {}  # never restarted
 
+    def batch_metrics(self, batch_id) -> dict[str, float]:
+        return self.batches.agents.metrics_of(batch_id) if self.batches.agents is not None else {}
+
     def shutdown(self) -> None:
+        if self.batches.agents is not None:
+            self.batches.agents.close()
         console.keep_until_exit(self.llm)  # the engine goes with this process (its shutdown would only free memory)
 
 
@@ -303,7 +311,8 @@ class GenerationThread(threading.Thread):
             timings["engine_busy"] = time.time() - busy_since - timings["engine_idle"]
             busy_since = time.time()
             rollout = Rollout(oldest.policy_version, completions, timings, weight_checksums=oldest.checksums,
-                              engine_metrics=engine.restart_metrics(), batch_id=oldest.batch_id)  # fmt: skip
+                              engine_metrics={**engine.restart_metrics(), **engine.batch_metrics(oldest.batch_id)},
+                              batch_id=oldest.batch_id)  # fmt: skip
             self._put(self.response_Q, rollout, "the learner to take the last rollout", at_rest=True)
 
     def _params(self, n: int, temperature: float, with_logprobs: bool = False) -> dict:
@@ -311,7 +320,7 @@ class GenerationThread(threading.Thread):
         # No per-request vLLM seed: the engine's seeded generator must advance, or every step replays one stream.
         return dict(n=n, temperature=temperature, with_logprobs=with_logprobs, max_tokens=settings.response_length,
                     stop_token_ids=settings.stop_token_ids, stop_strings=settings.stop_strings,
-                    tools=settings.tools)  # fmt: skip
+                    tools=settings.tools, agent=settings.agent)  # fmt: skip
 
     def _admit(self, engine, request: GenerationRequest) -> None:
         """The request's weights into the engine (an in-flight update when batches are in it), its eval, its batch."""
@@ -347,14 +356,19 @@ class GenerationThread(threading.Thread):
         prompts = settings.eval_prompt_token_ids
         engine.admit(("eval", request.batch_id), prompts, self._params(1, 0.0), None, settings.eval_rows)
         greedy = engine.run_until_complete(("eval", request.batch_id), self._between_steps)
+        # An agent's eval: its agent/* counts, and how many sampled runs per prompt there were (a rollout that failed
+        # leaves no completion to count).
+        metrics = engine.batch_metrics(("eval", request.batch_id))
         sampled, samples_per_prompt = [], eval_samples_per_prompt(settings, request.policy_version)
         if samples_per_prompt > 0:
             seed = None if request.sampling_seed is None else request.sampling_seed + 1
             engine.admit(("sampled eval", request.batch_id), prompts,
                          self._params(samples_per_prompt, settings.temperature), seed, settings.eval_rows)  # fmt: skip
             sampled = engine.run_until_complete(("sampled eval", request.batch_id), self._between_steps)
+            engine.batch_metrics(("sampled eval", request.batch_id))
+            metrics["sampled_rollouts_per_prompt"] = samples_per_prompt
         eval_rollout = Rollout(request.policy_version, greedy, {"eval_generation": time.time() - start}, sampled,
-                               request.checksums, batch_id=request.batch_id)  # fmt: skip
+                               request.checksums, engine_metrics=metrics, batch_id=request.batch_id)  # fmt: skip
         self._put(self.eval_Q, eval_rollout, "the learner to take the last eval rollout", at_rest=False)
 
     # ---- this thread's waits: each one takes the learner's requests in and answers its snapshot ----

@@ -89,6 +89,10 @@ class Engine(Protocol):
         """`engine/restarts` and `time/engine_restart` for the learner's metrics (none for an engine never restarted)."""
         ...
 
+    def batch_metrics(self, batch_id) -> dict[str, float]:
+        """A completed batch's own metrics for the learner (an agent batch's agent/*; none for a dataset batch)."""
+        ...
+
     def shutdown(self) -> None:
         ...
 

@@ -58,6 +58,8 @@ class BatchCollector:
     # --tools: the batch is scored here (its tools/* metrics need each response's verdict), and the learner gets the
     # scores (rl.PrecomputedScores) rather than computing them twice
     with_tools: bool = False
+    # --rollout_agent: each response's score is its rollout's reward, returned by the agent (agent_batches.py)
+    with_agent: bool = False
     cut_outputs_noted: bool = field(default=False, init=False)  # the line of `note_cut_outputs` was shown
 
     def note_cut_outputs(self, count: float, where: str) -> None:
@@ -87,6 +89,8 @@ class BatchCollector:
         request, rollout = self.rollouts.receive()
         requests.append(request)
         staleness = check_staleness(rollout, learner_version, self.max_lag)
+        if self.with_agent:
+            return StepBatch(request.prompts, rollout, requests, PrecomputedScores(agent_scores(rollout), {}), staleness)
         if not self.zero_std_filter and not self.with_tools:
             verified = verdicts(self.reward_manager, request.prompts, rollout.completions)
             return StepBatch(request.prompts, rollout, requests, VerifiedScores(self.reward_manager, verified), staleness)
@@ -122,6 +126,18 @@ class BatchCollector:
                          {**check_staleness(joined, learner_version, self.max_lag), **filter_metrics, **tools})  # fmt: skip
 
 
+def agent_scores(rollout: Rollout) -> torch.Tensor:
+    """Each sample's score: its rollout's reward. A batch whose every rollout failed stops the run (the agent is
+    broken, not unlucky), naming why."""
+    if not rollout.completions:
+        raise RuntimeError(f"no agent rollout of batch {rollout.batch_id} returned a reward or made a call "
+                           f"(agent/errors {rollout.engine_metrics.get('agent/errors', 0):g}, agent/timeouts "
+                           f"{rollout.engine_metrics.get('agent/timeouts', 0):g}, agent/no_calls "
+                           f"{rollout.engine_metrics.get('agent/no_calls', 0):g}): the first failures are on the "
+                           "console above; fix the agent or raise --agent_timeout_s")  # fmt: skip
+    return torch.tensor([c.agent["reward"] for c in rollout.completions], dtype=torch.float32)
+
+
 def verdicts(reward_manager: RewardManager, prompts: PromptBatch, completions: list[Completion]) -> Verdicts:
     """The verifiers' verdicts of a rollout's responses, for the learner to combine with its own terms."""
     return reward_manager.verdicts([c.text for c in completions],
@@ -143,9 +159,8 @@ def score(reward_manager: RewardManager, prompts: PromptBatch, completions: list
           stop_token_ids: list[int]) -> Scored:  # fmt: skip
     """Each response's score as the learner computes it: its length counts up to its first stop token (the PPO detail
     "truncate at the stop token", learner/experience.layout_rollout)."""
-    lengths = [next((i + 1 for i, token in enumerate(c.token_ids)
-                     if token in stop_token_ids and (c.sampled is None or c.sampled[i])), len(c.token_ids))
-               for c in completions]  # a stop token in a tool's output does not end the response; fmt: skip
+    lengths = [next((i + 1 for i, token in enumerate(c.token_ids) if token in stop_token_ids and ends_response(c, i)),
+                    len(c.token_ids)) for c in completions]  # fmt: skip
     scores, correct, metrics = reward_manager.score_and_correct(
         [c.text for c in completions], [prompts.ground_truths[c.prompt_index] for c in completions],
         [prompts.verifier_names[c.prompt_index] for c in completions], [c.finish_reason == "stop" for c in completions],
@@ -154,6 +169,13 @@ def score(reward_manager: RewardManager, prompts: PromptBatch, completions: list
     # An Environment's own reward (rl/tools.py) adds to the verifier's score.
     scores = scores + torch.tensor([(c.tool_stats or {}).get("reward", 0.0) for c in completions])
     return Scored(scores, correct, lengths, metrics)
+
+
+def ends_response(completion: Completion, index: int) -> bool:
+    """Whether a stop token at `index` may end the response: the model sampled it, and it does not end a turn that a
+    tool's or an agent's turn follows (rl.turn_ends, as the learner's truncation)."""
+    sampled = completion.sampled
+    return sampled is None or (sampled[index] and (index + 1 == len(sampled) or sampled[index + 1]))
 
 
 def tool_metrics(completions: list[Completion], correct: list[float]) -> dict[str, float]:

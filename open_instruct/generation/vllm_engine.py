@@ -167,6 +167,10 @@ class Completion:
     # model sampled in the turn that earned it, the token before the observation. None: no turn earned one. Their sum
     # is tool_stats["reward"]; PPO places each on its token (rl.turn_rewards_at_tokens), GRPO adds it to the score.
     turn_rewards: list[list] | None = None
+    # With --rollout_agent (generation/agent_batches.py): the sample's own prompt (its rollout's first call's; None: the
+    # dataset prompt `prompt_index` points to), and its rollout's {"reward", "rollout", "split"}.
+    prompt_token_ids: list[int] | None = None
+    agent: dict | None = None
 
 
 class ExplainedReloadWarnings(logging.Filter):

@@ -50,7 +50,9 @@ def layout_rollout(
     prompts: PromptBatch, completions: list[Completion], pad_token_id: int, stop_token_ids: list[int], device
 ) -> RolloutTensors:
     """Each completion after its left-padded prompt, truncated at its first stop token (PPO detail), as tensors."""
-    query, query_mask = left_pad([prompts.token_ids[c.prompt_index] for c in completions], pad_token_id)
+    # An agent's sample has its own prompt (its first call's); a dataset sample's is its prompt's.
+    query, query_mask = left_pad([prompts.token_ids[c.prompt_index] if c.prompt_token_ids is None else c.prompt_token_ids
+                                  for c in completions], pad_token_id)  # fmt: skip
     generated_length = torch.tensor([len(c.token_ids) for c in completions])
     # As wide as the longest response in this batch, not --response_length: no compute on padding.
     width = max(int(generated_length.max()), 1)
@@ -58,9 +60,11 @@ def layout_rollout(
     for row, completion in enumerate(completions):
         raw_response[row, : len(completion.token_ids)] = torch.tensor(completion.token_ids)
     sampled = sampled_by_the_model(completions, width)
-    # PPO detail: truncate at the first stop token the model sampled (a tool's output may hold one: -1 hides it); the
-    # mask comes from lengths (pad may equal eos).
-    _, stop_length = rl.truncate_response(raw_response.masked_fill(~sampled, -1), stop_token_ids, pad_token_id)
+    # PPO detail: truncate at the first stop token the model sampled that ends the response (a tool's output may hold
+    # one, and a native tool call's turn ends on one before the tool's turn: -1 hides both); the mask comes from
+    # lengths (pad may equal eos).
+    hidden = ~sampled | rl.turn_ends(sampled)
+    _, stop_length = rl.truncate_response(raw_response.masked_fill(hidden, -1), stop_token_ids, pad_token_id)
     response_length = torch.minimum(stop_length, generated_length)
     real_mask = rl.response_mask_from_lengths(response_length, width)
     response = torch.where(real_mask, raw_response, pad_token_id)

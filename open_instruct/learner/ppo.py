@@ -398,7 +398,10 @@ class PPOLearner(LearnerState):
         for epoch in range(ppo.num_epochs):
             # The same order on every rank (same seed); each rank trains on its share of each minibatch.
             order = torch.randperm(experience.query_response.shape[0], generator=self.shuffle_generator)
-            for index, minibatch in enumerate(order.split(self.sizes.mini_batch_size)):
+            # --num_mini_batches parts: an agent's batch may hold more or fewer samples than --rollout_batch_size.
+            for index, minibatch in enumerate(order.tensor_split(ppo.num_mini_batches)):
+                if len(minibatch) == 0:
+                    continue
                 finite_losses = True
                 # Before the first update the policy is still the one the batch was made with: its logprobs here are
                 # the learner's old ones, which make_experience did not compute with --old_logprobs_from vllm.

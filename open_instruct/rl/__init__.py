@@ -19,7 +19,7 @@ _EXPORTS = {
     "losses": ["kl_penalty_loss", "policy_loss", "truncated_importance_weight", "value_loss"],
     "masked": [
         "LOSS_AGGREGATIONS", "WholeBatch", "first_true_indices", "masked_aggregate", "masked_mean", "masked_var",
-        "masked_whiten", "response_mask_from_lengths", "truncate_response",
+        "masked_whiten", "response_mask_from_lengths", "truncate_response", "turn_ends",
     ],
 }  # fmt: skip
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

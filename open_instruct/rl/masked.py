@@ -113,6 +113,16 @@ def response_mask_from_lengths(response_length: torch.Tensor, response_len: int)
     return position.unsqueeze(0) < response_length.unsqueeze(1)
 
 
+def turn_ends(sampled: torch.Tensor) -> torch.Tensor:
+    """[batch, response_len] bool: the tokens that end a turn inside a response, not the response: a token the policy
+    sampled followed by one it did not (a tool's output, an agent's next turn). A native tool call's turn ends on the
+    stop token the model sampled, and the response goes on after the tool's turn: truncation at the stop token must not
+    cut there. `sampled` [batch, response_len], True where the policy sampled the token (and on padding)."""
+    following_sampled = torch.ones_like(sampled)
+    following_sampled[:, :-1] = sampled[:, 1:]
+    return sampled & ~following_sampled
+
+
 def truncate_response(
     response: torch.Tensor, stop_token_ids: Sequence[int], pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,6 +206,7 @@ def validate_flags(args: Args) -> None:
     validate_reward_function(args)
     validate_async_flags(args)
     validate_tool_flags(args.gen)
+    validate_agent_flags(args)
     if (args.ppo.truncated_importance_sampling_ratio_cap or 0) > 0 and args.ppo.old_logprobs_from == "vllm":
         raise ConfigError(
             "--truncated_importance_sampling_ratio_cap weights tokens by pi_learner_old / pi_vllm, which is 1 with "
@@ -261,6 +262,8 @@ def validate_tool_flags(gen: GenerationArgs) -> None:
     if not gen.tools:
         defaults = {f.name: f.default for f in dataclasses.fields(gen)}
         for flag in TOOL_CALL_FLAGS:
+            if flag == "tool_call_parser" and gen.rollout_agent:  # how the endpoint reads an agent's tool calls
+                continue
             if getattr(gen, flag) != defaults[flag]:
                 raise ConfigError(
                     f"--{flag} {getattr(gen, flag)!r} shapes tool calls, and --tools is not set (no tool is called); "
@@ -292,6 +295,43 @@ def validate_tool_flags(gen: GenerationArgs) -> None:
             f"--tool_output_wrapper {wrapper!r} is not valid; expected a text holding {{output}} once and no other "
             "braces (write a literal brace as {{ or }})."
         )
+
+
+AGENT_FLAGS = ("agent_concurrency", "agent_timeout_s", "agent_max_calls", "agent_failed_rollouts", "agent_host",
+               "agent_port")
+
+
+def validate_agent_flags(args: Args) -> None:
+    """--rollout_agent: a function that can take (row, client), loaded before any model (one line otherwise), limits
+    that can be met, and the modes it runs in. Without it, an agent flag set away from its default is refused."""
+    gen = args.gen
+    if not gen.rollout_agent:
+        defaults = {f.name: f.default for f in dataclasses.fields(gen)}
+        for flag in AGENT_FLAGS:
+            if getattr(gen, flag) != defaults[flag]:
+                raise ConfigError(f"--{flag} {getattr(gen, flag)!r} shapes agent rollouts, and --rollout_agent is not "
+                                  f"set; pass --rollout_agent path/to/agent.py:run, or drop --{flag}.")  # fmt: skip
+        return
+    from open_instruct.environments.agent_runner import agent_problem
+
+    problem = agent_problem(gen.rollout_agent)
+    if problem is not None:
+        raise ConfigError(f"{problem}.")
+    for flag, value, (is_valid, expected) in [("agent_concurrency", gen.agent_concurrency, AT_LEAST_1),
+                                              ("agent_timeout_s", gen.agent_timeout_s, POSITIVE),
+                                              ("agent_max_calls", gen.agent_max_calls, AT_LEAST_1),
+                                              ("agent_port", gen.agent_port, NON_NEGATIVE_INT)]:  # fmt: skip
+        if not is_valid(value):
+            raise ConfigError(f"--{flag} {value!r} is not valid; expected {expected}.")
+    # The agent brings its own tools and reward; the engine's agent batches live in the in-process engine.
+    refused = [("--tools", bool(gen.tools), "the agent runs its own tools: drop --tools"),
+               ("--reward_model_path", bool(args.model.reward_model_path), "the agent returns the reward: drop it"),
+               ("--filter_zero_std_groups", args.ppo.filter_zero_std_groups, "not yet with agents: drop it"),
+               ("--vllm_num_engines", args.dist.vllm_num_engines > 0, "agent calls are served by the in-process "
+                "engine: drop --vllm_num_engines (Ray learners are fine)")]  # fmt: skip
+    for flag, is_set, why in refused:
+        if is_set:
+            raise ConfigError(f"{flag} with --rollout_agent: {why}.")
 
 
 def validate_tool_call_parser(gen: GenerationArgs) -> None:

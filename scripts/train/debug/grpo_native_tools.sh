@@ -16,14 +16,5 @@
 #       --response_length 128 --dataset_mixer_list embedded_org_chart 16 --dataset_mixer_eval_list embedded_org_chart 1.0
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
-cd "$REPO"
-bash scripts/install.sh ${OPEN_INSTRUCT_CURRENT_ENV:+--current-env}
-python="${OPEN_INSTRUCT_VENV:-$REPO/.venv}/bin/python"
-[[ -n "${OPEN_INSTRUCT_CURRENT_ENV:-}" ]] && python="$(command -v python3)"
-warmup=output/grpo_native_tools_cpu/warmup
-if [[ ! -f "$warmup/sft_warmup.json" ]]; then
-  HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" PYTHONUNBUFFERED=1 "$python" -m open_instruct.sft_warmup \
-    --split warmup --examples 64 --batch_size 8 --learning_rate 1e-4 --tools org_chart --chat_template_name chatml_tools \
-    --output_dir "$warmup"
-fi
-exec bash scripts/train/debug/debug_run.sh grpo native_tools "$@"
+bash "$REPO/scripts/train/debug/org_chart_warmup.sh"
+exec bash "$REPO/scripts/train/debug/debug_run.sh" grpo native_tools "$@"
