@@ -1,7 +1,8 @@
 """Agent programs as rollouts, driven through the real endpoint by the real `openai` client (tests/support/agents.py)
 into a real vLLM engine (the tiny model, SmolLM2's tokenizer and chat template): what each rollout's calls become as
 samples (ids, logprobs, the mask of what the policy sampled), and every way a rollout can fail without stopping the
-engine. One engine and one endpoint serve the module; each test admits batches of its own agent.
+engine. One engine and one endpoint serve the module; each test admits batches of its own agent. The bridge's and
+the agent loader's tests need no engine (the fast tier runs them).
 """
 
 import asyncio
@@ -68,6 +69,7 @@ def run_agent(batches, tokenizer, agent: str, rows=ROWS, n: int = 2, seed: int =
     return batches.run_until_complete(batch_id), batches.agents.metrics_of(batch_id)
 
 
+@pytest.mark.e2e
 def test_a_one_call_agent_samples_what_the_in_engine_path_samples(batches, tokenizer):
     """The same prompt, seed and budget: the agent's sample is the dataset path's, id for id (logprobs to float32
     rounding); its prompt is the chat template's render of the row (what the dataset's prompts are)."""
@@ -91,6 +93,7 @@ def test_a_one_call_agent_samples_what_the_in_engine_path_samples(batches, token
     assert metrics["agent/calls_per_rollout"] == 1 and metrics["agent/splits"] == 0 and metrics["agent/errors"] == 0
 
 
+@pytest.mark.e2e
 def test_an_async_agent_returns_a_reward_and_metrics(batches, tokenizer):
     completions, metrics = run_agent(batches, tokenizer, "one_call_async")
     assert len(completions) == 4
@@ -98,6 +101,7 @@ def test_an_async_agent_returns_a_reward_and_metrics(batches, tokenizer):
     assert metrics["agent/answer_chars"] == sum(len(c.text) for c in completions) / 4
 
 
+@pytest.mark.e2e
 def test_a_three_call_agent_is_one_sample_whose_only_trainable_tokens_are_the_models(batches, tokenizer):
     """Each call's prompt extends the last call's prompt + answer (the bridge): one sample per rollout, the turns
     between the answers appended as not sampled; a user turn that prints "<|im_end|>" is plain text, not a turn end."""
@@ -120,6 +124,7 @@ def test_a_three_call_agent_is_one_sample_whose_only_trainable_tokens_are_the_mo
         assert text.count("observation 0: 42") == 1 and text.count("<|im_start|>assistant\n") == 3
 
 
+@pytest.mark.e2e
 def test_a_call_that_does_not_continue_the_conversation_starts_a_second_sample(batches, tokenizer):
     completions, metrics = run_agent(batches, tokenizer, "two_conversations")
     assert len(completions) == 8 and metrics["agent/splits"] == 4
@@ -131,6 +136,7 @@ def test_a_call_that_does_not_continue_the_conversation_starts_a_second_sample(b
         assert all(second.sampled)
 
 
+@pytest.mark.e2e
 def test_the_token_in_route_extends_on_ids(batches, tokenizer):
     completions, _ = run_agent(batches, tokenizer, "token_in", rows=ROWS[:1], n=1)
     (completion,) = completions
@@ -139,6 +145,7 @@ def test_the_token_in_route_extends_on_ids(batches, tokenizer):
     assert observation == [5]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("failed_rollouts", ["drop", "zero"])
 def test_an_agent_that_raises_ends_its_rollouts_and_the_engine_goes_on(batches, tokenizer, failed_rollouts):
     completions, metrics = run_agent(batches, tokenizer, "raises", failed=failed_rollouts)
@@ -152,6 +159,7 @@ def test_an_agent_that_raises_ends_its_rollouts_and_the_engine_goes_on(batches, 
     assert metrics["agent/errors"] == 4
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("agent", ["hangs", "hangs_async"])
 def test_an_agent_that_hangs_is_cut_at_its_timeout(batches, tokenizer, agent):
     start = time.time()
@@ -160,6 +168,7 @@ def test_an_agent_that_hangs_is_cut_at_its_timeout(batches, tokenizer, agent):
     assert completions == [] and metrics["agent/timeouts"] == 4
 
 
+@pytest.mark.e2e
 def test_keys_are_per_rollout_and_refused_once_it_ended(batches, tokenizer):
     """A key never given out: 401. A second call while one runs: 409. Past --agent_max_calls: 429. A finished
     rollout's key: 409. All through the real client, counted in agent/refused_calls."""
@@ -219,6 +228,7 @@ def test_a_bad_agent_is_one_line():
     assert asyncio.iscoroutinefunction(load_agent(f"{AGENTS}:one_call_async"))
 
 
+@pytest.mark.e2e
 def test_a_call_spanning_a_weight_update_and_a_snapshot_of_the_batch(batches, tokenizer, llm, tiny_model_dir):
     """--inflight_updates: a weight load between two steps while agents' calls are running tags each token with the
     version that sampled it. A checkpoint's snapshot holds the ended rollouts as they are and the running ones as their

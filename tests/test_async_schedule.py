@@ -55,6 +55,9 @@ class ScriptedEngine:
     def restart_metrics(self) -> dict:
         return {}
 
+    def batch_metrics(self, batch_id) -> dict:
+        return {}
+
     def shutdown(self) -> None:
         pass
 
