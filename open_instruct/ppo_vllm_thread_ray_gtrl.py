@@ -320,7 +320,8 @@ class Run:
                                       self.sizes.prompts_per_step, ppo.filter_zero_std_groups,
                                       ppo.filter_max_extra_batches, self.data.stop_token_ids,
                                       ppo.filter_metric, with_tools=bool(self.args.gen.tools),
-                                      with_agent=bool(self.args.gen.rollout_agent))  # fmt: skip
+                                      with_agent=bool(self.args.gen.rollout_agent),
+                                      compares_groups=ppo.algorithm == "grpo")  # fmt: skip
 
 
 def load_data(args: Args, pinned_commits: dict | None = None) -> RunData:

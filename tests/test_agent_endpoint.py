@@ -262,3 +262,18 @@ def test_a_call_spanning_a_weight_update_and_a_snapshot_of_the_batch(batches, to
     assert batches.agents.metrics_of(restored_id)["agent/calls_per_rollout"] == 3
     with batches.new_weights(0):  # the module's engine as it was
         vllm_engine.load_weights(llm, weights)
+
+
+def test_grpo_leaves_out_a_prompt_left_with_one_run():
+    """Prompt 0 kept two runs (one split in two samples), prompt 1 one (its other run failed and was dropped): GRPO
+    trains on prompt 0's samples alone, and says how many runs it left out."""
+    from open_instruct.generation.generation_thread import Rollout
+    from open_instruct.generation.step_batch import without_lone_rollouts
+    from open_instruct.generation.vllm_engine import Completion
+
+    def sample(prompt_index: int, rollout: int, split: int = 0) -> Completion:
+        return Completion(prompt_index, [5, 2], "", "stop", agent={"reward": 1.0, "rollout": rollout, "split": split})
+
+    rollout = Rollout(0, [sample(0, 0), sample(0, 0, 1), sample(0, 1), sample(1, 2)])
+    kept, lone = without_lone_rollouts(rollout)
+    assert [(c.prompt_index, c.agent["rollout"]) for c in kept.completions] == [(0, 0), (0, 0), (0, 1)] and lone == 1

@@ -60,6 +60,7 @@ class BatchCollector:
     with_tools: bool = False
     # --rollout_agent: each response's score is its rollout's reward, returned by the agent (agent_batches.py)
     with_agent: bool = False
+    compares_groups: bool = False  # GRPO: a prompt's responses are compared with each other (at least 2 needed)
     cut_outputs_noted: bool = field(default=False, init=False)  # the line of `note_cut_outputs` was shown
 
     def note_cut_outputs(self, count: float, where: str) -> None:
@@ -90,7 +91,9 @@ class BatchCollector:
         requests.append(request)
         staleness = check_staleness(rollout, learner_version, self.max_lag)
         if self.with_agent:
-            return StepBatch(request.prompts, rollout, requests, PrecomputedScores(agent_scores(rollout), {}), staleness)
+            rollout, lone = without_lone_rollouts(rollout) if self.compares_groups else (rollout, 0)
+            return StepBatch(request.prompts, rollout, requests, PrecomputedScores(agent_scores(rollout), {}),
+                             {**staleness, "agent/lone_rollouts_dropped": float(lone)})  # fmt: skip
         if not self.zero_std_filter and not self.with_tools:
             verified = verdicts(self.reward_manager, request.prompts, rollout.completions)
             return StepBatch(request.prompts, rollout, requests, VerifiedScores(self.reward_manager, verified), staleness)
@@ -124,6 +127,18 @@ class BatchCollector:
         self.note_cut_outputs(tools.get("tools/outputs_cut", 0.0), f"the batch of policy version {joined.policy_version}")
         return StepBatch(prompts, joined, requests, PrecomputedScores(scores, {**reward_metrics, **trained}),
                          {**check_staleness(joined, learner_version, self.max_lag), **filter_metrics, **tools})  # fmt: skip
+
+
+def without_lone_rollouts(rollout: Rollout) -> tuple[Rollout, int]:
+    """GRPO: the rollout without the samples of prompts left with a single agent run (the others failed and were
+    dropped, --agent_failed_rollouts drop): a run compared with no other teaches nothing, and GRPO's groups need two.
+    Also how many runs were left out so."""
+    runs: dict[int, set[int]] = {}
+    for completion in rollout.completions:
+        runs.setdefault(completion.prompt_index, set()).add(completion.agent["rollout"])
+    kept = [c for c in rollout.completions if len(runs[c.prompt_index]) >= 2]
+    lone = sum(len(indices) for indices in runs.values() if len(indices) < 2)
+    return replace(rollout, completions=kept), lone
 
 
 def agent_scores(rollout: Rollout) -> torch.Tensor:

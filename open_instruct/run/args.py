@@ -239,7 +239,8 @@ class GenerationArgs:
         "reward (a number, or a dict with 'reward' and metrics). Each call's tokens are the policy's, token-exact.",
     )
     agent_concurrency: MayChangeOnResume[int] = arg(16, "With --rollout_agent: rollouts (agent runs) at once.")
-    agent_timeout_s: MayChangeOnResume[float] = arg(120.0, "With --rollout_agent: seconds one rollout may run; past it, it ends failed.")
+    agent_timeout_s: MayChangeOnResume[float] = arg(600.0, "With --rollout_agent: seconds one rollout may run, its waits "
+                                                    "for the engine included; past it, it ends failed.")  # fmt: skip
     agent_max_calls: int = arg(16, "With --rollout_agent: calls one rollout may make (later ones are refused, 429).")
     agent_failed_rollouts: str = arg("drop", "With --rollout_agent: a rollout whose agent raised, ran out of time or "
                                      "returned no number: drop its samples, or keep them with reward 0 (zero).",
