@@ -197,7 +197,6 @@ class Endpoint:
         self.max_model_len, self.submit, self.host, self.port = max_model_len, submit, host, port
         self.rollouts: dict[str, AgentRollout] = {}
         self.ended_keys: set[str] = set()  # the keys of rollouts whose batch has left the engine
-        self.refused: dict[int, int] = {}  # HTTP status -> count (keys never given out are counted here)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server = None
         self.parsers: dict[str, object] = {}
@@ -244,7 +243,6 @@ class Endpoint:
         def error(status: int, message: str) -> JSONResponse:
             from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 
-            self.refused[status] = self.refused.get(status, 0) + 1
             body = ErrorResponse(error=ErrorInfo(message=message, type="invalid_request_error", code=status))
             return JSONResponse(body.model_dump(), status_code=status)
 
@@ -256,14 +254,17 @@ class Endpoint:
                                              max_model_len=self.max_model_len)]).model_dump()  # fmt: skip
 
         async def answer(request: Request, handler):
+            rollout = None
             try:
                 rollout = self.rollout_of(request.headers.get("authorization", ""))
                 body = await request.json()
                 return JSONResponse(await handler(rollout, body))
-            except Refused as refused:
-                return error(refused.status, str(refused))
-            except ValueError as bad:  # pydantic's ValidationError is a ValueError: the request's own mistake
-                return error(400, " ".join(str(bad).split())[:500])
+            except (Refused, ValueError) as refused:  # pydantic's ValidationError is a ValueError: the request's own
+                if rollout is not None:  # counted in its rollout's agent/refused_calls (the engine's 429 comes here too)
+                    rollout.stats["refused"] += 1
+                if isinstance(refused, Refused):
+                    return error(refused.status, str(refused))
+                return error(400, " ".join(str(refused).split())[:500])
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
@@ -288,7 +289,6 @@ class Endpoint:
         if rollout is None:
             raise Refused(401, "unknown API key: each rollout's client carries its own key")
         if rollout.state != "running":
-            rollout.stats["refused"] += 1
             raise Refused(409, f"this rollout has ended ({rollout.state}); its key takes no more calls")
         return rollout
 
@@ -393,7 +393,6 @@ class Endpoint:
                        stop: list[str]) -> CallResult:  # fmt: skip
         """The call through the engine thread; its answer when the engine sampled it."""
         if rollout.busy:
-            rollout.stats["refused"] += 1
             raise Refused(409, "this rollout already has a call running: a rollout's calls are one conversation, "
                                "made one after another")  # fmt: skip
         if not prompt_ids:

@@ -91,7 +91,6 @@ class AgentSamples:
                                   lambda rollout: self.inbox.put(("end", rollout)))  # fmt: skip
         self.load_agent = load_agent
         self.rollouts: dict[object, list[AgentRollout]] = {}  # by batch id
-        self.ended: dict[object, int] = {}  # rollouts of each batch that have ended (their "end" taken in)
         self.samples: dict[tuple, list] = {}  # (batch id, rollout index) -> its samples
         self.calls: dict[int, EngineCall] = {}  # id(sample) -> the call its running request answers
         self.seeds: dict[object, int | None] = {}  # each batch's sampling seed
@@ -107,7 +106,7 @@ class AgentSamples:
               start: bool = True) -> None:  # fmt: skip
         n = params["n"]
         rollouts = [AgentRollout(batch_id, index, index // n, rows[index // n]) for index in range(prompt_count * n)]
-        self.rollouts[batch_id], self.ended[batch_id] = rollouts, 0
+        self.rollouts[batch_id] = rollouts
         self.batches.batches[batch_id], self.batches.params[batch_id] = [], params
         self.seeds[batch_id] = sampling_seed
         if start:
@@ -139,7 +138,6 @@ class AgentSamples:
             rollout.ended_in_engine = True
             self.samples[(batch_id, rollout.index)] = samples
             self.batches.batches[batch_id].extend(samples)
-            self.ended[batch_id] += 1
         self._start([rollout for rollout in self.rollouts[batch_id] if not rollout.ended_in_engine], params)
 
     def _start(self, rollouts: list[AgentRollout], params: dict) -> None:
@@ -148,7 +146,7 @@ class AgentSamples:
         self.runner.start(rollouts, self.load_agent(settings["spec"]), settings["timeout_s"])
 
     def active(self) -> bool:
-        return any(self.ended[batch_id] < len(rollouts) for batch_id, rollouts in self.rollouts.items())
+        return any(not rollout.ended_in_engine for rollouts in self.rollouts.values() for rollout in rollouts)
 
     # ---- before each step ----
     def take_calls(self, wait_s: float) -> None:
@@ -180,7 +178,6 @@ class AgentSamples:
         params = batches.params[rollout.batch_id]
         max_calls = params["agent"]["max_calls"]
         if rollout.calls >= max_calls:
-            rollout.stats["refused"] += 1
             call.future.set_exception(Refused(429, f"this rollout made --agent_max_calls {max_calls} calls; return "
                                                    "its reward"))  # fmt: skip
             return
@@ -241,18 +238,16 @@ class AgentSamples:
                         f"{'scored 0' if failed == 'zero' else 'dropped'} (--agent_failed_rollouts)"
                         f"{'' if self.errors_noted < 3 else '. (Later ones are counted in agent/errors, agent/timeouts.)'}")  # fmt: skip
         rollout.ended_in_engine = True
-        self.ended[rollout.batch_id] += 1
 
     # ---- a batch that has ended ----
     def complete(self, batch_id) -> bool:
-        return self.ended[batch_id] == len(self.rollouts[batch_id])
+        return all(rollout.ended_in_engine for rollout in self.rollouts[batch_id])
 
     def completions(self, batch_id, with_logprobs: bool) -> list[vllm_engine.Completion]:
         """Each rollout's samples in rollout order (a prompt's rollouts together), each with its rollout's reward;
         a failed rollout's dropped or scored 0 (--agent_failed_rollouts). The batch's agent/* metrics are kept for
         `metrics_of`."""
         rollouts, failed_rollouts = self.rollouts.pop(batch_id), self.batches.params[batch_id]["agent"]["failed"]
-        del self.ended[batch_id]
         self.seeds.pop(batch_id, None)
         completions, splits = [], 0
         for rollout in rollouts:
