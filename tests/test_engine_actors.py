@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,6 +197,51 @@ def test_each_engine_resets_its_slices_environments_with_their_own_rows(engines,
         labels = {f"<L{i}>" for i in range(5) if f"<L{i}>" in completion.text}
         assert labels == {f"<L{completion.prompt_index}>"}, completion.text
         assert completion.turn_rewards and all(reward == 0.5 for _, reward in completion.turn_rewards)
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+@needs_loopback_namespace
+def test_agent_rollouts_run_beside_the_engine_of_their_slice_and_a_snapshot_of_them_restores_in_prompt_order(
+    engines, tiny_model_dir
+):
+    """--rollout_agent with engine actors: each engine serves its own endpoint, and the rollouts of its slice of the
+    batch run in its process against it (every call of a rollout on one engine: its prefix cache holds the earlier
+    turns; a prompt's GRPO group on one engine). The batch's agent/* metrics merge the engines' records. A snapshot
+    taken while the rollouts run holds each engine's rows; restored, they run again and come back in prompt order."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"}]} for i in range(5)]
+    agent = {"spec": f"{Path(__file__).resolve().parent / 'support' / 'agents.py'}:reports_its_process",
+             "concurrency": 4, "timeout_s": 120.0, "max_calls": 4, "failed": "drop", "host": "127.0.0.1", "port": 0,
+             "parser": "auto", "chat_template_name": None, "served_name": "tiny"}  # fmt: skip
+    params = dict(n=2, temperature=1.0, max_tokens=48, stop_token_ids=[tokenizer.eos_token_id], with_logprobs=True,
+                  agent=agent)  # fmt: skip
+    pids = [where["pid"] for where in engines._call_all("where")]
+    engines.admit("agents", [[0]] * len(rows), params, 1234, rows)
+    snapshot = engines.partial_batches()  # every rollout still running: each engine's slice as its rows
+    completions = engines.run_until_complete("agents")
+    metrics = engines.batch_metrics("agents")
+
+    slices = split_evenly(len(rows), 2)  # prompts 0-2 on engine 0, 3-4 on engine 1
+    assert [c.prompt_index for c in completions] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    for completion in completions:
+        engine = 0 if completion.prompt_index in range(slices[0].start, slices[0].stop) else 1
+        assert completion.agent["reward"] == pids[engine], "a rollout ran outside its engine's process"
+        assert completion.agent["split"] == 0, "a rollout's second call did not extend its first (another engine?)"
+        runs = [key for key, _ in itertools.groupby(completion.sampled)]
+        assert runs == [True, False, True], "two answers with the turn between them, in one sample"
+    assert metrics["agent/calls_per_rollout"] == 2 and metrics["agent/splits"] == 0 and metrics["agent/dropped"] == 0
+    assert metrics["agent/reward"] == sum(pids[0] if i < 3 else pids[1] for i in range(5)) / 5
+
+    assert [[len(part["rows"]) for part in batch["engines"]] for batch in snapshot] == [[3, 2]]
+    engines.restore(snapshot)
+    again = engines.run_until_complete("agents")
+    assert [c.prompt_index for c in again] == [c.prompt_index for c in completions]
+    # The same seeds, so the first answers are the same tokens (the rollouts ran again from their rows).
+    for first, second in zip(completions, again):
+        answer = first.sampled.index(False)
+        assert second.token_ids[:answer] == first.token_ids[:answer]
+    engines.batch_metrics("agents")
 
 
 # ---- a dead engine ends the run --------------------------------------------------------------------------------------

@@ -265,3 +265,24 @@ def test_length_histograms_are_logged_and_plotted_first_and_last_step(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="no histogram"):
         plots.plot_length_histograms(str(tmp_path / "empty.jsonl"), str(tmp_path / "x.png"))
+
+
+def test_summary_reports_a_start_eval_only_when_one_was_taken_before_training(tmp_path):
+    """--num_evals 0 evaluates the final policy only: summary.json gives its rate as the end, never as a "start" it
+    did not measure."""
+    from open_instruct.run.summary import summarize
+
+    logger = tracking.MetricsLogger(str(tmp_path))
+    logger.log({"objective/verifiable_correct_rate": 0.25}, step=1)
+    logger.log({"eval/correct_rate": 0.5, "eval/sampled_correct_rate": 0.4, "eval/policy_version": 3}, step=3)
+    only_final = summarize(str(tmp_path / "metrics.jsonl"))
+    assert only_final["eval_correct_rate_end"] == 0.5 and "eval_correct_rate_start" not in only_final
+    assert "eval_sampled_correct_rate_start" not in only_final
+
+    path = tmp_path / "both"
+    logger = tracking.MetricsLogger(str(path))
+    logger.log({"eval/correct_rate": 0.1, "eval/sampled_correct_rate": 0.2, "eval/policy_version": 0}, step=0)
+    logger.log({"eval/correct_rate": 0.5, "eval/sampled_correct_rate": 0.4, "eval/policy_version": 3}, step=3)
+    both = summarize(str(path / "metrics.jsonl"))
+    assert (both["eval_correct_rate_start"], both["eval_correct_rate_end"]) == (0.1, 0.5)
+    assert (both["eval_sampled_correct_rate_start"], both["eval_sampled_correct_rate_end"]) == (0.2, 0.4)

@@ -63,7 +63,9 @@ def agent_sample_index(rollout_index: int, split: int) -> int:
 class AgentSamples:
     """The agent rollouts of one engine's batches (`EngineBatches.agents`), and the endpoint and runner they use."""
 
-    def __init__(self, batches, settings: dict):
+    def __init__(self, batches, settings: dict, engine_index: int = 0):
+        """`engine_index`: with engine actors, which one this is: its endpoint serves on --agent_port + engine_index
+        (0: a free port), and only the rollouts of its slices of each batch call it."""
         from transformers import AutoTokenizer
 
         from open_instruct.data.chat_templates import resolve_chat_template
@@ -83,9 +85,10 @@ class AgentSamples:
         self.endpoint = Endpoint(renderer, agent_tool_parser(settings.get("parser", "auto"), renderer),
                                  settings["served_name"],
                                  model_config.max_model_len, self._submit_call, settings["host"],
-                                 settings["port"])  # fmt: skip
+                                 settings["port"] + engine_index if settings["port"] else 0)  # fmt: skip
         base_url = self.endpoint.start()
-        say(f"[agent] {settings['spec']} talks to {base_url} (model {settings['served_name']!r}), at most "
+        on_engine = f" (engine {engine_index}'s rollouts)" if engine_index else ""
+        say(f"[agent] {settings['spec']} talks to {base_url}{on_engine} (model {settings['served_name']!r}), at most "
             f"{settings['concurrency']} rollouts at once")  # fmt: skip
         self.runner = AgentRunner(self.endpoint, base_url, settings["concurrency"],
                                   lambda rollout: self.inbox.put(("end", rollout)))  # fmt: skip
@@ -94,7 +97,7 @@ class AgentSamples:
         self.samples: dict[tuple, list] = {}  # (batch id, rollout index) -> its samples
         self.calls: dict[int, EngineCall] = {}  # id(sample) -> the call its running request answers
         self.seeds: dict[object, int | None] = {}  # each batch's sampling seed
-        self.metrics: dict[object, dict[str, float]] = {}  # by batch id, when complete
+        self.records: dict[object, dict] = {}  # by batch id, when complete: its rollouts' summaries (`record_of`)
         self.errors_noted = 0
         self.waited_s = 0.0  # the engine's time with nothing to decode, waiting for agents' calls (since last read)
 
@@ -266,42 +269,64 @@ class AgentSamples:
                 completion.agent = {"reward": reward, "rollout": rollout.index, "split": split}
                 completions.append(completion)
         # The engine's wait for agents while this batch ran (with other batches in the engine: theirs too).
-        self.metrics[batch_id] = {**batch_metrics(rollouts, failed_rollouts), "agent/splits": float(splits),
-                                  "time/engine_waiting_for_agents": self.waited_s}  # fmt: skip
+        self.records[batch_id] = {"rollouts": [rollout_summary(rollout) for rollout in rollouts], "splits": splits,
+                                  "failed": failed_rollouts, "waited_s": self.waited_s}  # fmt: skip
         self.waited_s = 0.0
         return completions
 
+    def record_of(self, batch_id) -> dict | None:
+        """What this engine saw of a completed batch's rollouts (plain data: engine actors send it to the driver,
+        where `agent_metrics` merges the engines' records of one batch)."""
+        return self.records.pop(batch_id, None)
+
     def metrics_of(self, batch_id) -> dict[str, float]:
-        return self.metrics.pop(batch_id, {})
+        record = self.record_of(batch_id)
+        return {} if record is None else agent_metrics([record])
 
     def close(self) -> None:
         self.runner.close()
         self.endpoint.stop()
 
 
-def batch_metrics(rollouts: list[AgentRollout], failed_rollouts: str) -> dict[str, float]:
-    """The agent/* metrics of one batch's rollouts: rewards (of those that returned one), calls, splits, failures,
-    refused calls, and how often a call continued its conversation by the bridge (and would have by a fresh render)."""
+def rollout_summary(rollout: AgentRollout) -> dict:
+    """What the agent/* metrics read of an ended rollout."""
+    return {"state": rollout.state, "reward": rollout.reward, "calls": rollout.calls, "seconds": rollout.seconds,
+            "stats": dict(rollout.stats), "metrics": dict(rollout.metrics)}  # fmt: skip
+
+
+def agent_metrics(records: list[dict]) -> dict[str, float]:
+    """A batch's agent/* metrics from the records of the engines that ran its rollouts (`record_of`: one in-process
+    engine, or one per engine actor that ran a slice of the batch). The engine's wait for agents is the engines' mean."""
+    metrics = batch_metrics([rollout for record in records for rollout in record["rollouts"]], records[0]["failed"])
+    metrics["agent/splits"] = float(sum(record["splits"] for record in records))
+    metrics["time/engine_waiting_for_agents"] = sum(record["waited_s"] for record in records) / len(records)
+    return metrics
+
+
+def batch_metrics(rollouts: list[dict], failed_rollouts: str) -> dict[str, float]:
+    """The agent/* metrics of one batch's rollouts (`rollout_summary`): rewards (of those that returned one), calls,
+    failures, refused calls, and how often a call continued its conversation by the bridge (and would have by a fresh
+    render)."""
     count = max(1, len(rollouts))
-    done = [rollout for rollout in rollouts if rollout.state == "done"]
-    continued = sum(max(0, rollout.stats["chat_calls"] - 1) for rollout in rollouts)
+    done = [rollout for rollout in rollouts if rollout["state"] == "done"]
+    continued = sum(max(0, rollout["stats"]["chat_calls"] - 1) for rollout in rollouts)
     user_metrics: dict[str, list[float]] = {}
     for rollout in done:
-        for key, value in rollout.metrics.items():
+        for key, value in rollout["metrics"].items():
             user_metrics.setdefault(key, []).append(value)
     metrics = {
-        "agent/reward": sum(rollout.reward for rollout in done) / max(1, len(done)),
-        "agent/calls_per_rollout": sum(rollout.calls for rollout in rollouts) / count,
-        "agent/errors": float(sum(rollout.state == "failed" for rollout in rollouts)),
-        "agent/timeouts": float(sum(rollout.state == "timeout" for rollout in rollouts)),
+        "agent/reward": sum(rollout["reward"] for rollout in done) / max(1, len(done)),
+        "agent/calls_per_rollout": sum(rollout["calls"] for rollout in rollouts) / count,
+        "agent/errors": float(sum(rollout["state"] == "failed" for rollout in rollouts)),
+        "agent/timeouts": float(sum(rollout["state"] == "timeout" for rollout in rollouts)),
         "agent/dropped": float(0 if failed_rollouts == "zero" else len(rollouts) - len(done)),
-        "agent/refused_calls": float(sum(rollout.stats["refused"] for rollout in rollouts)),
-        "agent/no_calls": float(sum(rollout.calls == 0 for rollout in rollouts)),
-        "time/agent_rollout": sum(rollout.seconds for rollout in rollouts) / count,
+        "agent/refused_calls": float(sum(rollout["stats"]["refused"] for rollout in rollouts)),
+        "agent/no_calls": float(sum(rollout["calls"] == 0 for rollout in rollouts)),
+        "time/agent_rollout": sum(rollout["seconds"] for rollout in rollouts) / count,
     }
     if continued:
-        metrics["agent/bridged_frac"] = sum(rollout.stats["bridged"] for rollout in rollouts) / continued
-        metrics["agent/retokenized_extends_frac"] = (sum(rollout.stats["retokenized_extends"] for rollout in rollouts)
+        metrics["agent/bridged_frac"] = sum(rollout["stats"]["bridged"] for rollout in rollouts) / continued
+        metrics["agent/retokenized_extends_frac"] = (sum(rollout["stats"]["retokenized_extends"] for rollout in rollouts)
                                                      / continued)  # fmt: skip
     for key, values in user_metrics.items():
         metrics[f"agent/{key}"] = sum(values) / len(values)

@@ -40,6 +40,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from open_instruct.generation import vllm_engine, weight_transfer
+from open_instruct.generation.agent_batches import agent_metrics
 from open_instruct.generation.engine_batches import EngineBatches
 from open_instruct.generation.seams import BroadcastsWeights, Engine
 from open_instruct.generation.weight_broadcast import run_beside
@@ -83,7 +84,7 @@ class EngineActor:
         # The policy's snapshot folder as the driver resolved it; a node without it fetches the same commit.
         config = dataclasses.replace(config, model_path=folder_on_this_node(config.model_path))
         self.llm = vllm_engine.create_engine(config)
-        self.batches = EngineBatches(self.llm)
+        self.batches = EngineBatches(self.llm, engine_index=index)  # with an agent: this engine's own endpoint
         self.transfer: WeightTransfer | None = None
         self.received: tuple[list[dict], float] | None = None  # ipc: the transfer learner rank 0 drove, not yet claimed
 
@@ -104,7 +105,9 @@ class EngineActor:
     def run_until_complete(self, batch_id) -> dict:
         start = time.time()
         completions = self.batches.run_until_complete(batch_id)
-        return {"completions": completions, "policy_version": self.policy_version, "seconds": time.time() - start}
+        agents = self.batches.agents  # an agent batch: what its rollouts did here, for the batch's agent/* metrics
+        return {"completions": completions, "policy_version": self.policy_version, "seconds": time.time() - start,
+                "agent_record": None if agents is None else agents.record_of(batch_id)}  # fmt: skip
 
     def partial_batches(self) -> list[dict]:
         return self.batches.partial_batches()
@@ -264,6 +267,7 @@ class EngineGroup:
         self.restart_seconds: list[float] = []  # restarts completed since the last `restart_metrics()`
         self.admitted: dict = {}  # batch id -> how its prompts were cut over the engines, and which engine runs each
         self.private_batch_ids = itertools.count()
+        self.agent_records: dict = {}  # batch id -> its engines' agent records, until `batch_metrics` takes them
 
     def _create_actor(self, index: int):
         engine_config, options = self.specs[index]
@@ -351,6 +355,8 @@ class EngineGroup:
                 log.info(f"[vllm] {death}; its {count} prompt(s) are generated again on {took_over} with its seed; "
                          f"{self._replacement_line(dead)}")  # fmt: skip
         del self.admitted[batch_id]
+        if records := [result["agent_record"] for result in results if result.get("agent_record")]:
+            self.agent_records[batch_id] = records
         completions = []
         for i, part, result in zip(range(len(slices)), slices, results):
             if result["policy_version"] != self.policy_version:
@@ -395,7 +401,12 @@ class EngineGroup:
             slices = [slice(0, 0)] * len(self.actors)
             start = 0
             for i, partial in enumerate(batch["engines"]):
-                prompts = 0 if partial is None else 1 + max((s["prompt_index"] for s in partial["samples"]), default=-1)
+                if partial is None:
+                    prompts = 0
+                elif "agent_rollouts" in partial:  # an agent batch's slice: its rows, one per prompt
+                    prompts = len(partial["rows"])
+                else:
+                    prompts = 1 + max((s["prompt_index"] for s in partial["samples"]), default=-1)
                 slices[i] = slice(start, start + prompts)
                 start += prompts
             self.admitted[batch["batch_id"]] = {"slices": slices, "runs_on": list(range(len(self.actors)))}
@@ -463,7 +474,9 @@ class EngineGroup:
         return results
 
     def batch_metrics(self, batch_id) -> dict[str, float]:
-        return {}  # agent batches run in the in-process engine only
+        """An agent batch's agent/* metrics, from what each engine that ran a slice of it recorded."""
+        records = self.agent_records.pop(batch_id, [])
+        return agent_metrics(records) if records else {}
 
     def restart_metrics(self) -> dict[str, float]:
         """For the learner's metrics: the restarts so far, and the seconds of one completed since the last call."""

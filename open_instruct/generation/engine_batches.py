@@ -99,8 +99,9 @@ class EngineBatches:
     """The batches one engine holds (`llm`: a vLLM `LLM` whose engine core runs in this process) and the policy version
     of its weights."""
 
-    def __init__(self, llm, policy_version: int = 0):
-        self.llm = llm
+    def __init__(self, llm, policy_version: int = 0, engine_index: int = 0):
+        """`engine_index`: the engine actor's index (--vllm_num_engines; its agent endpoint's port is --agent_port + it)."""
+        self.llm, self.engine_index = llm, engine_index
         self.policy_version = policy_version
         self.batches: dict[int, list[Sample]] = {}  # admitted, not yet complete: their samples in prompt order
         self.params: dict[int, dict] = {}  # each batch's sampling settings (vllm_engine.sampling_params arguments)
@@ -145,7 +146,7 @@ class EngineBatches:
         if self.agents is None:
             from open_instruct.generation.agent_batches import AgentSamples
 
-            self.agents = AgentSamples(self, params["agent"])
+            self.agents = AgentSamples(self, params["agent"], self.engine_index)
         return self.agents
 
     def _add(self, batch_id: int, samples: list[Sample], params: dict) -> None:

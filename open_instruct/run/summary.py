@@ -19,10 +19,12 @@ def summarize(metrics_path: str) -> dict:
     sampled = [r["objective/verifiable_correct_rate"] for r in records if r.get("objective/verifiable_correct_rate") is not None]
     summary = {}
     for key in ("eval/correct_rate", "eval/sampled_correct_rate"):
-        values = [r[key] for r in records if r.get(key) is not None]
-        if values:
-            name = key.removeprefix("eval/")
-            summary[f"eval_{name}_start"], summary[f"eval_{name}_end"] = values[0], values[-1]
+        evals = [(r.get("eval/policy_version"), r[key]) for r in records if r.get(key) is not None]
+        name = key.removeprefix("eval/")
+        if evals and evals[0][0] in (0, None):  # "start": an eval of the weights before training (--num_evals 0 has none)
+            summary[f"eval_{name}_start"] = evals[0][1]
+        if evals and evals[-1][0] != 0:
+            summary[f"eval_{name}_end"] = evals[-1][1]
     if sampled:
         window = min(3, len(sampled))
         summary["sampled_correct_rate_start"] = sum(sampled[:window]) / window

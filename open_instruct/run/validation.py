@@ -323,12 +323,15 @@ def validate_agent_flags(args: Args) -> None:
                                               ("agent_port", gen.agent_port, NON_NEGATIVE_INT)]:  # fmt: skip
         if not is_valid(value):
             raise ConfigError(f"--{flag} {value!r} is not valid; expected {expected}.")
-    # The agent brings its own tools and reward; the engine's agent batches live in the in-process engine.
+    last_port = gen.agent_port + max(0, args.dist.vllm_num_engines - 1)  # engine actor i serves on --agent_port + i
+    if gen.agent_port and last_port > 65535:
+        raise ConfigError(f"--agent_port {gen.agent_port}: with {args.dist.vllm_num_engines} engines the endpoints "
+                          f"would need ports up to {last_port}; pass a port of at most "
+                          f"{65536 - args.dist.vllm_num_engines}, or 0 (free ports).")  # fmt: skip
+    # The agent brings its own tools and reward.
     refused = [("--tools", bool(gen.tools), "the agent runs its own tools: drop --tools"),
                ("--reward_model_path", bool(args.model.reward_model_path), "the agent returns the reward: drop it"),
-               ("--filter_zero_std_groups", args.ppo.filter_zero_std_groups, "not yet with agents: drop it"),
-               ("--vllm_num_engines", args.dist.vllm_num_engines > 0, "agent calls are served by the in-process "
-                "engine: drop --vllm_num_engines (Ray learners are fine)")]  # fmt: skip
+               ("--filter_zero_std_groups", args.ppo.filter_zero_std_groups, "not yet with agents: drop it")]  # fmt: skip
     for flag, is_set, why in refused:
         if is_set:
             raise ConfigError(f"{flag} with --rollout_agent: {why}.")

@@ -2,6 +2,7 @@
 written only against the `openai` package, as a user's agent is."""
 
 import asyncio
+import os
 import time
 
 
@@ -97,6 +98,16 @@ def probes_the_limits(row, client):
     except openai.RateLimitError:
         outcomes.append(429)
     return 1.0 if sorted(map(str, outcomes)) == ["409", "429", "ok"] else 0.0
+
+
+def reports_its_process(row, client):
+    """Two calls of one conversation; reward: the id of the process the agent ran in (tests/test_engine_actors.py:
+    each rollout runs beside the engine actor that admitted it, and its calls are that engine's)."""
+    messages = list(row["messages"])
+    for _ in range(2):
+        answer = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        messages += [answer.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+    return {"reward": float(os.getpid()), "endpoint_port": float(client.base_url.port)}
 
 
 def not_an_agent(row):

@@ -6,6 +6,7 @@
 #
 #   bash scripts/train/debug/ppo_multinode_local.sh
 #   bash scripts/train/debug/ppo_multinode_local.sh --vllm_num_engines 0 --model_name_or_path tiny
+#   CONFIG=configs/train_configs/grpo_agent_cpu.yaml bash scripts/train/debug/ppo_multinode_local.sh   # another recipe
 #
 # The two nodes are two `ray start` processes on 127.0.0.1 (CPUS_PER_NODE logical CPUs each, default 2;
 # HEAD_PORT, default 6379), with their own session folder under /tmp and a fresh auth token. Everything runs in
@@ -81,7 +82,7 @@ env "${node_env[@]}" NODE_ROLE=worker HEAD_ADDRESS=127.0.0.1 \
 wait_for_nodes "127.0.0.1:$port" 2 120
 say "two-node Ray cluster up in $((SECONDS - started))s"
 
-config=configs/train_configs/ppo_arithmetic_cpu.yaml
+config="${CONFIG:-configs/train_configs/ppo_arithmetic_cpu.yaml}"
 trainer_flags=(--ray_address "127.0.0.1:$port" --num_learners_per_node 1 1 --deepspeed_stage 3 --vllm_num_engines 2
                --per_device_train_batch_size 4 --total_episodes 96 --num_evals 0
                --exp_name ppo_multinode_local --output_dir output/ppo_multinode_local)
