@@ -102,6 +102,19 @@ def test_an_async_agent_returns_a_reward_and_metrics(batches, tokenizer):
 
 
 @pytest.mark.e2e
+def test_an_agent_that_reads_streams_gets_the_whole_answer_in_chunks(batches, tokenizer):
+    """stream=true (chat and completions): the answer arrives as server-sent chunks the `openai` client reads, with
+    the usage when asked; what the agent reads is what was sampled. Each rollout leaves two samples (the token-in call
+    does not extend the chat)."""
+    completions, metrics = run_agent(batches, tokenizer, "streams")
+    chats = [c for c in completions if c.agent["split"] == 0]
+    assert len(chats) == 4 and len(completions) == 8 and metrics["agent/splits"] == 4
+    assert metrics["agent/reward"] == 1.0 and metrics["agent/ids_streamed"] == 1.0
+    assert metrics["agent/chars"] == sum(len(c.text) for c in chats) / 4
+    assert metrics["agent/completion_tokens"] == sum(len(c.token_ids) for c in chats) / 4
+
+
+@pytest.mark.e2e
 def test_a_three_call_agent_is_one_sample_whose_only_trainable_tokens_are_the_models(batches, tokenizer):
     """Each call's prompt extends the last call's prompt + answer (the bridge): one sample per rollout, the turns
     between the answers appended as not sampled; a user turn that prints "<|im_end|>" is plain text, not a turn end."""

@@ -347,3 +347,19 @@ def test_the_ppo_trainer_refuses_to_resume_a_grpo_checkpoint(
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert "with other settings: --algorithm 'ppo' (checkpoint: 'grpo')" in err, err
+
+
+def test_an_agent_rollouts_split_samples_share_one_run_of_their_group():
+    """The shares GRPO's group mean and std weigh each response by: 1/k for the k samples of an agent rollout that
+    split, none at all where every run left one sample (dataset prompts, or agents that never split)."""
+    from open_instruct.generation.vllm_engine import Completion
+    from open_instruct.learner.grpo import run_shares
+
+    def sample(prompt: int, rollout: int | None) -> Completion:
+        agent = None if rollout is None else {"reward": 1.0, "rollout": rollout, "split": 0}
+        return Completion(prompt, [1], "", "stop", agent=agent)
+
+    assert run_shares([sample(0, None), sample(0, None)]) is None
+    assert run_shares([sample(0, 0), sample(0, 1), sample(1, 2), sample(1, 3)]) is None
+    split = [sample(0, 0), sample(0, 0), sample(0, 1), sample(1, 0), sample(1, 2), sample(1, 2), sample(1, 2)]
+    torch.testing.assert_close(run_shares(split), torch.tensor([0.5, 0.5, 1.0, 1.0, 1 / 3, 1 / 3, 1 / 3]))

@@ -370,6 +370,23 @@ def test_group_advantages_each_group_sums_to_zero_and_is_invariant_to_a_shift():
         torch.testing.assert_close(shifted, advantage, atol=1e-5, rtol=0)
 
 
+def test_group_advantages_count_an_agent_rollout_that_split_once_in_its_groups_mean_and_std():
+    """Runs scoring 1, 0, 0 where the first run split into three samples (one reward): its samples share one run, so
+    the group is the three runs (mean 1/3), not five samples (mean 3/5), and each split sample gets the run's
+    advantage."""
+    score, group = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 0, 0, 0])
+    share = torch.tensor([1 / 3, 1 / 3, 1 / 3, 1.0, 1.0])
+    for std_normalize in (True, False):
+        runs, runs_std = rl.group_advantages(torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0, 0, 0]), std_normalize)
+        split, split_std = rl.group_advantages(score, group, std_normalize, run_share=share)
+        torch.testing.assert_close(split, runs[[0, 0, 0, 1, 2]])
+        torch.testing.assert_close(split_std, runs_std)
+    unweighted, _ = rl.group_advantages(score, group, std_normalize=False)
+    assert unweighted[0].item() == pytest.approx(0.4), "without shares a split run outweighs the others (mean 3/5)"
+    with pytest.raises(ValueError, match="single response"):  # two samples of one run: nothing to compare with
+        rl.group_advantages(torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), run_share=torch.tensor([0.5, 0.5]))
+
+
 def test_group_advantages_reject_a_group_of_one():
     with pytest.raises(ValueError, match=r"group\(s\) \[4\] with a single response.*--number_samples_per_prompt >= 2"):
         rl.group_advantages(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([2, 2, 4]))

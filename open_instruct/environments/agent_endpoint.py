@@ -236,7 +236,7 @@ class Endpoint:
 
     def app(self):
         from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, StreamingResponse
 
         app = FastAPI(title="open_instruct agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -258,7 +258,12 @@ class Endpoint:
             try:
                 rollout = self.rollout_of(request.headers.get("authorization", ""))
                 body = await request.json()
-                return JSONResponse(await handler(rollout, body))
+                response = await handler(rollout, body)
+                if body.get("stream"):
+                    chunks = stream_chunks(response, bool((body.get("stream_options") or {}).get("include_usage")))
+                    events = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
+                    return StreamingResponse(iter(events), media_type="text/event-stream")
+                return JSONResponse(response)
             except (Refused, ValueError) as refused:  # pydantic's ValidationError is a ValueError: the request's own
                 if rollout is not None:  # counted in its rollout's agent/refused_calls (the engine's 429 comes here too)
                     rollout.stats["refused"] += 1
@@ -384,8 +389,6 @@ class Endpoint:
         return [stop] if isinstance(stop, str) else list(stop or [])
 
     def check_request(self, request) -> None:
-        if request.stream:
-            raise Refused(400, "stream=true is not served: call without streaming (the answer comes whole)")
         if (request.n or 1) != 1:
             raise Refused(400, "n must be 1: each sample of a prompt is its own agent run (--num_samples_per_prompt_rollout)")
 
@@ -420,3 +423,41 @@ class Endpoint:
         extracted = self.parsers[key].extract(text)
         return None if isinstance(extracted, Exception) else extracted
 
+
+def stream_chunks(response: dict, include_usage: bool) -> list[dict]:
+    """A whole answer (`Endpoint.chat_completion`'s or `completion`'s) as the chunks of a stream (`stream=true`), in
+    vLLM's stream models: the answer in one delta (content, tool calls, token ids, logprobs), then its finish reason,
+    then the usage when `stream_options.include_usage` asks. The call is answered when the engine has sampled it, so
+    nothing is gained by sending it token by token; the stream is for agents written to read one."""
+    choice, head = response["choices"][0], {"id": response["id"], "created": response["created"],
+                                            "model": response["model"]}  # fmt: skip
+    if response["object"] == "chat.completion":
+        from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionResponseStreamChoice as Choice,
+        )
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse as Chunk
+
+        message = choice["message"]
+        calls = [DeltaToolCall(index=i, id=call["id"], type="function",
+                               function=DeltaFunctionCall(name=call["function"]["name"],
+                                                          arguments=call["function"]["arguments"]))
+                 for i, call in enumerate(message.get("tool_calls") or [])]  # fmt: skip
+        delta = DeltaMessage(role="assistant", content=message.get("content"), tool_calls=calls)
+        chunks = [Chunk(**head, choices=[Choice(index=0, delta=delta, logprobs=choice.get("logprobs"),
+                                                token_ids=choice.get("token_ids"))],
+                        prompt_token_ids=response.get("prompt_token_ids")),
+                  Chunk(**head, choices=[Choice(index=0, delta=DeltaMessage(), finish_reason=choice["finish_reason"],
+                                                stop_reason=choice.get("stop_reason"))])]  # fmt: skip
+    else:
+        from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice as Choice
+        from vllm.entrypoints.openai.completion.protocol import CompletionStreamResponse as Chunk
+
+        chunks = [Chunk(**head, choices=[Choice(index=0, text=choice["text"], logprobs=choice.get("logprobs"),
+                                                token_ids=choice.get("token_ids"),
+                                                prompt_token_ids=choice.get("prompt_token_ids"))]),
+                  Chunk(**head, choices=[Choice(index=0, text="", finish_reason=choice["finish_reason"],
+                                                stop_reason=choice.get("stop_reason"))])]  # fmt: skip
+    if include_usage:
+        chunks.append(Chunk(**head, choices=[], usage=response["usage"]))
+    return [chunk.model_dump(exclude_none=True) for chunk in chunks]

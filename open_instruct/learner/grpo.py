@@ -29,10 +29,26 @@ class GRPOLearner(PPOLearner):
         real tokens; sets exp.advantage. `reward` (per token, for GAE) is not used: with the KL in the loss it only
         holds the score."""
         group = torch.tensor([c.prompt_index for c in completions], device=score.device)
-        advantage, group_std = rl.group_advantages(score, group, self.args.ppo.grpo_std_normalize)  # [batch]
+        share = run_shares(completions)
+        advantage, group_std = rl.group_advantages(score, group, self.args.ppo.grpo_std_normalize,
+                                                   run_share=None if share is None else share.to(score.device))  # fmt: skip
         exp.advantage = torch.where(exp.response_mask, advantage.unsqueeze(1), 0.0)  # [batch, response_len]
         return {
             # Groups whose responses all scored the same: their advantage is 0, so they teach nothing this step.
             "grpo/zero_std_groups_frac": (group_std == 0).float().mean().item(),
             "grpo/group_score_std_mean": group_std.mean().item(),
         }
+
+
+def run_shares(completions: list[Completion]) -> torch.Tensor | None:
+    """[batch]: each response's share of its run, 1/k for each of the k samples an agent rollout split into (they
+    share its reward); None where every run is one response (dataset prompts, agents that never split)."""
+    if all(c.agent is None for c in completions):
+        return None
+    samples_of: dict[tuple[int, int], int] = {}
+    for c in completions:
+        run = (c.prompt_index, c.agent["rollout"])
+        samples_of[run] = samples_of.get(run, 0) + 1
+    if all(count == 1 for count in samples_of.values()):
+        return None
+    return torch.tensor([1.0 / samples_of[(c.prompt_index, c.agent["rollout"])] for c in completions])

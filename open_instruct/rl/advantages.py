@@ -115,8 +115,9 @@ def compute_gae(
 
 
 def group_advantages(
-    score: torch.Tensor, group: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6
-) -> tuple[torch.Tensor, torch.Tensor]:
+    score: torch.Tensor, group: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6,
+    run_share: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """GRPO's advantage of each response: its score against the other responses to the same prompt.
 
     score: [batch] sequence scores; group: [batch] integer ids, equal for responses to the same prompt (they
@@ -125,9 +126,15 @@ def group_advantages(
     std_normalize=False only the mean is subtracted (Dr. GRPO: dividing by the std weighs up prompts whose
     answers are nearly all right or all wrong). A group whose scores are all equal gets advantage exactly 0
     (found by comparing its scores, not from a std that rounding may leave at 1e-9): it carries no signal.
+    run_share: [batch], each response's share of one run of its prompt (None: 1 each). An agent rollout that split into
+    k samples (one reward) gives each 1/k, so the group's mean and std are over its runs, not its samples: a run
+    weighs the same however many samples it left.
     Returns (advantage [batch], group_std [num_groups], 0 for an all-equal group, in the order of the sorted ids).
     """
-    ids, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
+    ids, inverse = torch.unique(group, return_inverse=True)
+    share = torch.ones_like(score, dtype=torch.float32) if run_share is None else run_share.float()
+    # Runs per group (a whole number: each run's shares sum to 1).
+    counts = torch.zeros(len(ids), dtype=torch.float32, device=score.device).index_add(0, inverse, share).round()
     if bool((counts < 2).any()):
         lone = ids[counts < 2].tolist()
         raise ValueError(
@@ -136,9 +143,9 @@ def group_advantages(
         )
     score = score.float()
     zeros = torch.zeros(len(ids), dtype=score.dtype, device=score.device)
-    mean = zeros.index_add(0, inverse, score) / counts
+    mean = zeros.index_add(0, inverse, score * share) / counts
     centered = score - mean[inverse]  # [batch]
-    std = (zeros.index_add(0, inverse, centered.pow(2)) / (counts - 1)).sqrt()  # [num_groups]
+    std = (zeros.index_add(0, inverse, centered.pow(2) * share) / (counts - 1)).sqrt()  # [num_groups]
     highest = zeros.scatter_reduce(0, inverse, score, "amax", include_self=False)
     lowest = zeros.scatter_reduce(0, inverse, score, "amin", include_self=False)
     all_equal = highest == lowest  # [num_groups]

@@ -110,5 +110,24 @@ def reports_its_process(row, client):
     return {"reward": float(os.getpid()), "endpoint_port": float(client.base_url.port)}
 
 
+def streams(row, client):
+    """A chat call and a token-in completion call read as streams (as agents written for streaming read them).
+    Metrics: the streamed chat answer's characters and usage, and whether the completion's stream carried its ids."""
+    chat = client.chat.completions.create(model="policy", messages=row["messages"], max_tokens=8, stream=True,
+                                          stream_options={"include_usage": True})  # fmt: skip
+    content, finish, usage = [], None, None
+    for chunk in chat:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            content.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    text = client.completions.create(model="policy", prompt=[1, 2, 3], max_tokens=4, stream=True)
+    pieces = [choice for chunk in text for choice in chunk.choices]
+    ids = [token for piece in pieces for token in (getattr(piece, "token_ids", None) or [])]
+    return {"reward": 1.0 if finish in ("stop", "length") else 0.0, "chars": float(len("".join(content))),
+            "completion_tokens": float(usage.completion_tokens), "ids_streamed": float(len(ids) >= 1)}
+
+
 def not_an_agent(row):
     return 0.0
