@@ -47,7 +47,7 @@ from open_instruct.environments.tool_parsers import TAGS
 from open_instruct.generation.engine_batches import generate_batch
 from open_instruct.generation.evaluation import tool_call_rate, tool_use, verifiable_correct_rate
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine, generate, sampling_params
-from open_instruct.rl.rewards import RewardConfig, RewardManager
+from open_instruct.rewards.manager import RewardConfig, RewardManager
 from open_instruct.run import console
 from open_instruct.run.args import ConfigError, GenerationArgs, tool_settings
 from open_instruct.run.command_line import debug_requested, exit_for_config_error

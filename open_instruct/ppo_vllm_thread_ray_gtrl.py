@@ -49,8 +49,8 @@ from open_instruct.generation.vllm_engine import EngineConfig
 from open_instruct.learner.algorithms import learner_class
 from open_instruct.learner.experience import check_engine_matches_learner
 from open_instruct.learner.seams import Learner
-from open_instruct.rl.reward_failures import RewardFailures
-from open_instruct.rl.rewards import RewardManager
+from open_instruct.rewards.failures import RewardFailures
+from open_instruct.rewards.manager import RewardManager
 from open_instruct.run import checkpoint, console, disk_space, summary
 from open_instruct.run.args import (
     Args,

@@ -188,7 +188,7 @@ def bf16_step(options) -> Row:
     from open_instruct.data.embedded import resolve_model_path
     from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
     from open_instruct.learner.ppo import PPOLearner
-    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.rewards.manager import RewardManager
     from open_instruct.run.args import compute_batch_sizes, parse_args
 
     path = resolve_model_path(options.model)
@@ -469,7 +469,7 @@ def memory_plan(options) -> Row:
     from open_instruct.data.embedded import resolve_model_path
     from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
     from open_instruct.learner.ppo import PPOLearner
-    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.rewards.manager import RewardManager
     from open_instruct.run.args import compute_batch_sizes
 
     path = resolve_model_path(options.model)

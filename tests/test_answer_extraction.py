@@ -1,4 +1,4 @@
-"""Tests for open_instruct.rl.answer_extraction: how the verifiers read a model's final answer (issue 33, part 3).
+"""Tests for open_instruct.rewards.answer_extraction: how the verifiers read a model's final answer (issue 33, part 3).
 
 Each extraction mistake the issue lists has its own test, then a hand-labelled set of model-style responses checks
 the verifiers' verdicts end to end (the expected verdict is the one a careful grader gives).
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from open_instruct.rl import verifiers
-from open_instruct.rl.answer_extraction import (
+from open_instruct.rewards import verifiers
+from open_instruct.rewards.answer_extraction import (
     extract_final_answer,
     extract_math_answer,
     last_boxed_content,

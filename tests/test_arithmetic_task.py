@@ -51,8 +51,8 @@ def test_tool_task_splits_are_disjoint_four_digit_and_its_worked_example_is_what
     both splits, and a worked example whose call, output and wrapper are byte for byte what the calculator and the
     default --tool_output_wrapper give: a prompt that taught another format would teach the model a wrong protocol."""
     from open_instruct.data import arithmetic_task
-    from open_instruct.rl.tools import DEFAULT_OUTPUT_WRAPPER, Calculator, ToolEnvironment
-    from open_instruct.rl.verifiers import arithmetic
+    from open_instruct.environments.tools import DEFAULT_OUTPUT_WRAPPER, Calculator, ToolEnvironment
+    from open_instruct.rewards.verifiers import arithmetic
 
     rows = arithmetic_task.make_tool_arithmetic_rows(seed=0)
     assert (len(rows["train"]), len(rows["test"])) == (1024, 64)

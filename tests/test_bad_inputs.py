@@ -355,7 +355,7 @@ def setup_reward_file(tmp: Path, out: Path) -> None:
 
 def setup_tool_file(tmp: Path, out: Path) -> None:
     (tmp / "tools.py").write_text(
-        "from open_instruct.rl import tools\n\n\n"
+        "from open_instruct.environments import tools\n\n\n"
         "class NeedsKey(tools.Tool):\n    name, start, end = 'k', '<k>', '</k>'\n\n"
         "    def __init__(self):\n        raise RuntimeError('set MY_KEY')\n\n\n"
         "class EnvNeedsKey(tools.Environment):\n    end_strings = ('</k>',)\n\n"

@@ -10,9 +10,9 @@ import pytest
 
 from open_instruct.data.prompt_dataset import load_prompt_dataset
 from open_instruct.data.sources import normalise_row
-from open_instruct.rl.code_tests import CodeVerifier, extract_program, normalise_output, parse_tests
-from open_instruct.rl.rewards import RewardConfig, RewardManager
-from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, resolve_verifier_name
+from open_instruct.rewards.code_tests import CodeVerifier, extract_program, normalise_output, parse_tests
+from open_instruct.rewards.manager import RewardConfig, RewardManager
+from open_instruct.rewards.verifiers import GROUND_TRUTH_CHECKS, resolve_verifier_name
 from open_instruct.sandbox import ISOLATED, Limits, Sandbox, isolation_problem
 
 PROBLEM = isolation_problem()

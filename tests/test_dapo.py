@@ -13,7 +13,7 @@ from open_instruct.data.batches import PromptBatch
 from open_instruct.generation.generation_thread import Rollout
 from open_instruct.generation.step_batch import GroupFilter, Scored, join_groups, join_rollouts, split_groups
 from open_instruct.generation.vllm_engine import Completion
-from open_instruct.rl.rewards import PrecomputedScores, RewardConfig, RewardManager, overlong_penalty
+from open_instruct.rewards.manager import PrecomputedScores, RewardConfig, RewardManager, overlong_penalty
 from open_instruct.run.tracking import read_metrics
 from tests.support.trainer_runs import run_to_completion
 

@@ -300,8 +300,8 @@ CODE_ROWS = [
 
 
 def test_code_problems_to_verl_schema_and_back_through_the_loader(tmp_path):
-    from open_instruct.rl.code_tests import parse_tests
-    from open_instruct.rl.verifiers import resolve_verifier_name
+    from open_instruct.rewards.code_tests import parse_tests
+    from open_instruct.rewards.verifiers import resolve_verifier_name
     from scripts.data_preprocess import code_verl
 
     write_jsonl(tmp_path / "code.jsonl", CODE_ROWS)

@@ -69,7 +69,7 @@ def test_zero3_ranks_hold_their_shares_and_together_the_single_process_models(ti
 def bf16_step_and_save(rank: int, port: int, results, model_dir: str, stage: int, output_dir: str) -> None:
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.rewards.manager import RewardManager
 
     learner, tokenizer = learner_on_rank(rank, port, model_dir, stage, "--deepspeed_weights_dtype", "bfloat16")
     prompts, completions = fixed_rollout(tokenizer)
@@ -115,7 +115,7 @@ def test_bf16_ranks_save_their_fp32_masters_and_sum_gradients_in_fp32(stage, tin
 
 
 def trace_after_steps(rank: int, port: int, results, model_dir: str) -> None:
-    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.rewards.manager import RewardManager
 
     # Chunks of 7 positions: the policy's backward projects each chunk again (activation checkpointing) under ZeRO-3.
     learner, tokenizer = learner_on_rank(rank, port, model_dir, 3, "--beta", "0.05", "--num_epochs", "1",
@@ -195,7 +195,7 @@ LORA_STEP_FLAGS = ["--lora_rank", "80", "--lora_alpha", "160", "--learning_rate"
 def lora_step_save_and_resume(rank: int, port: int, results, model_dir: str, stage: int, workdir: str) -> None:
     import os
 
-    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.rewards.manager import RewardManager
 
     learner, tokenizer = learner_on_rank(rank, port, model_dir, stage, *LORA_STEP_FLAGS)
     rollout, reward = fixed_rollout(tokenizer), RewardManager(learner.args.reward)
@@ -232,7 +232,7 @@ def single_process_lora_step(tiny_model_dir):
     """The reference: the single-process LoRA learner's first step on the fixed rollout, and its merged weights."""
     from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
     from open_instruct.learner.ppo import PPOLearner
-    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.rewards.manager import RewardManager
     from open_instruct.run.args import compute_batch_sizes, parse_args
 
     args = parse_args(["--model_name_or_path", tiny_model_dir, *EQUIVALENCE_FLAGS, *LORA_STEP_FLAGS])

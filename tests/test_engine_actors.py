@@ -36,7 +36,7 @@ from open_instruct.generation import weight_broadcast
 from open_instruct.generation.engine_actors import split_evenly
 from open_instruct.generation.generation_thread import GenerationSettings
 from open_instruct.generation.vllm_engine import EngineConfig
-from open_instruct.rl.rewards import RewardManager
+from open_instruct.rewards.manager import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
 from tests.support.forked_runs import start_run
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step

@@ -7,7 +7,7 @@ lengths:
   the same engine, now holding only the new weights): the behaviour logprobs are exact token by token;
 - a snapshot of the batches in flight, restored into a fresh engine, continues bit for bit as the engine it was taken
   from does (exact resume with --inflight_updates);
-- with tools (rl/tools.py): a call whose end string arrives over two decode steps is answered token in, token out;
+- with tools (environments/tools.py): a call whose end string arrives over two decode steps is answered token in, token out;
   bad tools, a model calling forever, an in-flight update across a call, and a snapshot holding tool outputs;
 - a stop string split across an in-flight update (found in Python, on the accumulated text) ends the response there.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from open_instruct.rl import tools
+from open_instruct.environments import tools
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_prompt_logprobs import prompt_logprobs  # noqa: E402
@@ -158,7 +158,7 @@ def test_tokens_carry_their_version_across_an_in_flight_update_and_their_logprob
         load(llm, EngineBatches(llm), initial_weights, version=0)
 
 
-# ---------------------------------------------------------------- tools (rl/tools.py): token in, token out
+# ---------------------------------------------------------------- tools (environments/tools.py): token in, token out
 
 
 def tool_params(names: list[str], temperature: float = 0.0, n: int = 1, max_tokens: int = 24, **tool_flags) -> dict:

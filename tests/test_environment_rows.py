@@ -16,12 +16,11 @@ import torch
 from open_instruct import rl
 from open_instruct.data.prompt_dataset import load_prompt_dataset
 from open_instruct.data.sources import extra_columns_text
-from open_instruct.environments import routing
+from open_instruct.environments import routing, tools
 from open_instruct.environments.routing import environment_rows
 from open_instruct.generation.generation_thread import Rollout, rollout_from_dict, rollout_to_dict
 from open_instruct.generation.samples import Sample
 from open_instruct.generation.vllm_engine import Completion
-from open_instruct.rl import tools
 from tests.support.tool_environments import QuietTask, TaskFromRow
 
 SUPPORT = "tests/support/tool_environments.py"

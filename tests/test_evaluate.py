@@ -35,7 +35,7 @@ def test_evaluate_reports_greedy_and_sampled_rates_per_split_for_each_model(tiny
 ANSWER_AT_EVERY_LETTER = '''
 import string
 
-from open_instruct.rl import tools
+from open_instruct.environments import tools
 
 from tests.support.trainer_runs import run_command
 

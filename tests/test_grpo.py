@@ -32,7 +32,7 @@ from open_instruct.learner import models
 from open_instruct.learner.algorithms import learner_class
 from open_instruct.learner.grpo import GRPOLearner
 from open_instruct.learner.ppo import PPOLearner
-from open_instruct.rl.rewards import RewardManager
+from open_instruct.rewards.manager import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.run.checkpoint import save_checkpoint
 from open_instruct.run.tracking import read_metrics

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from open_instruct.rl import ifeval_checks
-from open_instruct.rl.ifeval import INSTRUCTIONS, TULU_FUNCTIONS, check_ground_truth, constraint_results, ifeval
-from open_instruct.rl.rewards import RewardConfig, RewardManager
-from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, VERIFIERS, resolve_verifier_name
+from open_instruct.rewards import ifeval_checks
+from open_instruct.rewards.ifeval import INSTRUCTIONS, TULU_FUNCTIONS, check_ground_truth, constraint_results, ifeval
+from open_instruct.rewards.manager import RewardConfig, RewardManager
+from open_instruct.rewards.verifiers import GROUND_TRUTH_CHECKS, VERIFIERS, resolve_verifier_name
 
 GERMAN = "Ich habe heute einen langen Spaziergang im Park gemacht und die Sonne sehr genossen."
 ENGLISH = "I went for a long walk in the park today and enjoyed the sunshine very much."

@@ -13,12 +13,13 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "open_instruct"
 # Bottom to top; the modules directly in open_instruct/ (the entry points) are the top floor.
-FLOORS = ("sandbox", "rl", "data", "environments", "run", "generation", "learner")
+FLOORS = ("sandbox", "rl", "rewards", "data", "environments", "run", "generation", "learner")
 TOP = len(FLOORS)
 # Third-party packages a floor may not import (each floor's __init__ docstring says what it may import).
 FORBIDDEN = {
     "sandbox": {"torch", "transformers", "datasets", "vllm", "ray", "deepspeed", "wandb", "math_verify"},
-    "rl": {"transformers", "datasets", "vllm", "ray", "deepspeed", "wandb"},
+    "rl": {"transformers", "datasets", "vllm", "ray", "deepspeed", "wandb", "math_verify", "langdetect"},
+    "rewards": {"transformers", "datasets", "vllm", "ray", "deepspeed", "wandb"},
     "data": {"vllm", "ray", "deepspeed", "wandb"},
     "environments": {"ray", "deepspeed", "wandb"},
     "run": {"vllm", "deepspeed"},
@@ -104,6 +105,15 @@ def test_no_module_imports_itself_around_a_circle():
         if name not in state:
             visit(name, [name], state)
     assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_the_sandbox_is_used_through_its_exports():
+    """Other layers import `open_instruct.sandbox` (its __init__ names what they may use), never its modules: the
+    isolation's internals can change without touching the rewards or the tools."""
+    reaching_in = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {imported}"
+                   for name, path in MODULES.items() if not name.startswith("open_instruct.sandbox")
+                   for imported, line in internal_imports(path) if imported.startswith("open_instruct.sandbox.")]  # fmt: skip
+    assert not reaching_in, "\n".join(reaching_in)
 
 
 @pytest.mark.parametrize("floor", sorted(FORBIDDEN))

@@ -24,7 +24,7 @@ from open_instruct.generation.engine_batches import EngineBatches
 from open_instruct.learner import lora, models
 from open_instruct.learner.algorithms import learner_class
 from open_instruct.learner.ppo import PPOLearner
-from open_instruct.rl.rewards import RewardManager
+from open_instruct.rewards.manager import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.run.memory_plan import plan_memory
 from open_instruct.run.model_shapes import run_model_shapes

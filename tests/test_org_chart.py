@@ -8,8 +8,8 @@ import pytest
 
 from open_instruct.data.org_chart_task import QUESTIONS, make_org_chart_rows
 from open_instruct.environments.tool_parsers import ToolCall
-from open_instruct.rl.tools import OrgChart
-from open_instruct.rl.verifiers import VERIFIERS
+from open_instruct.environments.tools import OrgChart
+from open_instruct.rewards.verifiers import VERIFIERS
 from tests.support.trainer_runs import run_command
 
 IM_END = "<|im_end|>"

@@ -22,8 +22,8 @@ from open_instruct.learner import models
 from open_instruct.learner.experience import micro_batches
 from open_instruct.learner.grpo import GRPOLearner
 from open_instruct.learner.ppo import PPOLearner
+from open_instruct.rewards.manager import RewardManager
 from open_instruct.rl.packing import first_fit_decreasing, pack_rows, plan_micro_batches
-from open_instruct.rl.rewards import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, assert_same_gradients, fixed_rollout, recorded_gradients
 from tests.support.ray_runs import needs_loopback_namespace

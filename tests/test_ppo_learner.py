@@ -21,7 +21,7 @@ from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.vllm_engine import Completion
 from open_instruct.learner import models
 from open_instruct.learner.ppo import PPOLearner
-from open_instruct.rl.rewards import RewardManager
+from open_instruct.rewards.manager import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.run.flops import is_timing
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step

@@ -21,7 +21,7 @@ import pytest
 
 from open_instruct.generation.generation_thread import GenerationThread, WaitAbandoned
 from open_instruct.generation.step_batch import BatchCollector
-from open_instruct.rl.rewards import RewardConfig, RewardManager
+from open_instruct.rewards.manager import RewardConfig, RewardManager
 from open_instruct.run import summary
 from open_instruct.run.preemption import LAST_WORDS_S, WAIT_SHARE, Preempted, StopRequest
 from open_instruct.run.tracking import MetricsLogger

@@ -279,7 +279,7 @@ def learner_and_batch(tiny_model_dir):
     from open_instruct.data.tokenizer import load_tokenizer
     from open_instruct.generation.vllm_engine import Completion
     from open_instruct.learner.ppo import PPOLearner
-    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.rewards.manager import RewardManager
     from open_instruct.run.args import compute_batch_sizes, parse_args
 
     args = parse_args(["--model_name_or_path", tiny_model_dir, "--dataset_mixer_list", "unused.jsonl", "1.0",

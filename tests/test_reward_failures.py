@@ -1,6 +1,6 @@
 """One response never stops or stalls the step: a verifier or --reward_function that raises, returns something that is
 not a number in [0, 1], or hangs scores that response 0 and is counted (reward/errors/<verifier>,
-reward/timeouts/<verifier>); N failures in a row stop the run with one line (rl/reward_failures.py). The verifiers run
+reward/timeouts/<verifier>); N failures in a row stop the run with one line (rewards/failures.py). The verifiers run
 once per response, where the batch is collected, and every learner rank combines the same verdicts
 (rl.VerifiedScores): here through the real BatchCollector and a manager pickled as a Ray rank receives it.
 
@@ -18,9 +18,9 @@ import time
 import pytest
 
 from open_instruct.generation.step_batch import BatchCollector
-from open_instruct.rl import ifeval_checks
-from open_instruct.rl.reward_failures import RewardFailures
-from open_instruct.rl.rewards import RewardConfig, RewardManager, VerifiedScores
+from open_instruct.rewards import ifeval_checks
+from open_instruct.rewards.failures import RewardFailures
+from open_instruct.rewards.manager import RewardConfig, RewardManager, VerifiedScores
 from open_instruct.sandbox import isolation_problem
 from tests.support.trainer_runs import run_command
 from tests.test_async_schedule import ScriptedEngine, start_requests

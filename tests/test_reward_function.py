@@ -16,8 +16,8 @@ import textwrap
 
 import pytest
 
-from open_instruct.rl.reward_function import load_reward_function
-from open_instruct.rl.rewards import RewardConfig, RewardManager
+from open_instruct.rewards.manager import RewardConfig, RewardManager
+from open_instruct.rewards.reward_function import load_reward_function
 from open_instruct.run.args import ConfigError, parse_args
 from open_instruct.run.validation import row_checker
 from tests.support.trainer_runs import run_command

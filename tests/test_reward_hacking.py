@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from open_instruct.rl.code_tests import CodeVerifier, parse_tests
+from open_instruct.rewards.code_tests import CodeVerifier, parse_tests
 from open_instruct.sandbox import ISOLATED, Limits, Sandbox, isolation_problem
 
 PROBLEM = isolation_problem()

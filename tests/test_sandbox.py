@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from open_instruct.rl.code_tests import CodeVerifier
-from open_instruct.rl.reward_config import RewardConfig, code_limits
+from open_instruct.rewards.code_tests import CodeVerifier
+from open_instruct.rewards.config import RewardConfig, code_limits
 from open_instruct.sandbox import (
     ISOLATED,
     UNSAFE_NO_ISOLATION,

@@ -3,7 +3,7 @@
 The trainer's loop calls a learner, a generation engine and a scorer without knowing which backend runs them (one
 process or Ray learner ranks; an engine in this process or engine actors; the verifiers or scores computed before),
 and the learner runs the same code on one process or a DeepSpeed rank (its backend and trainers).
-Each seam is a `typing.Protocol` (generation/seams.py, learner/seams.py, rl/rewards.Scorer); here each implementation
+Each seam is a `typing.Protocol` (generation/seams.py, learner/seams.py, rewards/manager.Scorer); here each implementation
 is held to it member by member: a method must be a method with the same parameters (names, kinds, defaults), a
 property a property, an attribute present on the class or set in its `__init__`. `isinstance` on a runtime-checkable
 Protocol would only look at the names.
@@ -25,7 +25,7 @@ from open_instruct.learner.ppo import PPOLearner
 from open_instruct.learner.ray_group import LearnerGroup
 from open_instruct.learner.seams import EngineCheckpoints, Learner, LearnerBackend, ModelTrainer
 from open_instruct.learner.single_process import AdamWTrainer, SingleProcess
-from open_instruct.rl.rewards import PrecomputedScores, RewardManager, Scorer, VerifiedScores
+from open_instruct.rewards.manager import PrecomputedScores, RewardManager, Scorer, VerifiedScores
 from open_instruct.run.args import ALGORITHM_DEFAULTS, PPOArgs
 
 IMPLEMENTATIONS = [

@@ -14,11 +14,10 @@ from typing import Literal
 import pytest
 
 from open_instruct.data.chat_templates import CHATML_TOOLS_TEMPLATE
-from open_instruct.environments import native_tools, tool_pool
+from open_instruct.environments import native_tools, tool_pool, tools
 from open_instruct.environments.chat_turns import ToolTurns
 from open_instruct.environments.tool_parsers import VllmToolCalls, resolve_parser_name
 from open_instruct.environments.tool_schemas import check_schema, function_schema, tool_schema, validate_arguments
-from open_instruct.rl import tools
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "tool_environments.py")
@@ -166,7 +165,7 @@ def test_auto_detects_hermes_from_the_template_and_refuses_what_it_cannot_tell()
 
 def test_auto_keeps_the_tags_where_the_template_shows_no_tools(tokenizer, calculator_schema, tmp_path):
     (tmp_path / "tagged.py").write_text(
-        "from open_instruct.rl import tools\n"
+        "from open_instruct.environments import tools\n"
         "class Reverse(tools.Tool):\n"
         "    name, start, end = 'reverse', '<reverse>', '</reverse>'\n"
         "    def __call__(self, text):\n"
@@ -461,7 +460,7 @@ def test_bad_tool_call_flags_fail_fast_with_one_line(flags, expected, tmp_path, 
     from open_instruct.ppo_vllm_thread_ray_gtrl import cli
 
     (tmp_path / "bad.py").write_text(
-        "from open_instruct.rl import tools\n"
+        "from open_instruct.environments import tools\n"
         "class BadSchema(tools.Tool):\n"
         "    name, start, end = 'bad', '<bad>', '</bad>'\n"
         "    schema = {'type': 'function', 'function': {'name': 'bad', 'parameters': {'type': 'object', "

@@ -7,8 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from open_instruct.environments import tool_pool
-from open_instruct.rl import tools
+from open_instruct.environments import tool_pool, tools
 
 SUPPORT = Path(__file__).resolve().parent / "support" / "tool_environments.py"
 SLEEP = f"{SUPPORT}:Sleep"

@@ -1,4 +1,4 @@
-"""Tools and environments (rl/tools.py): the calculator never evaluates code, end strings are found once even when
+"""Tools and environments (environments/tools.py): the calculator never evaluates code, end strings are found once even when
 they arrive in pieces, and every bad tool (raising, hanging, too long) is answered with text, never a crash."""
 
 import time
@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from open_instruct.rl import tools
-from open_instruct.rl.tools import Calculator, Environment, ToolEnvironment, ToolError, run_steps, turn_end
+from open_instruct.environments import tools
+from open_instruct.environments.tools import Calculator, Environment, ToolEnvironment, ToolError, run_steps, turn_end
 from open_instruct.sandbox import isolation_problem
 
 
@@ -288,7 +288,7 @@ def test_the_score_goes_on_the_last_token_the_policy_sampled_even_before_a_tool_
 def test_tools_from_the_users_file_and_their_mistakes(tmp_path):
     path = tmp_path / "my_tools.py"
     path.write_text(
-        "from open_instruct.rl import tools\n"
+        "from open_instruct.environments import tools\n"
         "class Reverse(tools.Tool):\n"
         "    name, start, end = 'reverse', '<reverse>', '</reverse>'\n"
         "    def __call__(self, text):\n"
@@ -317,7 +317,7 @@ def test_the_eval_reports_the_share_of_responses_that_called_a_tool_only_in_a_ru
     from open_instruct.generation.evaluation import eval_metrics
     from open_instruct.generation.generation_thread import Rollout
     from open_instruct.generation.vllm_engine import Completion
-    from open_instruct.rl.rewards import RewardConfig, RewardManager
+    from open_instruct.rewards.manager import RewardConfig, RewardManager
 
     prompts = PromptBatch([[1, 2]], ["12"], ["arithmetic"], ["What is 3 * 4?"])
     called = dict.fromkeys(("calls", "errors", "timeouts", "outputs_cut", "seconds", "reward"), 0) | {"calls": 1}
@@ -342,7 +342,7 @@ def test_cut_tool_outputs_are_counted_in_the_eval_and_named_once_on_the_console(
     from open_instruct.generation.generation_thread import Rollout
     from open_instruct.generation.step_batch import BatchCollector
     from open_instruct.generation.vllm_engine import Completion
-    from open_instruct.rl.rewards import RewardConfig, RewardManager
+    from open_instruct.rewards.manager import RewardConfig, RewardManager
     from open_instruct.run import console  # noqa: F401 - puts our modules' log lines on the console, as in a run
 
     prompts = PromptBatch([[1, 2]], ["12"], ["arithmetic"], ["What is 3 * 4?"])

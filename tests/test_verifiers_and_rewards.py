@@ -1,12 +1,12 @@
-"""Tests for open_instruct.rl.verifiers and rl.rewards: verifiers on model-style outputs, alias dispatch, RewardManager."""
+"""Tests for open_instruct.rewards.verifiers and rewards.manager: verifiers on model-style outputs, alias dispatch, RewardManager."""
 
 import threading
 
 import pytest
 import torch
 
-from open_instruct.rl import verifiers
-from open_instruct.rl.rewards import RewardConfig, RewardManager
+from open_instruct.rewards import verifiers
+from open_instruct.rewards.manager import RewardConfig, RewardManager
 
 # ---------------------------------------------------------------- answer extraction
 

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 
 from open_instruct.data.sources import normalise_row, read_raw_rows
 from open_instruct.data.word_problems import MAX_STEPS, make_word_problem_rows, write_word_problem_dataset
-from open_instruct.rl.verifiers import VERIFIERS, resolve_verifier_name
+from open_instruct.rewards.verifiers import VERIFIERS, resolve_verifier_name
 from open_instruct.run.args import parse_args
 
 STEP_PATTERN = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)\.$")

@@ -113,7 +113,7 @@ def write_parquet_splits(output_dir: str, rows_by_split: dict[str, list[dict]]) 
 # the calculator's protocol by one worked example. A dataset mixer names it `embedded_tool_arithmetic`.
 #
 # Why this task: the embedded model gets one-digit additions mostly right, but not four-digit ones (nor any
-# multiplication of that size): with the calculator (rl/tools.py) each question is one copied expression away from its
+# multiplication of that size): with the calculator (environments/tools.py) each question is one copied expression away from its
 # answer, so a run with `--tools calculator` has a capability to learn that the model lacks alone.
 #
 # Why this prompt (measured with scripts/benchmark/tool_call_probe.py, docs/tools.md "A CPU demo"): the protocol stated

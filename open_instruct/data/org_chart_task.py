@@ -5,7 +5,7 @@ Each row holds its own random org chart: six people drawn from NAMES, each manag
 (the last one manages the others and has no manager), written to the row's `managers` column as JSON. The question
 names one person and asks for the manager of their manager: the answer is two `manager_of` calls away (the second
 call's argument is the first call's result), and no two rows share a chart, so nothing about a chart can be learned
-by heart. The `org_chart` environment (rl/tools.py `OrgChart`) answers the calls from the row's chart.
+by heart. The `org_chart` environment (environments/tools.py `OrgChart`) answers the calls from the row's chart.
 
 The grader is `string_match` on the model's own final answer ("The answer is <name>."): a tool's result never holds
 that phrase, so copying a result without answering scores 0, and answering the first call's result (the manager, not
@@ -23,7 +23,6 @@ import json
 import random
 
 from open_instruct.data.arithmetic_task import write_parquet_splits
-from open_instruct.rl.tools import OrgChart
 
 # 32 common first names.
 NAMES = ("Anna", "Ben", "Carl", "Dana", "Emma", "Frank", "Grace", "Henry", "Ivan", "Jack", "Kate", "Leo", "Mark",
@@ -34,6 +33,16 @@ FUNCTION_NAME = "manager_of"
 VERIFIER_NAME = "string_match"
 SYSTEM_PROMPT = "Look people up with the tool. Finish with: The answer is <name>."
 QUESTIONS = {1: "Who is {person}'s manager?", 2: "Who is the manager of {person}'s manager?"}  # by the calls needed
+
+
+def manager_answer(managers: dict[str, str], person: str) -> str:
+    """What `manager_of(person)` answers in this chart: the `org_chart` environment's tool result, and the
+    demonstrations' (the task defines the answer; environments/tools.py `OrgChart` serves it)."""
+    if person in managers:
+        return managers[person]
+    if person in managers.values():
+        return f"{person} has no manager."
+    return f"Error: no one named {person!r} is in the org chart."
 
 
 def draw_chart(rng: random.Random) -> dict[str, str]:
@@ -57,7 +66,7 @@ def demonstration(managers: dict[str, str], person: str, hops: int) -> list[dict
     messages, asked = prompt_messages(person, hops), person
     for _ in range(hops):
         messages += [call_message(asked),
-                     {"role": "tool", "name": FUNCTION_NAME, "content": OrgChart.answer(managers, asked)}]  # fmt: skip
+                     {"role": "tool", "name": FUNCTION_NAME, "content": manager_answer(managers, asked)}]  # fmt: skip
         asked = managers[asked]
     return [*messages, {"role": "assistant", "content": f"The answer is {asked}."}]
 

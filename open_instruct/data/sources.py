@@ -32,7 +32,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from open_instruct.rl.verifiers import VERIFIER_ALIASES
+from open_instruct.rewards.verifiers import VERIFIER_ALIASES
 
 DATA_FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 KNOWN_SPLIT_NAMES = ("train", "test", "validation", "valid", "dev", "eval")

@@ -10,7 +10,7 @@ of the tool turns and the next generation prompt (chat_turns.ToolTurns), which t
 tokenizer (the parser's, the template's, the output cut's) is used in those two parts only: never in a pool thread,
 since a fast tokenizer shared between threads is not safe. A turn with no call ends the sample as before.
 
-A user's environment that defines `step_calls(calls, model_text)` (rl/tools.py `Environment`) takes part the same way
+A user's environment that defines `step_calls(calls, model_text)` (environments/tools.py `Environment`) takes part the same way
 (`NativeEnvironment`): the calls are read in the engine's thread, its `step_calls` runs in a pool thread under the
 time limit, and its results are rendered as tool turns back in the engine's thread. `native_router` builds each
 sample's environment, by its row's --environment_column value where there is one (routing.py).
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from open_instruct.data.chat_templates import resolve_chat_template
-from open_instruct.environments import routing
+from open_instruct.environments import routing, tools
 from open_instruct.environments.chat_turns import ToolTurns
 from open_instruct.environments.tool_parsers import (
     AUTO,
@@ -35,7 +35,6 @@ from open_instruct.environments.tool_parsers import (
     resolve_parser_name,
 )
 from open_instruct.environments.tool_schemas import check_schema, tool_schema
-from open_instruct.rl import tools
 
 log = logging.getLogger(__name__)
 UNREADABLE = "no tool call could be read in the turn"
@@ -194,7 +193,7 @@ class NativeToolEnvironment(tools.Environment):
 
 class NativeEnvironment(tools.Environment):
     """A user's environment in the native format: each turn's calls, read by the run's parser, go to its
-    `step_calls(calls, model_text)` (rl/tools.py `Environment`), and its answer becomes the template's tool turns.
+    `step_calls(calls, model_text)` (environments/tools.py `Environment`), and its answer becomes the template's tool turns.
     No string ends a turn: the engine asks `makes_calls` when the model stops, as of a NativeToolEnvironment.
 
     The engine runs a turn in three parts (tool_pool.py): `read_turn` parses the calls in its own thread, `answer_turn`

@@ -14,7 +14,7 @@ one-line refusal before any model loads); the engine builds each sample's enviro
 import json
 from collections.abc import Callable
 
-from open_instruct.rl.tools import (
+from open_instruct.environments.tools import (
     DEFAULT_OUTPUT_WRAPPER,
     Environment,
     environment_builder,

@@ -1,6 +1,6 @@
 """Reading the tool calls in a model's turn (`--tool_call_parser`).
 
-`tags` is this project's own protocol (`<calculator>...</calculator>`, answered with `<output>...</output>`; rl/tools.py).
+`tags` is this project's own protocol (`<calculator>...</calculator>`, answered with `<output>...</output>`; environments/tools.py).
 Every other name is one of vLLM's tool parsers (`hermes` for Qwen / ChatML `<tool_call>{json}</tool_call>`,
 `llama3_json`, `mistral`, ...), used through its `extract_tool_calls(text, request)`, as vLLM's own server uses it.
 `auto` picks from the chat template's text: `<tool_call>` -> hermes, Llama 3's `<|python_tag|>`/ipython ->

@@ -22,7 +22,7 @@ Where a call runs:
 
 The processes are started with `python -m` (not forked: the engine's process holds vLLM's threads, whose locks a
 fork would copy held) and talk JSON lines through pipes, never pickle (model-written text goes in, tool output
-comes out): the process is rl/reward_worker.py's, serving this module's requests. A turn's calls are read
+comes out): the process is rewards/worker.py's, serving this module's requests. A turn's calls are read
 (`ParkedTurns.start`) and its observation assembled (`ParkedTurn.outcome`) in the engine's thread, where its tokenizer
 lives (it cuts outputs to --tool_output_max_tokens and renders native tool turns): a pool thread never touches it.
 """
@@ -38,7 +38,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from open_instruct.rl import reward_worker, tools
+from open_instruct.environments import tools
+from open_instruct.rewards import worker as reward_worker
 
 # Built-in tools a fresh process builds from their name (others registered in code at run time cannot be).
 BUILT_IN_TOOLS = {"calculator": tools.Calculator, "python": tools.PythonTool}

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import docstring_parser
 import jsonschema
 
-from open_instruct.rl.tools import Tool
+from open_instruct.environments.tools import Tool
 
 JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "object"}
 

@@ -26,7 +26,7 @@ sample's accumulated text, not by vLLM: vLLM matches them within one request's o
 such a resubmission. As vLLM does (with the stop string kept in the output), a sample ends at the step whose text
 completes one, its text cut just after it, its tokens kept whole.
 
-With --tools (a batch's `params["tools"]`) each sample has an environment (rl/tools.py), and the engine looks for its
+With --tools (a batch's `params["tools"]`) each sample has an environment (environments/tools.py), and the engine looks for its
 end strings in the sample's accumulated text after every step, in Python, so one split over two steps or over a
 resubmission is found. A sample that reaches one leaves the engine and is parked: its turn runs on the tool pool
 (environments/tool_pool.py: tools in worker processes, environments' steps in threads, each cut at --tool_timeout_s)
@@ -64,10 +64,9 @@ import logging
 from contextlib import contextmanager
 from dataclasses import asdict
 
-from open_instruct.environments import native_tools, routing, tool_pool
+from open_instruct.environments import native_tools, routing, tool_pool, tools
 from open_instruct.generation import vllm_engine
 from open_instruct.generation.samples import Sample, request_seed
-from open_instruct.rl import tools
 
 log = logging.getLogger(__name__)
 # An observation longer than this many characters a token is cut to it before it is tokenised (the longest token of

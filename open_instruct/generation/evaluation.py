@@ -4,7 +4,7 @@
 
 from open_instruct.data.batches import PromptBatch
 from open_instruct.generation.generation_thread import Rollout
-from open_instruct.rl.rewards import RewardManager
+from open_instruct.rewards.manager import RewardManager
 
 
 def verifiable_correct_rate(completions, prompts: PromptBatch, reward_manager: RewardManager) -> float | None:

@@ -25,7 +25,7 @@ from open_instruct.data.batches import PromptBatch
 from open_instruct.generation.generation_thread import Rollout, WaitAbandoned
 from open_instruct.generation.rollout_requests import RolloutRequests, check_staleness
 from open_instruct.generation.vllm_engine import Completion
-from open_instruct.rl.rewards import PrecomputedScores, RewardManager, Scorer, Verdicts, VerifiedScores
+from open_instruct.rewards.manager import PrecomputedScores, RewardManager, Scorer, Verdicts, VerifiedScores
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def score(reward_manager: RewardManager, prompts: PromptBatch, completions: list
         [prompts.verifier_names[c.prompt_index] for c in completions], [c.finish_reason == "stop" for c in completions],
         None, lengths,
     )  # fmt: skip
-    # An Environment's own reward (rl/tools.py) adds to the verifier's score.
+    # An Environment's own reward (environments/tools.py) adds to the verifier's score.
     scores = scores + torch.tensor([(c.tool_stats or {}).get("reward", 0.0) for c in completions])
     return Scored(scores, correct, lengths, metrics)
 

@@ -36,8 +36,8 @@ from open_instruct.learner.models import ModelSpec
 from open_instruct.learner.saving import SavedModel
 from open_instruct.learner.seams import LearnerBackend
 from open_instruct.learner.single_process import OptimizerSettings, SingleProcess
+from open_instruct.rewards.manager import Scorer
 from open_instruct.rl.packing import pack_rows, plan_micro_batches
-from open_instruct.rl.rewards import Scorer
 from open_instruct.run import checkpoint, devices
 from open_instruct.run.args import Args, BatchSizes, old_logprobs_source
 from open_instruct.run.flops import LearnerWork, ModelFlops

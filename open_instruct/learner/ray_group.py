@@ -35,7 +35,7 @@ from open_instruct.learner.experience import Experience
 from open_instruct.learner.ppo import PPOLearner
 from open_instruct.learner.saving import SavedModel
 from open_instruct.learner.weight_sender import WeightSender
-from open_instruct.rl.rewards import RewardManager, Scorer, VerifiedScores
+from open_instruct.rewards.manager import RewardManager, Scorer, VerifiedScores
 from open_instruct.run import devices
 from open_instruct.run.args import Args, BatchSizes, ConfigError
 from open_instruct.run.cluster import (

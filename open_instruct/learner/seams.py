@@ -26,7 +26,7 @@ from open_instruct.generation.vllm_engine import Completion
 from open_instruct.learner.models import ModelSpec
 from open_instruct.learner.saving import SavedModel
 from open_instruct.learner.single_process import OptimizerSettings
-from open_instruct.rl.rewards import Scorer
+from open_instruct.rewards.manager import Scorer
 
 
 class Learner(HandsOutWeights, Protocol):

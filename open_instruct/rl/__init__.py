@@ -1,10 +1,9 @@
-"""rl: the math of PPO and GRPO (masked statistics, KL, GAE, group advantages, losses, logprobs) and the rewards
-(verifiers that grade a response's text, and the manager that turns them into one score per response).
-May import: torch, math_verify and langdetect, and open_instruct.sandbox (the code verifiers run programs in it); nothing else of open_instruct. Every function is tensors or text in, numbers out.
+"""rl: the math of PPO and GRPO: masked statistics, KL estimators, GAE, group advantages, the policy and value
+losses, logprobs from logits, and packing rows into micro-batches. Tensors in, numbers out; no text, no models.
+May import: torch; nothing else of open_instruct.
 
-The pure math is re-exported here, so that the learner reads `rl.compute_gae(...)`, `rl.policy_loss(...)`. The
-re-exports load on first use (PEP 562): the flag parser imports `rl.reward_config` and `rl.tools`, which need no
-torch, and a mistyped flag is answered before torch loads (run/command_line.py).
+The math is re-exported here, so that the learner reads `rl.compute_gae(...)`, `rl.policy_loss(...)`. The
+re-exports load on first use (PEP 562), so importing the package costs nothing until a function is used.
 """
 
 import importlib

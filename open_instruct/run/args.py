@@ -22,8 +22,8 @@ from transformers import HfArgumentParser
 from open_instruct import MayChangeOnResume
 from open_instruct.data.dataset_args import DatasetArgs
 from open_instruct.data.embedded import EMBEDDED_DATASETS
-from open_instruct.rl.reward_config import RewardConfig
-from open_instruct.rl.tools import DEFAULT_OUTPUT_WRAPPER, absolute_names
+from open_instruct.environments.tools import DEFAULT_OUTPUT_WRAPPER, absolute_names
+from open_instruct.rewards.config import RewardConfig
 
 
 def arg(default, help: str, **kwargs):

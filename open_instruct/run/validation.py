@@ -20,9 +20,9 @@ from collections.abc import Iterable, Iterator
 from open_instruct.environments.native_tools import tool_call_format
 from open_instruct.environments.routing import environment_row, routing_problem, row_environment_problem
 from open_instruct.environments.tool_parsers import AUTO, TAGS, vllm_parser_names
-from open_instruct.rl.reward_config import CODE_VERIFIER, code_limits
-from open_instruct.rl.reward_function import load_reward_function
-from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, VERIFIER_ALIASES, VERIFIERS, resolve_verifier_name
+from open_instruct.rewards.config import CODE_VERIFIER, code_limits
+from open_instruct.rewards.reward_function import load_reward_function
+from open_instruct.rewards.verifiers import GROUND_TRUTH_CHECKS, VERIFIER_ALIASES, VERIFIERS, resolve_verifier_name
 from open_instruct.run.args import (
     VLLM_LORA_RANKS,
     Args,

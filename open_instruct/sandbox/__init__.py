@@ -9,12 +9,14 @@ and pids cgroups per run (`cgroups.py`), limits on processes, memory, CPU time, 
 kill of the whole process tree.
 
 May import: the standard library, and `pyseccomp` (to build the seccomp filter; optional: without it that wall is
-off and the log says so); nothing else of open_instruct (the bottom layer: rl/ builds on it).
+off and the log says so); nothing else of open_instruct (the bottom layer: rewards/ and environments/ build on it, through the names
+exported here only).
 """
 
 from open_instruct.sandbox.isolation import (  # noqa: F401
     ISOLATED,
     MODES,
+    OUTPUT_LIMIT,
     SANDBOX_ERROR,
     TIMEOUT,
     UNSAFE_NO_ISOLATION,

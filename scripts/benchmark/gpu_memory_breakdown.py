@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for  # noqa: E402
 from open_instruct.learner import single_process  # noqa: E402
 from open_instruct.learner.ppo import PPOLearner  # noqa: E402
-from open_instruct.rl.rewards import RewardManager  # noqa: E402
+from open_instruct.rewards.manager import RewardManager  # noqa: E402
 from open_instruct.run.args import compute_batch_sizes  # noqa: E402
 
 GB = 1e9

@@ -92,7 +92,7 @@ def sample_rollout(args, sizes):
 
 def time_row(argv: list[str], path, tokenizer, prompts, completions, stop_token_ids) -> dict[str, float]:
     from open_instruct.learner.algorithms import learner_class
-    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.rewards.manager import RewardManager
     from open_instruct.run.args import compute_batch_sizes, parse_args
 
     args = parse_args(argv)

@@ -67,7 +67,7 @@ def phase_row(work, seconds: float, peak: float, peak_mib: float) -> dict:
 def run_learner(argv: list[str], path, tokenizer, prompts, completions, stop_token_ids) -> dict:
     """A fresh learner of `argv` through make_experience and train on the rollout: each phase's work and memory."""
     from open_instruct.learner.algorithms import learner_class
-    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.rewards.manager import RewardManager
     from open_instruct.run import devices
     from open_instruct.run.args import compute_batch_sizes, parse_args
     from open_instruct.run.flops import LearnerWork

@@ -40,7 +40,7 @@ def one_row(chunk_size: int, responses: int, response_tokens: int, model: str, c
     from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
     from open_instruct.generation.vllm_engine import Completion
     from open_instruct.learner.ppo import PPOLearner
-    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.rewards.manager import RewardManager
     from open_instruct.run.args import compute_batch_sizes, parse_args
 
     path = resolve_model_path(model)

@@ -76,7 +76,7 @@ def trained(model_path: str, lora: bool, learning_rate: str, at: list[int]) -> l
     from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
     from open_instruct.learner import lora as lora_module
     from open_instruct.learner.ppo import PPOLearner
-    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.rewards.manager import RewardManager
     from open_instruct.run.args import compute_batch_sizes, parse_args
 
     tokenizer = load_tokenizer(model_path)

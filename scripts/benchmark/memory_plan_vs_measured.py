@@ -138,7 +138,7 @@ def learner_rank(rank: int, world_size: int, port: int, model_dir: str, flags: l
     from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
     from open_instruct.learner import deepspeed_backend
     from open_instruct.learner.algorithms import learner_class
-    from open_instruct.rl.rewards import RewardManager
+    from open_instruct.rewards.manager import RewardManager
     from open_instruct.run.args import compute_batch_sizes, parse_args
 
     deepspeed_backend.init_process_group(rank, world_size, "127.0.0.1", port, 600)

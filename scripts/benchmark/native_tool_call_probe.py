@@ -22,10 +22,10 @@ from open_instruct.data.chat_templates import render_prompt, resolve_chat_templa
 from open_instruct.data.embedded import resolve_model_path, tool_arithmetic_data_path
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.environments.tool_schemas import tool_schema
+from open_instruct.environments.tools import Calculator
 from open_instruct.generation.engine_batches import generate_batch
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine
-from open_instruct.rl.tools import Calculator
-from open_instruct.rl.verifiers import arithmetic
+from open_instruct.rewards.verifiers import arithmetic
 
 EXAMPLE = (
     "You are a helpful assistant. Use the calculator for arithmetic, then finish with: The answer is <number>.\n\n"

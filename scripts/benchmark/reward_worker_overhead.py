@@ -1,4 +1,4 @@
-"""The reward worker's cost (open_instruct/rl/reward_worker.py): what a verifier call costs in the killable process
+"""The reward worker's cost (open_instruct/rewards/worker.py): what a verifier call costs in the killable process
 against the same call in the trainer's process, and what a cut at the timeout costs.
 
     python scripts/benchmark/reward_worker_overhead.py [--calls 300] [--json out.json]
@@ -20,9 +20,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from open_instruct.rl import verifiers  # noqa: E402
-from open_instruct.rl.reward_function import load_reward_function  # noqa: E402
-from open_instruct.rl.reward_worker import WORKER, RewardTimeout  # noqa: E402
+from open_instruct.rewards import verifiers  # noqa: E402
+from open_instruct.rewards.reward_function import load_reward_function  # noqa: E402
+from open_instruct.rewards.worker import WORKER, RewardTimeout  # noqa: E402
 
 IFEVAL = json.dumps({"instruction_id_list": ["punctuation:no_comma", "length_constraints:number_words"],
                      "kwargs": [{}, {"num_words": 5, "relation": "at least"}]})  # fmt: skip

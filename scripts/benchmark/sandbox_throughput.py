@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from open_instruct.rl.code_tests import CodeVerifier  # noqa: E402
+from open_instruct.rewards.code_tests import CodeVerifier  # noqa: E402
 from open_instruct.sandbox import ISOLATED, UNSAFE_NO_ISOLATION, Limits, Sandbox  # noqa: E402
 
 FIXTURE = REPO / "open_instruct" / "data" / "fixtures" / "code_problems.jsonl"

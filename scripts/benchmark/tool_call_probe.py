@@ -20,7 +20,7 @@ from open_instruct.data.embedded import resolve_model_path
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.engine_batches import generate_batch
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine
-from open_instruct.rl.verifiers import arithmetic
+from open_instruct.rewards.verifiers import arithmetic
 
 PROTOCOL = arithmetic_task.TOOL_SYSTEM_PROMPT
 EXAMPLE = f"For example: {arithmetic_task.TOOL_EXAMPLE_QUESTION}\n{arithmetic_task.TOOL_EXAMPLE_ANSWER}"

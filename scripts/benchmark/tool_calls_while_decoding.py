@@ -28,9 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from open_instruct.environments import tools  # noqa: E402
 from open_instruct.generation import vllm_engine  # noqa: E402
 from open_instruct.generation.engine_batches import EngineBatches  # noqa: E402
-from open_instruct.rl import tools  # noqa: E402
 from tests.support.tool_environments import SlowForSomePrompts  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """PrimeIntellect/verifiable-coding-problems -> code rows in verl's schema: the problem as the user turn, its tests as
 the ground truth in verl's form (`{"inputs": [...], "outputs": [...]}` for stdin/stdout problems, with `"fn_name"` for
-function-call ones), `data_source` "primeintellect" (the `code` verifier, open_instruct/rl/code_tests.py).
+function-call ones), `data_source` "primeintellect" (the `code` verifier, open_instruct/rewards/code_tests.py).
 
     python -m scripts.data_preprocess.code_verl --output_dir data/code [--input local_copy/] [--format open_instruct]
 

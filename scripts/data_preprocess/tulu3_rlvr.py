@@ -8,7 +8,7 @@ and are dropped. Every row's ground truth is checked by its verifier's GROUND_TR
 would refuse fails the conversion now, naming its ground truth, instead of at the start of a run.
 """
 
-from open_instruct.rl.verifiers import GROUND_TRUTH_CHECKS, resolve_verifier_name
+from open_instruct.rewards.verifiers import GROUND_TRUTH_CHECKS, resolve_verifier_name
 from scripts.data_preprocess.common import HubSource, PromptRow, cli, require_fields, run_converter
 
 HUB_SOURCE = HubSource(name="allenai/RLVR-GSM-MATH-IF-Mixed-Constraints", config=None, splits=("train",))

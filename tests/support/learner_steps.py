@@ -7,7 +7,7 @@ from open_instruct.data.batches import PromptBatch
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.vllm_engine import Completion
 from open_instruct.learner.ppo import PPOLearner
-from open_instruct.rl.rewards import RewardManager
+from open_instruct.rewards.manager import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
 
 QUESTIONS = [(1, 2), (3, 4), (2, 2), (5, 1)]

@@ -51,7 +51,7 @@ from tests.support.ray_worker_start import ZYGOTE_VARIABLE, rays_own_setup_worke
 # open_instruct.generation.engine_actors).
 PRELOAD = [
     "torch", "transformers", "peft", "deepspeed", "open_instruct.learner.algorithms",
-    "open_instruct.learner.deepspeed_backend", "open_instruct.learner.weight_sender", "open_instruct.rl.rewards",
+    "open_instruct.learner.deepspeed_backend", "open_instruct.learner.weight_sender", "open_instruct.rewards.manager",
     "open_instruct.generation.vllm_engine", "open_instruct.generation.engine_batches",
     "open_instruct.generation.weight_transfer", "vllm.distributed.utils",
     *(name for name in PRELOAD_LATER if name != "ray" and not name.endswith(".offline")),  # (those two import ray)

@@ -9,7 +9,7 @@ import string
 import threading
 import time
 
-from open_instruct.rl import tools
+from open_instruct.environments import tools
 
 # Each step of EveryLetter takes a random time, drawn from a generator of its own (the trainer's RNGs untouched), so
 # that the runs using it (tests/test_resume.py's tool mode) prove a run does not depend on when its calls return.

@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from open_instruct.rl import ifeval_checks as checks
+from open_instruct.rewards import ifeval_checks as checks
 
 THINK_END = "</think>"
 # Python-literal ground truths ("[{'instruction_id': [...], 'kwargs': [{...}]}]", as some hub sets store them) are

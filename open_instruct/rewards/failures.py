@@ -15,7 +15,7 @@ import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from open_instruct.rl.reward_worker import SHOWN_CHARS, RewardError, RewardTimeout
+from open_instruct.rewards.worker import SHOWN_CHARS, RewardError, RewardTimeout
 
 log = logging.getLogger(__name__)
 ERRORS, TIMEOUTS = "errors", "timeouts"  # the kinds of failure, as the metrics name them

@@ -16,18 +16,18 @@ from typing import Protocol
 
 import torch
 
-from open_instruct.rl.code_tests import OUTCOMES, CodeVerifier
-from open_instruct.rl.reward_config import CODE_VERIFIER, RewardConfig, code_limits
-from open_instruct.rl.reward_failures import FailureTally, Outcome, outcome_of
-from open_instruct.rl.reward_function import absolute_spec, load_reward_function, split_spec
-from open_instruct.rl.reward_worker import WORKER
-from open_instruct.rl.verifiers import (
+from open_instruct.rewards.code_tests import OUTCOMES, CodeVerifier
+from open_instruct.rewards.config import CODE_VERIFIER, RewardConfig, code_limits
+from open_instruct.rewards.failures import FailureTally, Outcome, outcome_of
+from open_instruct.rewards.reward_function import absolute_spec, load_reward_function, split_spec
+from open_instruct.rewards.verifiers import (
     IN_PROCESS_VERIFIERS,
     VERIFIER_ALIASES,
     VERIFIERS,
     r1_format,
     resolve_verifier_name,
 )
+from open_instruct.rewards.worker import WORKER
 from open_instruct.sandbox import Sandbox
 
 

@@ -4,7 +4,7 @@ sandbox limits: what the flag parser needs of the rewards, without torch (reward
 from dataclasses import dataclass, field
 
 from open_instruct import MayChangeOnResume
-from open_instruct.rl.code_tests import DEFAULT_MAX_TESTS
+from open_instruct.rewards.code_tests import DEFAULT_MAX_TESTS
 from open_instruct.sandbox import ISOLATED, UNSAFE_NO_ISOLATION, Limits
 
 CODE_VERIFIER = "code"

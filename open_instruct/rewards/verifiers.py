@@ -12,9 +12,9 @@ import threading
 from collections.abc import Callable
 from decimal import Decimal
 
-from open_instruct.rl import code_tests
-from open_instruct.rl import ifeval as ifeval_rows
-from open_instruct.rl.answer_extraction import (  # noqa: F401 (the extraction API is also reached from here)
+from open_instruct.rewards import code_tests
+from open_instruct.rewards import ifeval as ifeval_rows
+from open_instruct.rewards.answer_extraction import (  # noqa: F401 (the extraction API is also reached from here)
     NUMBER_PATTERN,
     extract_final_answer,
     extract_math_answer,

@@ -55,7 +55,7 @@ class RewardWorker:
     worker process. Thread-safe (one call at a time); the process starts at the first call and after a kill. (The
     tool-call workers, environments/tool_pool.py, are this process serving another module's requests: `MODULE`.)"""
 
-    MODULE = "open_instruct.rl.reward_worker"  # what the process runs: `python -m MODULE parent_pid` (its `serve`)
+    MODULE = "open_instruct.rewards.worker"  # what the process runs: `python -m MODULE parent_pid` (its `serve`)
 
     def __init__(self):
         self._forget()
@@ -157,10 +157,10 @@ os.register_at_fork(after_in_child=WORKER._forget)
 def load(function: str):
     """The callable `function` names: a --reward_function spec (it holds a ':') or a verifier's name."""
     if ":" in function:
-        from open_instruct.rl.reward_function import load_reward_function
+        from open_instruct.rewards.reward_function import load_reward_function
 
         return load_reward_function(function)
-    from open_instruct.rl.verifiers import VERIFIERS, warm_up
+    from open_instruct.rewards.verifiers import VERIFIERS, warm_up
 
     warm_up(function)
     return VERIFIERS[function]

@@ -31,8 +31,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from open_instruct.rl.call_tests import JSON_EQUAL, CallTest, passes, rewrite_asserts
-from open_instruct.rl.code_runner import tagged, untagged
+from open_instruct.rewards.call_tests import JSON_EQUAL, CallTest, passes, rewrite_asserts
+from open_instruct.rewards.code_runner import tagged, untagged
 from open_instruct.sandbox import ISOLATED, SANDBOX_ERROR, TIMEOUT, Limits, RunResult, Sandbox, SandboxPool
 
 HARNESS_FILES = {

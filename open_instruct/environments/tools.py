@@ -1,4 +1,4 @@
-"""Tools and environments the model talks to between its decode turns (multi-turn rollouts, issue 34).
+"""Tools and environments the model talks to between its decode turns (multi-turn rollouts).
 
 Two shapes, both found by name in a registry (as the verifiers are):
 
@@ -37,9 +37,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from open_instruct.rl.reward_function import import_file
-from open_instruct.sandbox import ISOLATED, Limits, Sandbox, SandboxUnavailable, isolation_problem
-from open_instruct.sandbox.isolation import OUTPUT_LIMIT, TIMEOUT
+from open_instruct.data.org_chart_task import manager_answer
+from open_instruct.rewards.reward_function import import_file
+from open_instruct.sandbox import (
+    ISOLATED,
+    OUTPUT_LIMIT,
+    TIMEOUT,
+    Limits,
+    Sandbox,
+    SandboxUnavailable,
+    isolation_problem,
+)
 
 DEFAULT_OUTPUT_WRAPPER = "<output>{output}</output>\n"
 
@@ -441,17 +449,8 @@ class OrgChart(Environment):
                 self.errors += 1
                 results.append(f"Error: {call.error}")
             else:
-                results.append(self.answer(self.managers, call.arguments["person"]))
+                results.append(manager_answer(self.managers, call.arguments["person"]))
         return results, 0.0, False
-
-    @staticmethod
-    def answer(managers: dict[str, str], person: str) -> str:
-        """What `manager_of(person)` answers in this chart (also the task's demonstrations' tool results)."""
-        if person in managers:
-            return managers[person]
-        if person in managers.values():
-            return f"{person} has no manager."
-        return f"Error: no one named {person!r} is in the org chart."
 
 
 # ---------------------------------------------------------------- the registries

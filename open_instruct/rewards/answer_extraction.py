@@ -1,4 +1,4 @@
-"""Reading a model's final answer out of its response text, for the verifiers in rl/verifiers.py.
+"""Reading a model's final answer out of its response text, for the verifiers in rewards/verifiers.py.
 
 A response marks its answer with a box (`\\boxed{5}`, `\\boxed 5`, `\\fbox{5}`) or a phrase ("The answer is 5",
 "Final answer: 5", "The answer to the question is 5", "**Final Answer**: 5", a "## Final Answer" heading with the
