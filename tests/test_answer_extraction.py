@@ -1,4 +1,4 @@
-"""Tests for open_instruct.rewards.answer_extraction: how the verifiers read a model's final answer (issue 33, part 3).
+"""Tests for open_instruct.rewards.answer_extraction: how the verifiers read a model's final answer.
 
 Each extraction mistake the issue lists has its own test, then a hand-labelled set of model-style responses checks
 the verifiers' verdicts end to end (the expected verdict is the one a careful grader gives).

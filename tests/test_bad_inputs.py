@@ -174,7 +174,7 @@ CASES = [
          "--local_rollout_batch_size", "8"], "--number_samples_per_prompt 1 is too few for GRPO"),  # fmt: skip
     Case("GRPO with the KL in the reward", ["--algorithm", "grpo", "--kl_in_loss", "false"],
          "GRPO takes its advantages from the scores alone"),  # fmt: skip
-    # ---- asynchrony (issue 25) ----
+    # ---- asynchrony ----
     Case("async steps 0", ["--async_steps", "0"], "--async_steps 0 is not valid; expected an integer >= 1"),
     Case("async steps in sync mode", ["--async_mode", "false", "--async_steps", "2"],
          "--async_steps 2 needs async mode, and --async_mode is false"),  # fmt: skip

@@ -1,4 +1,4 @@
-"""How a minibatch's loss is split over micro-batches (issue 31): each micro-batch's loss is its sum over its tokens
+"""How a minibatch's loss is split over micro-batches: each micro-batch's loss is its sum over its tokens
 divided by the whole minibatch's real tokens (`--loss_aggregation token`) or responses (`sequence`), so its part of
 the minibatch's mean, and the parts add up. A token then weighs the same whatever micro-batch it lands in; before,
 each padded micro-batch took its own mean and the micro-batches were averaged, so a token of a micro-batch of short

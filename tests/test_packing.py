@@ -257,8 +257,8 @@ def test_two_ranks_of_padded_micro_batches_take_the_single_process_whole_minibat
     stage, rows_per_micro_batch, tiny_model_dir, whole_minibatch_step
 ):
     """Two ZeRO ranks, each with 2 rows of every 4-row minibatch in padded micro-batches of 2 rows or 1 (one or two
-    micro-batches a rank), take the step of one process that holds each minibatch in one micro-batch (issue 31:
-    each micro-batch took its own mean and DeepSpeed averaged them, so a short response's tokens weighed more)."""
+    micro-batches a rank), take the step of one process that holds each minibatch in one micro-batch (before the
+    fix, each micro-batch took its own mean and DeepSpeed averaged them, so a short response's tokens weighed more)."""
     results, _ = two_ranks_against_one_whole_minibatch(
         whole_minibatch_step, tiny_model_dir, stage, "--per_device_train_batch_size", str(rows_per_micro_batch)
     )

@@ -291,7 +291,7 @@ def test_chunked_and_whole_logprobs_give_the_same_learner_step(tiny_model_dir, r
     (["--old_logprobs_from", "vllm", "--beta", "0", "--max_vllm_logprob_diff", "100"], ["value model"]),
 ])  # fmt: skip
 def test_the_steps_work_counts_every_pass_the_learner_ran(tiny_model_dir, rollout, flags, experience_roles):
-    """perf/* (issue 24): make_experience counts the forwards it ran (none skipped by a switch), train adds
+    """perf/*: make_experience counts the forwards it ran (none skipped by a switch), train adds
     num_epochs x (policy and value) forward + backward; padding is what the padded rows hold."""
     from open_instruct.learner.experience import layout_rollout
     from open_instruct.run.flops import ModelFlops

@@ -141,7 +141,7 @@ def test_every_step_logs_finite_metrics_and_the_expected_policy_versions(run_fix
         loaded_weights = line["policy_version/rollout"] > 0
         assert (line["time/weight_sync"] > 0) == loaded_weights, f"step {step}: {line['time/weight_sync']}"
         assert line["time/generation"] > 0 and line["time/training"] > 0
-        # The learner's work (issue 24): the rollout's real tokens (its responses' at least) went through the learner
+        # The learner's work: the rollout's real tokens (its responses' at least) went through the learner
         # in at most the scoring and training time; some slots are padding, never all; the useful FLOP/s are a
         # fraction of the measured peak (a tiny model on a CPU: far below it, but not nothing).
         response_tokens = sum(dict(histograms["lengths/response_tokens"])[step])

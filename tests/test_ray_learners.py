@@ -212,7 +212,7 @@ def ray_run_command(ray_cluster, eval_file, workdir: Path, policy: str, mode: st
 
 @pytest.fixture(scope="module")
 def async_zero3_run(ray_cluster, tiny_model_dir, eval_file, tmp_path_factory) -> RayRun:
-    """Async at ZeRO-3, its policy named by a hub id (issue 31): `org/tiny` at --model_revision v2, served by a local
+    """Async at ZeRO-3, its policy named by a hub id: `org/tiny` at --model_revision v2, served by a local
     fake Hub whose main holds only a config (a run that ignored the revision could not load it). One run serves
     the metric, final-eval and hub-id tests: each trainer start on two Ray nodes costs ~30 s."""
     workdir = tmp_path_factory.mktemp("ray_async")
@@ -288,7 +288,7 @@ def test_ray_run_final_model_loads_and_a_fresh_vllm_engine_reproduces_the_final_
     assert fresh_engine_ids == [row["token_ids"] for row in final_rows]
 
 
-# ---- the policy named by a hub id (issue 31) -------------------------------------------------------------------------
+# ---- the policy named by a hub id -------------------------------------------------------------------------
 
 
 @pytest.mark.e2e

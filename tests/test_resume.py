@@ -58,7 +58,7 @@ RUN_FLAGS = [
     *SMALL_RUN,
 ]  # fmt: skip
 SIGTERM_EXIT_BOUND_S = 60.0
-# The default mode's runs call a tool (issue 34: the kill -9 equality covers a tool run): the tiny model's responses call
+# The default mode's runs call a tool (the kill -9 equality covers a tool run): the tiny model's responses call
 # the environment at every letter, so the checkpoints hold rollouts with tool outputs, and every tools/* metric of the
 # resumed run equals the uninterrupted one's. It costs no run of its own.
 TOOL_FLAGS = ["--tools", f"{TESTS_DIR / 'support' / 'tool_environments.py'}:EveryLetter", "--max_tool_calls", "2"]

@@ -1,4 +1,4 @@
-"""--reward_function path/to/file.py:fn (issue 32): the user's own verifier, from their file, scores every row.
+"""--reward_function path/to/file.py:fn: the user's own verifier, from their file, scores every row.
 
 The batch is scored by RewardManager.score, the call the learner makes in make_experience (the trainer verifies each
 batch where it collects it); the function runs in the reward worker, a process that loads it again from its absolute

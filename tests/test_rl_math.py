@@ -419,7 +419,7 @@ def test_policy_loss_and_kl_loss_aggregate_by_token_or_by_sequence():
 
 
 def test_micro_batches_of_one_response_each_give_every_token_the_whole_minibatchs_weight():
-    """Issue 31's example: responses of 8 and 2 tokens, advantage 1, ratio 1, one micro-batch each. Each micro-batch's
+    """The worked example: responses of 8 and 2 tokens, advantage 1, ratio 1, one micro-batch each. Each micro-batch's
     loss divided by the minibatch's 10 tokens: every token's gradient weight is 1/10, as in one pass over both
     (a mean of the two micro-batches' own means gave 1/16 and 1/4). Sequence aggregation divides by the minibatch's 2
     responses: 1/(2*8) and 1/(2*2), each response weighing the same."""

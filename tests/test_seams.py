@@ -1,4 +1,4 @@
-"""Every backend behind a seam offers the seam's methods with the seam's parameters (issue 32).
+"""Every backend behind a seam offers the seam's methods with the seam's parameters.
 
 The trainer's loop calls a learner, a generation engine and a scorer without knowing which backend runs them (one
 process or Ray learner ranks; an engine in this process or engine actors; the verifiers or scores computed before),

@@ -13,7 +13,7 @@ first, then each split is filled from its own part. One-digit addition has only 
 
 The tool-use task (the second half of this module, `make_tool_arithmetic_rows`): 4-digit additions and
 multiplications that the model cannot do in its head, with a prompt that teaches the calculator's protocol by one
-worked example (issue 34).
+worked example.
 """
 
 import itertools
@@ -108,7 +108,7 @@ def write_parquet_splits(output_dir: str, rows_by_split: dict[str, list[dict]]) 
     return paths
 
 
-# ---------------------------------------------------------------- the tool-use task (issue 34)
+# ---------------------------------------------------------------- the tool-use task
 # 4-digit additions and multiplications that SmolLM2-135M-Instruct cannot do in its head, with a prompt that teaches
 # the calculator's protocol by one worked example. A dataset mixer names it `embedded_tool_arithmetic`.
 #

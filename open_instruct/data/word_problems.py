@@ -1,7 +1,7 @@
 """The embedded mixed-length task: multi-step word problems in the GSM8K row schema, generated (the hub cannot be
 reached here), whose worked answers run from a sentence to several hundred tokens.
 
-Why it exists (issue 24): on the arithmetic task every prompt has about the same length and every answer is a few
+Why it exists: on the arithmetic task every prompt has about the same length and every answer is a few
 tokens, so padding costs the learner nothing. Real RLVR data (GSM8K, MATH) is not like that: answers run from a few
 dozen tokens to the length limit, and a batch padded to its longest row wastes most of its slots. This task gives
 the learner that length distribution, offline and deterministically.

@@ -5,8 +5,8 @@ A response marks its answer with a box (`\\boxed{5}`, `\\boxed 5`, `\\fbox{5}`) 
 answer on the lines below). The marker that comes last in the response wins: a model that boxes 5 and then writes
 "The answer is 6" answers 6, and one that says 6 and then boxes 5 answers 5. A marker without a usable answer
 (an unbalanced box, a phrase followed by nothing or by a verdict such as "correct") is skipped, so an earlier good
-marker still counts. The rules are listed for users in docs/data.md ("How answers are read"); issue 33 lists
-the mistakes they fix.
+marker still counts. The rules are listed for users in docs/data.md ("How answers are read"), and
+tests/test_answer_extraction.py holds the mistakes they fix.
 """
 
 import re

@@ -1,5 +1,5 @@
 """The learner's work in a step, counted: real tokens, token slots (real plus padding) and useful FLOPs, and the
-three `perf/*` metrics made of them (issue 24). Pure: numbers and masks in, numbers out.
+three `perf/*` metrics made of them. Pure: numbers and masks in, numbers out.
 
 Useful FLOPs of one model's pass over a batch (docs/speed.md has the formula and why):
 

@@ -4,12 +4,12 @@
     python scripts/benchmark/first_run.py --variants recipe fp32_full_critic --seeds 1
     python scripts/benchmark/first_run.py --runs_dir runs   # keep the runs; one already evaluated there is reused
 
-Why (issue 36): `ppo.sh` is a newcomer's first run and should take at most ten minutes on 2 cores of every CPU kind
+Why: `ppo.sh` is a newcomer's first run and should take at most ten minutes on 2 cores of every CPU kind
 while its saved model learns at least as much as the fp32 recipe's. The variants are flags on the CPU recipe
 (`ppo_arithmetic_cpu.yaml`; `grpo` runs `grpo_arithmetic_cpu.yaml`), each spelled out in full so that a later
 recipe change does not change what a variant means:
 
-- `fp32_full_critic`: the recipe before issue 36: an fp32 learner, the fp32 engine's logprobs as PPO's old ones, a
+- `fp32_full_critic`: the recipe before the first-run speedups: an fp32 learner, the fp32 engine's logprobs as PPO's old ones, a
   value model of all 30 layers.
 - `bf16_learner_logprobs`: a bf16 learner with its own old logprobs (one forward more) and the truncated importance
   weight to the engine's (what `--old_logprobs_from auto` picks where the probe picks bf16).
@@ -20,7 +20,7 @@ recipe change does not change what a variant means:
   (8 samples a prompt at the start and the end, greedy and 2 samples in the 3 evals between), 14 steps.
 - `small_critic_18_steps`: the same for 18 steps of 32 responses (576 episodes).
 - `small_critic_lr15`: 14 steps at a learning rate of 1.5e-5 instead of 1e-5.
-- `recipe`: `ppo_arithmetic_cpu.yaml` as shipped (since issue 36: `small_critic_18_steps`).
+- `recipe`: `ppo_arithmetic_cpu.yaml` as shipped (`small_critic_18_steps`).
 - `grpo`: no value model at all (`grpo.sh`'s recipe).
 
 Each run's saved `model/` is evaluated by a fresh vLLM engine on all 81 questions of the embedded task (`python -m
@@ -57,7 +57,7 @@ VARIANTS = {
     "small_critic_14_steps": (PPO_CPU, [*SMALL_CRITIC, "--total_episodes", "448", "--learning_rate", "1e-5"]),
     "small_critic_18_steps": (PPO_CPU, [*SMALL_CRITIC, "--total_episodes", "576", "--learning_rate", "1e-5"]),
     "small_critic_lr15": (PPO_CPU, [*SMALL_CRITIC, "--total_episodes", "448", "--learning_rate", "1.5e-5"]),
-    "recipe": (PPO_CPU, []),  # the recipe as shipped (small_critic_18_steps since issue 36)
+    "recipe": (PPO_CPU, []),  # the recipe as shipped (small_critic_18_steps)
     "grpo": (GRPO_CPU, [*FP32, *ONE_EVAL]),
 }
 BASE_SAMPLED = 0.306  # the base model's sampled correct rate on all 81 questions: below it, the run collapsed

@@ -4,7 +4,7 @@
     python scripts/benchmark/learner_dtype.py --seeds 1 --variants float32 bfloat16_learner_logprobs
     python scripts/benchmark/learner_dtype.py --runs_dir runs   # keep the runs; one already evaluated there is reused
 
-Why (issue 25): vLLM computes in fp32 on CPUs, and where bf16 matmuls are fast the learner computes in bf16, so
+Why: vLLM computes in fp32 on CPUs, and where bf16 matmuls are fast the learner computes in bf16, so
 the engine's logprobs of the sampled tokens and the learner's differ (`debug/vllm_vs_learner_logprob_diff_mean`).
 With `--old_logprobs_from vllm` (the recipe's: no old-logprob forward) that gap enters every PPO ratio. The
 variants:

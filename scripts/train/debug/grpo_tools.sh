@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Debug GRPO run with a calculator (issue 34, docs/tools.md "A CPU demo"): SmolLM2-135M-Instruct learns to call
+# Debug GRPO run with a calculator (docs/tools.md "A CPU demo"): SmolLM2-135M-Instruct learns to call
 # <calculator>...</calculator> on 4-digit additions and multiplications it cannot compute alone.
 # Installs the environment first if needed. Extra arguments go to the trainer and win over the config:
 #
