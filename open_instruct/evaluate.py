@@ -35,8 +35,6 @@ import sys
 import time
 from dataclasses import dataclass, field, fields, make_dataclass
 
-from transformers import HfArgumentParser
-
 from open_instruct.data.batches import PromptBatch, prompt_batch
 from open_instruct.data.embedded import EMBEDDED_ALIASES, resolve_dataset_name, resolve_model_path
 from open_instruct.data.prompt_dataset import DatasetArgs, build_prompt_datasets
@@ -45,15 +43,16 @@ from open_instruct.environments.native_tools import tool_call_format
 from open_instruct.environments.routing import environment_row, environment_rows, row_environment_problem
 from open_instruct.environments.tool_parsers import TAGS
 from open_instruct.generation.engine_batches import generate_batch
-from open_instruct.generation.evaluation import tool_call_rate, tool_use, verifiable_correct_rate
+from open_instruct.generation.eval_metrics import tool_call_rate, tool_use, verifiable_correct_rate
 from open_instruct.generation.vllm_engine import EngineConfig, create_engine, generate, sampling_params
 from open_instruct.rewards.manager import RewardConfig, RewardManager
 from open_instruct.run import console
-from open_instruct.run.args import ConfigError, GenerationArgs, tool_settings
+from open_instruct.run.args import ConfigError, FlagParser, GenerationArgs, tool_settings
 from open_instruct.run.command_line import debug_requested, exit_for_config_error
+from open_instruct.run.flag_combinations import validate_tool_flags
 from open_instruct.run.hub import looks_like_hub_id
 from open_instruct.run.hub_models import download_snapshot
-from open_instruct.run.validation import as_config_errors, validate_tool_flags
+from open_instruct.run.validation import as_config_errors, check_values
 
 
 @dataclass
@@ -82,6 +81,7 @@ ToolArgs = make_dataclass("ToolArgs", [
 def eval_tool_settings(tool_args, chat_template_name: str | None = None) -> dict | None:
     """The engine's tool settings for these flags (None without --tools); a mistake is a ConfigError in one line."""
     gen = GenerationArgs(**{name: getattr(tool_args, name) for name in TOOL_FLAGS})
+    check_values(gen)
     validate_tool_flags(gen)
     return tool_settings(gen, chat_template_name)
 
@@ -203,7 +203,7 @@ def evaluate_models(argv: list[str]) -> list[dict]:
     models = list(itertools.takewhile(lambda word: not word.startswith("--"), argv))
     if models:  # `evaluate A B --flag ...`: the leading words are the models
         argv = ["--models", *models, *argv[len(models) :]]
-    parser = HfArgumentParser((EvalArgs, ToolArgs, DatasetArgs, RewardConfig))
+    parser = FlagParser((EvalArgs, ToolArgs, DatasetArgs, RewardConfig))
     args, tool_args, data_args, reward = parser.parse_args_into_dataclasses(args=argv)
     tools = eval_tool_settings(tool_args, data_args.chat_template_name)
     with as_config_errors():

@@ -8,7 +8,7 @@ Takes the trainer's flags (a YAML recipe, flags that override it) plus `--device
 `--device_memory_gb` (default: 80 on a GPU, this machine's memory on a CPU). The models' sizes come from their
 configs alone (run/model_shapes.py: a local folder, a `config.json`, a config shipped under configs/model_configs/
 for a hub id, or the hub), built on the meta device: no weights are read, and the recipes' hub models need no hub.
-Prints the table `run/memory_plan.py` computes (the trainer prints the same one at start) and, on GPUs with engine
+Prints the table `run/memory_budget.py` computes (the trainer prints the same one at start) and, on GPUs with engine
 actors of their own, what vLLM takes of each engine GPU. Exits with 2 and one `error: ...` line naming the biggest
 item and the flag that changes it when the peak is over the device's memory.
 """
@@ -17,7 +17,8 @@ import argparse
 import sys
 
 from open_instruct.run.args import ConfigError, parse_args
-from open_instruct.run.memory_plan import engine_gpu_lines, plan_memory
+from open_instruct.run.engine_memory import engine_gpu_lines
+from open_instruct.run.memory_budget import plan_memory
 from open_instruct.run.model_shapes import run_model_shapes
 from open_instruct.run.validation import one_line
 

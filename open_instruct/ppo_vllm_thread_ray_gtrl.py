@@ -41,7 +41,7 @@ from open_instruct.data.batches import PromptBatch, ShufflingIterator, prompt_ba
 from open_instruct.data.prompt_dataset import build_prompt_datasets
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.environments.routing import environment_rows
-from open_instruct.generation.evaluation import sample_rows
+from open_instruct.generation.eval_metrics import sample_rows
 from open_instruct.generation.generation_thread import GenerationSettings, GenerationThread, WaitAbandoned
 from open_instruct.generation.rollout_requests import RolloutRequests, broadcast_metrics
 from open_instruct.generation.step_batch import BatchCollector
@@ -59,14 +59,12 @@ from open_instruct.run.args import (
     agent_settings,
     async_steps,
     batches_in_engine,
-    compute_batch_sizes,
     needs_rows,
     parse_args,
     tool_settings,
 )
 from open_instruct.run.console import say
 from open_instruct.run.devices import (
-    free_memory_bytes,
     learner_compute_dtype,
     learner_device,
     pin_this_thread,
@@ -79,18 +77,13 @@ from open_instruct.run.run_directory import RunDirectory
 from open_instruct.run.tracking import MetricsLogger, format_progress, repair_jsonl
 from open_instruct.run.validation import (
     as_config_errors,
+    check_data,
+    check_flags,
+    check_memory,
+    check_models,
     one_line,
     row_checker,
-    start_warnings,
     tool_call_schemas,
-    validate_async_depth,
-    validate_code_sandbox,
-    validate_flags,
-    validate_hub,
-    validate_memory,
-    validate_models,
-    validate_packing,
-    validate_work,
 )
 from open_instruct.trainer_outputs import (
     checkpoint_space_problem,
@@ -112,13 +105,9 @@ def main(argv: list[str] | None = None, algorithm: str = "ppo") -> dict:
     """One run; `algorithm` is the default of --algorithm (the GRPO entry point passes "grpo")."""
     with as_config_errors():  # everything below up to the models: a one-line error and exit code 2 (see cli)
         args = parse_args(argv, algorithm)
-        validate_flags(args)
-        sizes = compute_batch_sizes(args)  # inconsistent sizes fail here, before any model loads
-        validate_work(args, sizes)
-        validate_async_depth(args, sizes)
-        validate_hub(args)
+        sizes, warnings = check_flags(args)  # values, combinations, batch sizes, the hub: before anything loads
     say(f"[ppo] run {args.run.run_name}: {describe_run(args, sizes)}")
-    for warning in start_warnings(args, sizes):
+    for warning in warnings:
         say(f"[ppo] warning: {warning}")
     stop = StopRequest(args.run.output_dir, args.run.preemption_timeout_s)
     with RunDirectory(args) as run_dir:  # one run per output_dir: locked, leftovers swept, an earlier run kept
@@ -341,18 +330,9 @@ def load_data(args: Args, pinned_commits: dict | None = None) -> RunData:
             # A native tool-call format (--tool_call_parser): the tools' schemas rendered into the prompts (tools=).
             tool_schemas=tool_call_schemas(args.gen, tokenizer, args.data.chat_template_name),
         )
-        validate_code_sandbox(args, list(train_dataset["dataset"]) + (list(eval_dataset["dataset"]) if eval_dataset else []))
-        validate_models(local_args, policy_path, tokenizer)
         longest_prompt = max(len(ids) for ids in train_dataset["input_ids_prompt"])
-        validate_packing(args, longest_prompt)
-        if not args.dist.uses_ray:  # this process is the learner
-            device = learner_device()
-            validate_memory(local_args, longest_prompt, device.type, free_memory_bytes(device))
-        elif args.dist.device_memory_gb is not None:  # the user gave the learners' memory: refuse before Ray starts
-            # torch.cuda.is_available() asks NVML for a count: no CUDA context on the driver. A head node without GPUs
-            # plans its learners as CPU ranks; give the memory plan's CLI --device gpu to see the GPU plan.
-            validate_memory(local_args, longest_prompt, "cuda" if torch.cuda.is_available() else "cpu", None)
-        # else Ray learner ranks are checked against learner rank 0's own report, before any of them loads a model
+        check_data(args, train_dataset, eval_dataset, longest_prompt)  # code rows' sandbox, the token budget
+        check_models(local_args, policy_path, tokenizer, longest_prompt)  # vocabularies, context, memory (one process)
     # The eval split is small and fixed: read it from the dataset once, not row by row at every eval.
     eval_prompts = eval_rows = None
     if eval_dataset is not None:
@@ -412,7 +392,7 @@ def start_workers(args: Args, sizes: BatchSizes, data: RunData, resume: checkpoi
         # The learners load local folders; the driver's args keep the hub ids (the config logged, the model card).
         learner = build_learner(data.local_args, sizes, data, placement, compute_dtype)
         if args.dist.uses_ray:  # learner rank 0 sends every policy version to the engines (actors or in-process)
-            from open_instruct.generation.engine_actors import connect_engines
+            from open_instruct.generation.weight_transfer import connect_engines
 
             generator.wait_until_ready()
             connect_engines(learner, generator.weight_receivers, args.dist)
@@ -506,8 +486,8 @@ def build_learner(args: Args, sizes: BatchSizes, data: RunData, placement=None, 
     def check_devices(reports: list[dict]) -> None:  # learner rank 0's own measure, before any rank loads a model
         if args.dist.device_memory_gb is None:  # else checked against it before Ray started
             rank0 = reports[0]
-            validate_memory(args, data.longest_prompt, rank0["device_type"], rank0["free_memory_bytes"],
-                            "learner rank 0's")  # fmt: skip
+            check_memory(args, data.longest_prompt, rank0["device_type"], rank0["free_memory_bytes"],
+                         "learner rank 0's")  # fmt: skip
 
     return LearnerGroup(args, sizes, data.policy_path, data.stop_token_ids, placement, check_devices)
 

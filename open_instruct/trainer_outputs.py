@@ -11,7 +11,7 @@ import time
 import torch
 
 from open_instruct.data.embedded import resolve_model_path
-from open_instruct.generation.evaluation import eval_metrics
+from open_instruct.generation.eval_metrics import eval_metrics
 from open_instruct.run import checkpoint, disk_space, hub, hub_models, summary
 from open_instruct.run.args import Args, batches_in_engine
 from open_instruct.run.console import say

@@ -31,7 +31,7 @@ checks that need no GPU. The checks, and what PASS means:
                   at SINGLE_GPU_LEARNING_RATE: exit 0, seconds per step, every step's engine-vs-learner logprob gap
                   within GAP_BOUND_STALE_WEIGHTS, which an engine left with stale weights breaks, and the saved model
                   at least MIN_RELATIVE_UPDATE from the start (a learner that never updates keeps the gap at 0).
-  memory_plan     the memory plan (open_instruct/run/memory_plan.py) of a single-process learner step (bf16, 4 x 640
+  memory_plan     the memory plan (open_instruct/run/memory_budget.py) of a single-process learner step (bf16, 4 x 640
                   tokens, no engine) vs the measured HBM peak (allocator peak + what the process holds outside it),
                   within MEMORY_PLAN_TOLERANCE.
 """
@@ -454,7 +454,7 @@ def memory_plan_args(path: str):
 def planned_learner_step(args, longest_prompt: int):
     """The plan of what the check measures: the learner alone. Its process holds no vLLM engine and hands it no policy
     copies, so the plan leaves the engine's share out (`with_engine=False`)."""
-    from open_instruct.run.memory_plan import plan_memory
+    from open_instruct.run.memory_budget import plan_memory
     from open_instruct.run.model_shapes import run_model_shapes
 
     return plan_memory(args, run_model_shapes(args), "gpu", None, longest_prompt, with_engine=False)

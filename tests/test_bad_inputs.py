@@ -22,7 +22,7 @@ import pytest
 from open_instruct.ppo_vllm_thread_ray_gtrl import cli
 from open_instruct.run.args import SIZE_FLAGS
 from open_instruct.run.command_line import exit_on_bad_command_line
-from tests.small_disk import small_disk_unavailable
+from tests.support.small_disk import small_disk_unavailable
 
 TIME_BOUND_S = 20.0  # loading the tiny model plus starting vLLM takes longer than this on the CI machines
 SUBPROCESS_TIME_BOUND_S = 60.0  # python start and imports (torch, transformers) included
@@ -598,7 +598,7 @@ def test_a_mistyped_command_line_is_answered_before_the_trainers_imports(entry, 
 @pytest.mark.parametrize("value", ["0", "-4"])
 @pytest.mark.parametrize("flag", SIZE_FLAGS)
 def test_a_size_below_one_is_named_by_its_flag_before_the_trainers_imports(flag, value, algorithm, capsys):
-    """The command line's early check computes the batch sizes before validate_flags' ranges run: a size below 1 is
+    """The command line's early check computes the batch sizes before each flag's own check runs: a size below 1 is
     refused there by its own flag, not as a division by zero or as another flag's mistake."""
     with pytest.raises(SystemExit) as exit_info:
         exit_on_bad_command_line([*BASE, f"--{flag}", value], algorithm)

@@ -171,7 +171,7 @@ def test_the_memory_plan_check_plans_its_gpu_step_offline_and_judges_within_its_
     from open_instruct.data.embedded import resolve_model_path
     from open_instruct.data.tokenizer import load_tokenizer
     from open_instruct.run.args import parse_args
-    from open_instruct.run.memory_plan import plan_memory
+    from open_instruct.run.memory_budget import plan_memory
     from open_instruct.run.model_shapes import run_model_shapes
 
     check_gpu = load_check_gpu()
@@ -362,7 +362,7 @@ def test_the_memory_plan_check_plans_the_learner_without_the_engine_it_never_mak
     """The check measures a learner process that holds no vLLM engine: its plan has no engine share and no policy copies
     for one (they were 4 bytes a parameter over the measured step: 0.54 GB of the embedded model's plan)."""
     from open_instruct.data.embedded import resolve_model_path
-    from open_instruct.run.memory_plan import plan_memory
+    from open_instruct.run.memory_budget import plan_memory
     from open_instruct.run.model_shapes import run_model_shapes
 
     check_gpu = load_check_gpu()

@@ -301,7 +301,7 @@ print(json.dumps(report))
 
 
 def test_a_checkpoint_on_a_full_disk_says_so_and_keeps_the_newest_complete_one(tmp_path):
-    from tests.small_disk import on_small_disk, small_disk_unavailable
+    from tests.support.small_disk import on_small_disk, small_disk_unavailable
 
     if reason := small_disk_unavailable():
         pytest.skip(reason)

@@ -217,6 +217,171 @@ def unknown_flags(text: str, known: set[str]) -> list[str]:
     return unknown
 
 
+# Rule 12 of the style guide: a page says what is true now; dated measurements, commits and logs of what was tried are
+# records in docs/measurements/. Neither code nor pages speak of issue numbers, work rounds or sessions: a reader cannot
+# open them.
+RECORDS = "docs/measurements/"
+TEXT_SUFFIXES = {".md", ".py", ".sh", ".sbatch", ".yaml", ".yml", ".toml", ".ini", ".txt", ".cfg"}
+# Projects whose issue trackers a reader can open: "TRL issue 6688" names one of theirs, not ours.
+OTHER_PROJECTS = {
+    "TRL", "vLLM", "verl", "DeepSpeed", "Ray", "transformers", "PyTorch", "torch", "open-instruct", "huggingface_hub",
+    "peft", "pytest", "pytest-xdist", "mkdocs",
+}
+# Hex strings that are no commit of ours: the example commit in a message the code prints (run/hub_models.py,
+# docs/resume.md).
+NOT_COMMITS = {"0123abcd", "0123abcd4567"}
+# "session" in its technical sense: a process session (setsid), which a page may well describe.
+TECHNICAL_SESSIONS = re.compile(r"session of its own|new session|start_new_session", flags=re.I)
+WORK_LOG_WORDS = [
+    re.compile(r"\bsessions?\b", flags=re.I),
+    re.compile(
+        r"\b(?:this|that|the|next|previous|earlier|later|last|each|every|a|one|another|work)\s+rounds?\b(?![ -](?:trip|robin))",
+        flags=re.I,
+    ),
+    re.compile(r"\brounds?\s+\d+\b", flags=re.I),
+    re.compile(r"\blent\b", flags=re.I),
+]
+
+
+def checked_text_files() -> list[Path]:
+    """The repository's text files (tracked, or new and not ignored) outside the records."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"], capture_output=True, text=True, cwd=REPO
+    )
+    assert listed.returncode == 0, listed.stderr
+    paths = []
+    for name in listed.stdout.splitlines():
+        path = REPO / name
+        if name.startswith(RECORDS) or path.suffix not in TEXT_SUFFIXES or not path.is_file():
+            continue
+        paths.append(path)
+    return paths
+
+
+def issue_numbers(text: str) -> list[str]:
+    """Our own tracker's numbers ("issue" or "issues", an optional #, a number), which a reader cannot open; another
+    project's ("TRL" before it) are fine."""
+    found = []
+    for match in re.finditer(r"\bissues?\s+#?\d+", text, flags=re.I):
+        before = text[: match.start()].split()
+        if before and before[-1].strip("(\"'`") in OTHER_PROJECTS:
+            continue
+        found.append(match.group(0))
+    return found
+
+
+def commit_hashes(text: str) -> list[str]:
+    """Short or full commit hashes: 7-40 hex digits with a letter and a digit, standing alone (not part of a UUID, a
+    longer digest, a colour or a float such as 2250e12)."""
+    found = []
+    for match in re.finditer(r"(?<![\w#.-])[0-9a-f]{7,40}(?![\w-])", text):
+        token = match.group(0)
+        if not re.search(r"[a-f]", token) or not re.search(r"[0-9]", token):
+            continue
+        if re.fullmatch(r"[0-9]+e[0-9]+", token) or token in NOT_COMMITS:
+            continue
+        found.append(token)
+    return found
+
+
+def pages() -> list[Path]:
+    """The pages a reader reads as guides: every doc page but the records."""
+    return [path for path in doc_files() if path.exists() and not str(path.relative_to(REPO)).startswith(RECORDS)]
+
+
+def suite_figures(tests_readme: str) -> list[str]:
+    """The suite's test count and time, and the fast tier's, as tests/README.md's tiers table states them."""
+    figures = []
+    for command in ("`bash scripts/test.sh`", "`bash scripts/test.sh --fast`"):
+        row = next(line for line in tests_readme.splitlines() if line.startswith(f"| {command} |"))
+        count = re.search(r"~?(\d{3,5})(?: tests| that)", row)
+        time = re.search(r"~?\d+m\d+s|~?[\d.]+ min\b", row)
+        assert count and time, f"tests/README.md's row of {command} states no test count or time: {row}"
+        figures += [count.group(1), time.group(0).lstrip("~")]
+    return figures
+
+
+def repeated_figures(text: str, figures: list[str]) -> list[str]:
+    return [figure for figure in figures if re.search(rf"(?<![\w.]){re.escape(figure)}(?![\w.])", text)]
+
+
+def work_log_words(text: str) -> list[str]:
+    text = TECHNICAL_SESSIONS.sub("", text)
+    return [match.group(0) for pattern in WORK_LOG_WORDS for match in pattern.finditer(text)]
+
+
+def test_no_issue_numbers_or_commits_outside_the_records():
+    """No page, module, script, recipe or test outside docs/measurements/ cites an issue number of ours or a commit."""
+    problems = []
+    for path in checked_text_files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        where = path.relative_to(REPO)
+        problems += [f"{where}: {found!r}" for found in issue_numbers(text)]
+        problems += [f"{where}: commit {found}" for found in commit_hashes(text)]
+    assert not problems, (
+        "issue numbers or commits outside docs/measurements/ (say what is true now; a measurement's commit goes in "
+        "its record):\n" + "\n".join(problems)
+    )
+
+
+def test_the_issue_and_commit_finders_catch_bad_examples():
+    word = "iss" + "ue"
+    ours = f"Until {word} 31 the path averaged; see {word.title()}s #7."
+    assert issue_numbers(ours) == [f"{word} 31", f"{word.title()}s #7"]
+    assert issue_numbers(f"the adapters drift (TRL {word} 6688), so we merge") == []
+    commit = "9dba" + "448"
+    assert commit_hashes(f"the docs of that run ({commit}) and main (a8c6" + "fa1)") == [commit, "a8c6" + "fa1"]
+    not_commits = "GPU-5f0d3a1c-0d0e-4b1e-9d7a-2a51c9f0e001, 2250e12, 1234567, deadbeef, #1f77b4, " + "ab12" * 16
+    assert commit_hashes(not_commits) == []
+
+
+def test_the_suite_figures_are_stated_in_one_page():
+    """tests/README.md states how many tests the suite has and how long it and its fast tier take; other pages link
+    to it, so the figures cannot disagree."""
+    tests_readme = REPO / "tests/README.md"
+    figures = suite_figures(tests_readme.read_text(encoding="utf-8"))
+    problems = []
+    for path in pages():
+        if path != tests_readme:
+            problems += [f"{path.relative_to(REPO)}: {figure}" for figure in repeated_figures(path.read_text(), figures)]
+    assert not problems, "the suite's figures repeated outside tests/README.md (link to it instead):\n" + "\n".join(
+        problems
+    )
+
+
+def test_the_figures_finder_catches_a_repeat():
+    table = (
+        "| `bash scripts/test.sh` | all 1459 tests on two workers | 36m35s |\n"
+        "| `bash scripts/test.sh --fast` | the ~1300 that need no engine | ~5.5 min |\n"
+    )
+    figures = suite_figures(table)
+    assert figures == ["1459", "36m35s", "1300", "5.5 min"]
+    assert repeated_figures("the whole suite (1459 tests, 36m35s); the fast tier in 5.5 min", figures) == [
+        "1459",
+        "36m35s",
+        "5.5 min",
+    ]
+    assert repeated_figures("a 14590-token row took 5.55 min; 1300.5 s", figures) == []
+
+
+def test_pages_speak_of_no_sessions_rounds_or_lent_machines():
+    """A guide says what is true now, not when or by whom it was found: no "this session", "a later round", "a lent
+    GPU" outside docs/measurements/."""
+    problems = [
+        f"{path.relative_to(REPO)}: {found!r}" for path in pages() for found in work_log_words(path.read_text())
+    ]
+    assert not problems, "work-log words in the pages (move the measurement to docs/measurements/):\n" + "\n".join(
+        problems
+    )
+
+
+def test_the_work_log_finder_catches_bad_examples():
+    bad = "A later " + "session ran it; the docs of this " + "round; on a " + "lent H200; " + "round 3 fixed it."
+    assert len(work_log_words(bad)) == 4
+    fine = "a round trip, the other way round, a bf16 engine rounds small updates, no session of its own, `round`"
+    assert work_log_words(fine) == []
+
+
 def test_tests_named_with_k_exist():
     """`-k NAME` in a command must select some test: a file or a test function of that name."""
     test_sources = "\n".join(path.read_text(encoding="utf-8") for path in (REPO / "tests").glob("test_*.py"))

@@ -20,8 +20,6 @@ without Ray.
 import itertools
 import logging
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -38,9 +36,8 @@ from open_instruct.generation.generation_thread import GenerationSettings
 from open_instruct.generation.vllm_engine import EngineConfig
 from open_instruct.rewards.manager import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
-from tests.support.forked_runs import start_run
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step
-from tests.support.ray_runs import needs_loopback_namespace, wait_for
+from tests.support.ray_runs import kill_an_actor_and_wait_for_the_run_to_end, needs_loopback_namespace
 from tests.support.trainer_runs import TRAINER, last_lines
 
 # ---- pure: the bucket plan and the checksums -------------------------------------------------------------------------
@@ -114,7 +111,7 @@ def test_zero3_pair_broadcasts_to_two_engines_in_buckets_and_they_hold_the_learn
 ):
     """With --lora_rank the ranks send the merged `W + s B A` under the base's names, each adapted layer computed from
     its gathered base and adapters (lora.engine_weights), and the engines load a plain model."""
-    from open_instruct.generation.engine_actors import connect_engines
+    from open_instruct.generation.weight_transfer import connect_engines
     from open_instruct.learner.ray_group import LearnerGroup
 
     flags = ["--num_learners_per_node", "1", "1", "--deepspeed_stage", "3", "--ray_address", ray_cluster.address,
@@ -247,14 +244,6 @@ def test_agent_rollouts_run_beside_the_engine_of_their_slice_and_a_snapshot_of_t
 # ---- a dead engine ends the run --------------------------------------------------------------------------------------
 
 
-def engine_pid(stdout: str, index: int) -> int | None:
-    prefix = f"[vllm] vLLM engine {index}: pid "
-    for line in stdout.splitlines():
-        if line.startswith(prefix):
-            return int(line.removeprefix(prefix).split()[0])
-    return None
-
-
 @pytest.mark.e2e
 @pytest.mark.ray
 @needs_loopback_namespace
@@ -267,37 +256,20 @@ def test_killing_an_engine_actor_ends_the_run_naming_it(ray_cluster, engines, ti
         "--output_dir", str(output_dir),
     ]  # fmt: skip
     engines.shutdown()  # the run needs the cluster's CPUs for its own engines
-    stdout_path, stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    process = start_run(command, tmp_path, stdout_path, stderr_path)
-    try:
-        def trainer_output() -> str:
-            return last_lines(stdout_path.read_text()) + "\n" + last_lines(stderr_path.read_text())
-
-        pid = wait_for(lambda: engine_pid(stdout_path.read_text(), index=1), "engine 1's pid", trainer_output)
-        wait_for(lambda: (output_dir / "metrics.jsonl").exists(), "the first training step", trainer_output)
-        os.kill(pid, signal.SIGKILL)
-        killed_at = time.time()
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the run still runs 120 s after engine 1 was killed:\n{last_lines(stderr_path.read_text())}")
-        seconds = time.time() - killed_at
-    finally:
-        if process.poll() is None:
-            process.kill()
-    stderr_text = stderr_path.read_text()
-    assert process.returncode != 0
-    assert "vLLM engine 1 died during" in stderr_text, last_lines(stderr_text)
-    assert seconds < 60, f"the run took {seconds:.0f}s to end after its engine died"
+    run = kill_an_actor_and_wait_for_the_run_to_end(command, tmp_path, output_dir, "[vllm] vLLM engine 1: pid ",
+                                                    "engine 1")  # fmt: skip
+    assert run.returncode != 0
+    assert "vLLM engine 1 died during" in run.stderr, last_lines(run.stderr)
+    assert run.seconds < 60, f"the run took {run.seconds:.0f}s to end after its engine died"
 
 
 @contextmanager
 def generation_beside_learners(args, engines, settings: GenerationSettings, tokenizer, model_dir: str):
     """A one-rank Ray learner connected to `engines`, the generation thread over them and the learner's rollout
     requests (no dataset: tests send their own requests); everything is shut down on the way out, the engines too."""
-    from open_instruct.generation.engine_actors import connect_engines
     from open_instruct.generation.generation_thread import GenerationThread
     from open_instruct.generation.rollout_requests import RolloutRequests
+    from open_instruct.generation.weight_transfer import connect_engines
     from open_instruct.learner.ray_group import LearnerGroup
 
     learners = generator = None
@@ -406,7 +378,7 @@ def test_a_dead_engines_prompts_come_again_from_its_seed_and_its_replacement_joi
 def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_without_the_death(ray_cluster, tmp_path,
                                                                                               tiny_model_dir):  # fmt: skip
     """The trainer with --max_engine_restarts 1 and 2 engines, twice: as is, and with engine 1 exiting in the middle of
-    its second generate call (tests/inject_fault.py engine_1_dies). Both finish; every step's metrics (timings aside)
+    its second generate call (tests/support/inject_fault.py engine_1_dies). Both finish; every step's metrics (timings aside)
     are equal, and `engine/restarts` is 1 from the step that trained on the batch engine 1 died in."""
     from open_instruct.run.tracking import read_metrics
     from tests.support.resume_runs import comparable
@@ -419,7 +391,7 @@ def test_a_run_whose_engine_dies_mid_run_finishes_with_the_metrics_of_a_run_with
         "--num_evals", "0", "--learner_compute_dtype", "float32",
     ]  # fmt: skip
     runs = {}
-    for name, command in [("as is", TRAINER), ("engine 1 dies", [sys.executable, str(TESTS_DIR / "inject_fault.py"),
+    for name, command in [("as is", TRAINER), ("engine 1 dies", [sys.executable, str(TESTS_DIR / "support" / "inject_fault.py"),
                                                                   "engine_1_dies"])]:  # fmt: skip
         output_dir = tmp_path / name.replace(" ", "_")
         process, seconds = run_command(command + flags + ["--output_dir", str(output_dir)], tmp_path)

@@ -17,18 +17,14 @@ import gc
 import itertools
 import random
 import string
-import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
 
 from open_instruct.environments import tools
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_prompt_logprobs import prompt_logprobs  # noqa: E402
+from tests.support.engine_prompt_logprobs import prompt_logprobs
 
 pytestmark = [pytest.mark.e2e]
 

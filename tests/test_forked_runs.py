@@ -189,7 +189,7 @@ def test_a_zygote_refuses_a_run_whose_environment_it_cannot_give(bare_zygote, tm
 def test_only_python_commands_whose_environment_libraries_read_at_import_is_the_zygotes_are_forked():
     env = offline_env()
     assert forkable([sys.executable, "-m", "open_instruct.evaluate"], env, env)
-    assert forkable([sys.executable, "tests/vllm_greedy.py", "x"], env, env)
+    assert forkable([sys.executable, "tests/support/vllm_greedy.py", "x"], env, env)
     assert not forkable([sys.executable, "-c", "print(1)"], env, env)
     assert not forkable(["bash", "scripts/test.sh"], env, env)
     for name in MAY_DIFFER:

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from open_instruct.run import hub as hub_module
-from tests.fake_hub import INITIAL_GITATTRIBUTES, FakeHub, allow_hub_requests, fake_hub  # noqa: F401 (fixture)
+from tests.support.fake_hub import INITIAL_GITATTRIBUTES, FakeHub, allow_hub_requests, fake_hub  # noqa: F401 (fixture)
 
 TOKEN = "hf_fake_token_for_tests"
 

@@ -1,5 +1,5 @@
 """Models named by a hub id become local snapshot folders before anything loads (open_instruct/run/hub_models.py),
-against the real huggingface_hub client downloading from a local fake Hub (tests/fake_hub.py) on 127.0.0.1.
+against the real huggingface_hub client downloading from a local fake Hub (tests/support/fake_hub.py) on 127.0.0.1.
 
 The learner ranks' side (a 2-rank ZeRO-3 run whose policy is a hub id) is in tests/test_ray_learners.py. A resumed
 run loads the commits its checkpoint recorded, not what the branches point to by then: in process, and with the
@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save
 from open_instruct.ppo_vllm_thread_ray_gtrl import cli
 from open_instruct.run.args import ConfigError, parse_args
 from open_instruct.run.hub_models import HUB_MODEL_FILES, folder_on_this_node, resolved_commits, with_local_models
-from tests.fake_hub import FakeHub, download_env, folder_files, serve_downloads
+from tests.support.fake_hub import FakeHub, download_env, folder_files, serve_downloads
 from tests.support.resume_runs import assert_same_run
 from tests.support.trainer_runs import FP32_LEARNER, SMALL_RUN, TRAINER, last_lines, run_command
 

@@ -26,7 +26,7 @@ from open_instruct.learner.algorithms import learner_class
 from open_instruct.learner.ppo import PPOLearner
 from open_instruct.rewards.manager import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
-from open_instruct.run.memory_plan import plan_memory
+from open_instruct.run.memory_budget import plan_memory
 from open_instruct.run.model_shapes import run_model_shapes
 from open_instruct.run.tracking import read_metrics
 from tests.support.forked_runs import start_run

@@ -1,5 +1,5 @@
-"""The memory plan (run/memory_plan.py, python -m open_instruct.memory_plan): fast, no model weights loaded except the
-tiny model's once.
+"""The memory plan (run/memory_items.py, run/engine_memory.py, run/memory_budget.py; python -m
+open_instruct.memory_plan): fast, no model weights loaded except the tiny model's once.
 
 - Parameter counts from configs alone equal a real loaded model's (tiny policy and its value model).
 - Hand-checked terms of a 1M-parameter model at 2 ranks: weights, fp32 masters, gradients, AdamW at ZeRO-2, ZeRO-3
@@ -25,7 +25,8 @@ import torch
 
 from open_instruct.run import devices
 from open_instruct.run.args import ConfigError, parse_args
-from open_instruct.run.memory_plan import layer_bytes_per_token, plan_memory
+from open_instruct.run.memory_budget import plan_memory
+from open_instruct.run.memory_items import layer_bytes_per_token
 from open_instruct.run.model_shapes import ModelShape, model_shape, run_model_shapes
 from tests.support.trainer_runs import run_command
 

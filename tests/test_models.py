@@ -196,7 +196,7 @@ def test_a_checkpoint_missing_weights_is_said_in_one_line_of_ours(tiny_model_dir
 def test_a_bf16_cpu_learner_against_the_fp32_engines_logprobs_is_warned_about():
     """--old_logprobs_from vllm divides the learner's probabilities by the engine's: on CPUs (fp32 engine) a bf16
     learner gets a warning naming both fixes; one dtype, the learner's own old logprobs, or a GPU: none."""
-    from open_instruct.learner.ppo import engine_dtype_mismatch
+    from open_instruct.learner.experience import engine_dtype_mismatch
     from open_instruct.run.args import parse_args
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -219,7 +219,7 @@ def test_cpu_recipes_with_engine_logprobs_compute_in_the_engines_dtype(name):
     which on either dtype the probe may pick takes the engine's logprobs only with an fp32 learner."""
     from pathlib import Path
 
-    from open_instruct.learner.ppo import engine_dtype_mismatch
+    from open_instruct.learner.experience import engine_dtype_mismatch
     from open_instruct.run.args import old_logprobs_source, parse_args
 
     args = parse_args([str(Path(__file__).resolve().parents[1] / "configs" / "train_configs" / name)])

@@ -7,10 +7,10 @@ on the real trainer (tiny model, real vLLM engine, a few steps). Runs are subpro
   interpreter, the second is forked from the pytest worker's zygote (tests/support/forked_runs.py): the same run
   also shows that a forked run is the run `python -m` gives. The command is the stalled
   run's below (sync mode, 2 steps), so that same run is also the uninterrupted reference of the stall test.
-- A full disk (a small tmpfs as output_dir, tests/small_disk.py): a checkpoint that does not fit stops the run with
+- A full disk (a small tmpfs as output_dir, tests/support/small_disk.py): a checkpoint that does not fit stops the run with
   one line and keeps the newest complete checkpoint; a final model that does not fit goes to --fallback_save_dir.
 - Two SIGTERMs sent together to the process group (GNU timeout, SLURM): one preemption, a checkpoint, exit 143.
-- A generation that cannot finish in time (tests/inject_fault.py generation_stalls) and SIGTERM while the learner
+- A generation that cannot finish in time (tests/support/inject_fault.py generation_stalls) and SIGTERM while the learner
   waits on it: the step is given up, the previous one checkpointed (summary.json: preempted), and `--resume` ends
   the run equal to an uninterrupted one; a second SIGTERM meanwhile exits at once, and summary.json says so.
 - An absurd learning rate: the divergence guard stops the run with its cause, naming the newest checkpoint.
@@ -35,10 +35,10 @@ from safetensors.torch import load_file
 
 from open_instruct.learner.saving import weights_sha256
 from open_instruct.run.tracking import read_metrics
-from tests.inject_fault import STALL_MESSAGE
-from tests.small_disk import on_small_disk, small_disk_unavailable
 from tests.support.forked_runs import start_run
+from tests.support.inject_fault import STALL_MESSAGE
 from tests.support.resume_runs import assert_same_run, comparable, finish, wait_for_step
+from tests.support.small_disk import on_small_disk, small_disk_unavailable
 from tests.support.trainer_runs import FP32_LEARNER, SMALL_RUN, TESTS_DIR, TRAINER, last_lines, run_command
 
 pytestmark = [pytest.mark.e2e]
@@ -65,7 +65,7 @@ def report_line(name: str, line: str) -> None:
     print(f"[line] {name}: {line}")
 
 
-# Sync mode, 2 steps: the generation of step 2's batch stalls (tests/inject_fault.py generation_stalls), so SIGTERM
+# Sync mode, 2 steps: the generation of step 2's batch stalls (tests/support/inject_fault.py generation_stalls), so SIGTERM
 # finds the learner waiting for a rollout that never comes. The batch is the checkpoint's own policy's, so the resumed
 # run generates it again exactly (async mode would generate an older policy's batch with the newer one, and warn).
 STALL_PREEMPTION_S = 20  # the step waits 10 s of it (preemption.WAIT_SHARE), the checkpoint has the rest
@@ -307,7 +307,7 @@ def test_two_sigterms_to_the_process_group_give_one_checkpoint_and_exit_143(tmp_
 
 def start_stalled_run(tmp_path: Path, output_dir: Path) -> subprocess.Popen:
     """The stalled run, once the learner waits on the stalled generation (step 1 logged)."""
-    command = [sys.executable, str(TESTS_DIR / "inject_fault.py"), "generation_stalls", *STALLED_RUN,
+    command = [sys.executable, str(TESTS_DIR / "support" / "inject_fault.py"), "generation_stalls", *STALLED_RUN,
                "--output_dir", str(output_dir)]  # fmt: skip
     process = start_run(command, tmp_path, tmp_path / f"{output_dir.name}.log")
     process.log_path = tmp_path / f"{output_dir.name}.log"

@@ -227,7 +227,7 @@ def two_ranks_against_one_whole_minibatch(whole_minibatch_step, model_dir: str, 
     for name, weight in padded_weights.items():
         torch.testing.assert_close(weights[name], weight, rtol=0, atol=1e-5, msg=name)
     # Under ZeRO-3 policy/weight_norm_vs_start came out 6e-5 off the single process's although the weights agree
-    # (above): it is a function of the weights alone (learner.ppo.weight_norm over ZeRO-3 partitions), so not a
+    # (above): it is a function of the weights alone (learner.models.weight_norm over ZeRO-3 partitions), so not a
     # packing matter; tests/test_ray_learners.py compares it to 1e-4.
     unequal = {"policy/weight_norm_vs_start"} if stage == 3 else set()
     for key in padded:

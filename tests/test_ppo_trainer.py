@@ -7,7 +7,7 @@ cores) and shared through module-scoped fixtures:
 - `sync_run`: `--async_mode false`, 3 steps at a high learning rate, pushing to a local fake Hub, with wandb
   tracking in offline mode, and a tight `--max_vllm_logprob_diff`: the run itself checks every step that the
   engine samples from exactly the learner's weights.
-- two fault runs (tests/inject_fault.py): a crash in the generation thread, and a weight sync that loads nothing.
+- two fault runs (tests/support/inject_fault.py): a crash in the generation thread, and a weight sync that loads nothing.
 
 The argument parsing and batch-size checks at the end run in-process: they load no model.
 """
@@ -28,7 +28,7 @@ from open_instruct.ppo_vllm_thread_ray_gtrl import main
 from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.run.plots import read_histograms
 from open_instruct.run.tracking import read_metrics
-from tests.fake_hub import FakeHub
+from tests.support.fake_hub import FakeHub
 from tests.support.trainer_runs import (
     EVAL_QUESTIONS,
     FP32_LEARNER,
@@ -258,7 +258,7 @@ def test_saved_model_folder_loads_with_its_tokenizer_config_and_args(sync_run, t
 
 def run_with_fault(fault: str, tiny_model_dir: str, tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
     command = [
-        sys.executable, str(TESTS_DIR / "inject_fault.py"), fault,
+        sys.executable, str(TESTS_DIR / "support" / "inject_fault.py"), fault,
         "--model_name_or_path", tiny_model_dir,
         "--output_dir", str(tmp_path / "output"),
         *SMALL_RUN, *flags,

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import AutoTokenizer, HfArgumentParser
+from transformers import AutoTokenizer
 
 from open_instruct.data import prompt_dataset as prompt_dataset_module
 from open_instruct.data import sources as sources_module
@@ -21,6 +21,7 @@ from open_instruct.data.prompt_dataset import (
     tokenize_prompt_dataset,
 )
 from open_instruct.data.sources import PROMPT_COLUMNS, resolve_data_files
+from open_instruct.run.args import FlagParser
 
 # The same five prompts, written below in each of the three row schemas.
 QUESTIONS = ["What is 2 + 3?", "Name a prime above 10.", "Spell cat backwards.", "What is 7 * 6?", "Say hi."]
@@ -240,7 +241,7 @@ def test_build_prompt_datasets_with_eval_mix(tmp_path, tokenizer):
 
 
 def test_dataset_args_parse_from_the_command_line():
-    (args,) = HfArgumentParser(DatasetArgs).parse_args_into_dataclasses(
+    (args,) = FlagParser((DatasetArgs,)).parse_args_into_dataclasses(
         ["--dataset_mixer_list", "a.parquet", "1.0", "b", "20", "--max_prompt_token_length", "64"]
     )
     assert args.dataset_mixer_list == ["a.parquet", "1.0", "b", "20"]

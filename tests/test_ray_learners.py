@@ -13,7 +13,6 @@ namespace scripts/test.sh makes (OPEN_INSTRUCT_LOOPBACK_ONLY=1); elsewhere they 
 """
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -32,11 +31,14 @@ from open_instruct.learner.saving import weights_sha256
 from open_instruct.rewards.manager import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
 from open_instruct.run.flops import is_timing
-from tests.fake_hub import FakeHub, download_env, folder_files
 from tests.support.deepspeed_ranks import run_two_ranks
-from tests.support.forked_runs import start_run
+from tests.support.fake_hub import FakeHub, download_env, folder_files
 from tests.support.learner_steps import EQUIVALENCE_FLAGS, fixed_rollout, one_ppo_step, single_process_ppo_step
-from tests.support.ray_runs import needs_loopback_namespace, ray_trainer_command, wait_for
+from tests.support.ray_runs import (
+    kill_an_actor_and_wait_for_the_run_to_end,
+    needs_loopback_namespace,
+    ray_trainer_command,
+)
 from tests.support.trainer_runs import (
     EVAL_QUESTIONS,
     STEP_METRICS,
@@ -323,28 +325,11 @@ def test_killing_a_learner_actor_ends_the_run_naming_it(ray_cluster, tiny_model_
     command = ray_trainer_command(
         tiny_model_dir, ray_cluster, eval_file, output_dir, "--total_episodes", "400", "--num_evals", "0"
     )
-    stdout_path, stderr_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    process = start_run(command, tmp_path, stdout_path, stderr_path)
-    try:
-        def trainer_output() -> str:
-            return last_lines(stdout_path.read_text()) + "\n" + last_lines(stderr_path.read_text())
-
-        pid = wait_for(lambda: learner_pid(stdout_path.read_text(), rank=1), "rank 1's pid", trainer_output)
-        wait_for(lambda: (output_dir / "metrics.jsonl").exists(), "the first training step", trainer_output)
-        os.kill(pid, signal.SIGKILL)
-        killed_at = time.time()
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the run still runs 120 s after its learner rank 1 was killed:\n{last_lines(stderr_path.read_text())}")
-        seconds = time.time() - killed_at
-    finally:
-        if process.poll() is None:
-            process.kill()
-    stderr_text = stderr_path.read_text()
-    assert process.returncode != 0
-    assert "LearnerFailed: learner rank 1 died during" in stderr_text, last_lines(stderr_text)
-    assert seconds < 60, f"the run took {seconds:.0f}s to end after its learner died"
+    run = kill_an_actor_and_wait_for_the_run_to_end(command, tmp_path, output_dir, "[ppo] learner rank 1: pid ",
+                                                    "its learner rank 1")  # fmt: skip
+    assert run.returncode != 0
+    assert "LearnerFailed: learner rank 1 died during" in run.stderr, last_lines(run.stderr)
+    assert run.seconds < 60, f"the run took {run.seconds:.0f}s to end after its learner died"
 
 
 @pytest.mark.ray
@@ -407,14 +392,6 @@ def test_the_clusters_workers_run_at_the_priority_of_every_other_process(ray_clu
         return os.getpriority(os.PRIO_PROCESS, 0)
 
     assert ray.get(niceness.remote(), timeout=120) == 0
-
-
-def learner_pid(stdout: str, rank: int) -> int | None:
-    prefix = f"[ppo] learner rank {rank}: pid "
-    for line in stdout.splitlines():
-        if line.startswith(prefix):
-            return int(line.removeprefix(prefix).split()[0])
-    return None
 
 
 def test_minibatches_must_split_evenly_over_the_learners():

@@ -7,7 +7,7 @@ checkpoint every 2, against the same flags interrupted:
 - ZeRO-3, async: SIGTERM once step 2 is logged (the run writes a checkpoint, every rank its partitions in parallel,
   and exits 143 with the resume line), `--resume`, `kill -9` of the driver once the checkpoint of step 4 is complete,
   `--resume` to the end.
-- ZeRO-2, sync: learner rank 1 dies in the middle of writing the checkpoint of step 4 (tests/inject_fault.py): the run
+- ZeRO-2, sync: learner rank 1 dies in the middle of writing the checkpoint of step 4 (tests/support/inject_fault.py): the run
   ends naming it, no step_4 checkpoint exists, not even half of one, and step_2 is intact; `--resume` from it to the
   end. In sync mode the rollout in flight at a checkpoint is the checkpoint's own policy's: it is not waited for
   but generated again on resume, and gives the same batch.
@@ -150,7 +150,7 @@ def test_zero2_a_rank_dying_while_writing_a_checkpoint_leaves_the_previous_one_t
     DeepSpeed ranks and an engine on two Ray nodes."""
     output_dir = tmp_path / "output"
     cmd = command(tiny_model_dir, ray_cluster, eval_file, output_dir, 2, False)
-    faulty = [cmd[0], str(TESTS_DIR / "inject_fault.py"), "learner_rank_dies_in_checkpoint", *cmd[3:]]
+    faulty = [cmd[0], str(TESTS_DIR / "support" / "inject_fault.py"), "learner_rank_dies_in_checkpoint", *cmd[3:]]
     assert cmd[1:3] == ["-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]
     process, _ = run_command(faulty, tmp_path)
     last_line = process.stderr.strip().splitlines()[-1]

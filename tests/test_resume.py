@@ -247,7 +247,7 @@ def test_checkpoints_hold_what_the_engine_held_and_the_resumed_engine_continues_
 # ---- non-finite values ---------------------------------------------------------------------------------------------
 
 NAN_RUN = [
-    sys.executable, str(TESTS_DIR / "inject_fault.py"), "nan_loss",
+    sys.executable, str(TESTS_DIR / "support" / "inject_fault.py"), "nan_loss",
     "--model_name_or_path", "tiny", "--total_episodes", "24", "--num_evals", "0", "--save_freq", "1", *SMALL_RUN,
 ]  # fmt: skip
 

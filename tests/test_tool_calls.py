@@ -410,7 +410,8 @@ def test_rows_are_routed_to_native_environments_and_tools_by_their_column(tokeni
     assert native_tools.native_router({**settings, "parser": "tags"}, tokenizer) is None
     # The flags pass their checks (once refused), and the prompts are rendered with both schemas.
     from open_instruct.run.args import GenerationArgs
-    from open_instruct.run.validation import tool_call_schemas, validate_tool_flags
+    from open_instruct.run.flag_combinations import validate_tool_flags
+    from open_instruct.run.validation import tool_call_schemas
 
     gen = GenerationArgs(tools=[box, "calculator"], tool_call_parser="hermes", environment_column="env")
     validate_tool_flags(gen)

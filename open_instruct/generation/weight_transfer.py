@@ -16,12 +16,19 @@ each engine builds at start (vLLM's weight_transfer_config) follows the same rul
 Whatever the transport, the check is ours: each engine worker sums the raw words of every tensor its loader is handed
 (weight_broadcast.StreamingChecksum, wrapped around the model's `load_weights`), learner rank 0 of every tensor it
 sends, and the learner stops the run unless they agree.
+
+`connect_engines` sets the transfer up at the start of a run (learner rank 0 and every engine worker join its group,
+`join_transfer`), for the engine actors and the trainer's in-process engine alike.
 """
 
+import logging
+import time
 from dataclasses import dataclass
 
-from open_instruct.generation.weight_broadcast import Bucket
+from open_instruct.generation.weight_broadcast import Bucket, run_beside
 from open_instruct.run.args import ConfigError
+
+log = logging.getLogger(__name__)
 
 TRANSPORTS = ("gloo", "nccl", "ipc")
 PACKED_NUM_BUFFERS = 2  # vLLM's double buffering: pack chunk k+1 while chunk k is on the wire
@@ -203,3 +210,37 @@ def transfer_result(per_worker: list[dict], seconds: float) -> dict:
         "checksums": [worker["checksum"] for worker in per_worker],
         "tensors": [worker["tensors"] for worker in per_worker],
     }
+
+
+def connect_engines(learner, engines, dist) -> WeightTransfer:
+    """Learner rank 0 and every engine worker agree on the transfer and set it up.
+
+    `learner`: the Ray learner ranks (learner/ray_group.LearnerGroup); `engines`: the engine actors, or the trainer's
+    in-process engine (generation_thread.InProcessEngine). The transport and the dtype come from what the learner ranks
+    and the engine workers reported about their devices, never from this process's view.
+    """
+    started = time.time()
+    transport, why, dtype_name = decide_transfer(dist.vllm_sync_backend, learner, engines)
+    bucket_bytes = int(dist.vllm_sync_bucket_mb * 2**20)
+    plan = learner.weight_bucket_plan(bucket_bytes, dtype_name)
+    host, port = learner.weight_group_address()  # rank 0 hosts the group's rendezvous, on its node
+    transfer = WeightTransfer(transport, host, port, 1 + engines.num_workers, plan, bucket_bytes, dist.vllm_sync_timeout_s)
+    join_transfer(learner, engines, transfer)
+    buckets = f", {len(plan)} bucket(s) of <= {dist.vllm_sync_bucket_mb:g} MB" if transport == "gloo" else ""
+    log.info(
+        f"[vllm] weight transfer: learner rank 0 -> {engines.num_workers} engine worker(s) over {transport} ({why}), "
+        f"{sum(bucket.nbytes for bucket in plan) / 2**20:.0f} MB in {dtype_name}{buckets} "
+        f"({time.time() - started:.1f}s to set up)"
+    )
+    return transfer
+
+
+def join_transfer(learner, engines, transfer: WeightTransfer) -> None:
+    """Learner rank 0 and the engine workers join `transfer` (at the start, and again after a change of engines)."""
+    if transfer.transport == "ipc":  # no rendezvous: the engines watch their loaders, then every rank builds vLLM's trainer side
+        engines.join_weight_group(transfer)
+        learner.join_weight_group(transfer, engines.client())
+    else:  # both sides block in the group's rendezvous until all have joined
+        learner_side = run_beside(learner.join_weight_group, transfer, None)
+        engines.join_weight_group(transfer)
+        learner_side.result(transfer.timeout_s, "join the weight transfer group")

@@ -1,4 +1,5 @@
-"""A rollout as the learner's tensors (`Experience`), and the checks between the engine and the learner.
+"""A rollout as the learner's tensors (`Experience`), and the checks between the engine and the learner (their
+logprobs' agreement, their dtypes).
 
 Layout of every learner batch (the PPO detail "left-pad the prompts"):
 
@@ -22,8 +23,9 @@ import torch
 
 from open_instruct import rl
 from open_instruct.data.batches import PromptBatch, left_pad
-from open_instruct.generation.vllm_engine import Completion
+from open_instruct.generation.vllm_engine import Completion, engine_dtype
 from open_instruct.rl.packing import PackedRows, pack_rows, plan_micro_batches
+from open_instruct.run import devices
 
 
 @dataclass
@@ -232,3 +234,19 @@ def agreement_metrics(learner_logprob: torch.Tensor, engine_logprob: torch.Tenso
         "debug/vllm_vs_learner_ratio_min": agreement["ratio_min"].item(),
         "debug/vllm_vs_learner_ratio_max": agreement["ratio_max"].item(),
     }
+
+
+def engine_dtype_mismatch(args, compute_dtype: torch.dtype, device: torch.device) -> str | None:
+    """A warning when PPO's ratio would divide a bf16 learner's probabilities by an fp32 CPU engine's: with
+    --old_logprobs_from vllm the rounding gap enters every ratio (docs/speed.md, "Learner dtype": two CPU runs in
+    three collapsed). CPU learners only: a GPU learner's engines are on GPUs, in their own dtype."""
+    if device.type != "cpu" or args.ppo.old_logprobs_from != "vllm":
+        return None
+    engine = engine_dtype(args.gen.vllm_dtype)
+    learner = devices.dtype_name(compute_dtype)
+    if engine == learner:
+        return None
+    return (f"[learner] warning: the learner computes in {learner} and the engine in {engine}, and "
+            "--old_logprobs_from vllm puts that rounding gap into every PPO ratio (on the CPU recipe it grew until "
+            "two runs in three collapsed; docs/speed.md, \"Learner dtype\"): pass --learner_compute_dtype "
+            f"{engine} or --old_logprobs_from learner.")  # fmt: skip

@@ -3,7 +3,7 @@
 GRPO (Shao et al., 2024, "DeepSeekMath", section 4.1) samples several responses per prompt and uses their
 mean score as the baseline that PPO's value model would otherwise learn: a response's advantage is its
 score against the other responses to the same prompt (`rl.group_advantages`), on every token of the response
-(outcome supervision). The KL to the reference is a k3 loss term (`--kl_in_loss`, validation.py), not a reward.
+(outcome supervision). The KL to the reference is a k3 loss term (`--kl_in_loss`, run/flag_combinations.py), not a reward.
 
 Everything else is PPOLearner's: the forward passes that give old and reference logprobs, the clipped policy
 loss over shuffled minibatches, the weight handover to vLLM, saving, and checkpoints (which hold no value model).

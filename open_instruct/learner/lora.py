@@ -72,7 +72,7 @@ def add_adapters(hf_model: nn.Module, settings: LoraSettings, seed: int, train_h
         r=settings.rank,
         lora_alpha=settings.alpha,
         target_modules=lora_targets(hf_model, list(settings.target_modules)),
-        lora_dropout=0.0,  # validation.py refuses anything else: the engine samples without dropout
+        lora_dropout=0.0,  # --lora_dropout's check (run/flags.py) refuses anything else: the engine samples without dropout
         bias="none",
     )
     with MODEL_CONSTRUCTION:  # peft builds the adapter layers under torch's default dtype (devices says why)

@@ -114,6 +114,14 @@ def finish_loading(model: nn.Module, spec: ModelSpec) -> nn.Module:
     return model
 
 
+def enable_gradient_checkpointing(hf_model: nn.Module) -> None:
+    """Recompute activations in backward. With LoRA the embedding is frozen: its output must require grad, or the
+    checkpointed layers' recomputation would have nothing to backpropagate into (the adapters would get no gradient)."""
+    hf_model.gradient_checkpointing_enable()
+    if not all(param.requires_grad for param in hf_model.parameters()):
+        hf_model.enable_input_require_grads()
+
+
 def load_policy(path: str, device: torch.device, revision: str | None = None, trainable: bool = True) -> nn.Module:
     """A causal LM: the trainable policy in fp32 (autocast does bf16 compute on GPUs), or a frozen copy."""
     return load_model(ModelSpec("policy" if trainable else "reference policy", path, revision, trainable), device)
@@ -259,6 +267,27 @@ class TokenScores(nn.Module):
 def hf_model_of(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside a TokenLogprobs / TokenScores wrapper (or the model itself)."""
     return getattr(model, "hf_model", model)
+
+
+def weight_norm(model, backend) -> float:
+    """The global L2 norm of a model's weights (the divergence guard's yardstick). Under ZeRO-3 each rank holds only
+    its partition of a partitioned tensor: each sums the squares of its own share and the ranks add them up (a
+    collective: every rank calls it); a tensor every rank holds whole (LoRA's adapters before DeepSpeed partitions
+    them) counts once."""
+    sharded, whole, partitioned = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64), False
+    with torch.no_grad():
+        for param in backend.hf_model(model).parameters():
+            if hasattr(param, "ds_tensor"):
+                partitioned = True
+                share = param.ds_tensor.reshape(-1)
+                start = backend.rank * share.numel()  # a rank's flat range; the last one ends in padding
+                share = share[: max(0, min(share.numel(), param.ds_numel - start))]
+                sharded += torch.linalg.vector_norm(share, dtype=torch.float32).double().cpu() ** 2  # no copy of share
+            else:
+                whole += torch.linalg.vector_norm(param, dtype=torch.float32).double().cpu() ** 2
+    if partitioned:
+        sharded = backend.all_sum(sharded)
+    return float((sharded + whole).sqrt())
 
 
 def response_logprobs(

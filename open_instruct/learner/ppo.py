@@ -1,9 +1,9 @@
 """The PPO learner: turns a rollout into training tensors (`make_experience`) and runs the update (`train`).
 
-It holds the trainable policy and value model, the frozen reference policy, and the reward model
-when one is used. All the math it calls lives in `rl` (pure and tested); this module only
-arranges tensors and models around it. GRPO's learner (grpo.py) is this one without the value
-model and with its own `compute_advantages`.
+It holds the trainable policy, PPO's critic (critic.py: the value model and its optimizer), the frozen reference
+policy, and the reward model when one is used. All the math it calls lives in `rl` (pure and tested); this module
+only arranges tensors and models around it. It inherits its checkpoint side (learner_state.py) and its count of a
+step's work (step_work.py). GRPO's learner (grpo.py) is this one without the critic, with its own `compute_advantages`.
 """
 
 import logging
@@ -18,12 +18,14 @@ from open_instruct.data.batches import PromptBatch
 from open_instruct.data.tokenizer import check_same_vocab, load_tokenizer
 from open_instruct.generation.vllm_engine import Completion, engine_dtype
 from open_instruct.learner import lora, models, saving
+from open_instruct.learner.critic import Critic
 from open_instruct.learner.experience import (
     Experience,
     MicroBatch,
     RolloutTensors,
     agreement_metrics,
     check_engine_matches_learner,
+    engine_dtype_mismatch,
     layout_rollout,
     micro_batches,
     needs_learner_logprobs,
@@ -36,16 +38,17 @@ from open_instruct.learner.models import ModelSpec
 from open_instruct.learner.saving import SavedModel
 from open_instruct.learner.seams import LearnerBackend
 from open_instruct.learner.single_process import OptimizerSettings, SingleProcess
+from open_instruct.learner.step_work import StepWork
 from open_instruct.rewards.manager import Scorer
 from open_instruct.rl.packing import pack_rows, plan_micro_batches
 from open_instruct.run import checkpoint, devices
 from open_instruct.run.args import Args, BatchSizes, old_logprobs_source
-from open_instruct.run.flops import LearnerWork, ModelFlops
+from open_instruct.run.flops import LearnerWork
 
 log = logging.getLogger(__name__)
 
 
-class PPOLearner(LearnerState):
+class PPOLearner(LearnerState, StepWork):
     """The learner of one process, or one rank of a DeepSpeed group (`backend`: seams.LearnerBackend).
 
     Subclasses change the algorithm through `uses_value_model` and `compute_advantages` (GRPO: grpo.py).
@@ -71,25 +74,12 @@ class PPOLearner(LearnerState):
         self.stop_token_ids = stop_token_ids
         self.backend: LearnerBackend = backend or SingleProcess()
         self.device = self.backend.device
-        model_args = args.model
-        if compute_dtype is None:
-            compute_dtype = devices.learner_compute_dtype(model_args.learner_compute_dtype, self.device)
-        self.compute_dtype, why = compute_dtype
-        # Each rank probed its own CPU; they must compute alike (one process: the sum is its own choice).
-        self.compute_dtype, why = devices.compute_dtype_of_all_ranks(self.compute_dtype, why, self.backend.all_sum)
-        self.compute_dtype_reason = why  # said by the driver (a Ray rank's own output goes to the Ray logs)
-        self.dtype_warning = engine_dtype_mismatch(args, self.compute_dtype, self.device)
-        if self.backend.rank == 0:
-            log.info(f"[learner] {self.device.type}: computing in {why}")
-            if args.ppo.old_logprobs_from == "auto":
-                log.info(f"[learner] old logprobs (--old_logprobs_from auto): {self.old_logprobs_choice[2]}")
-            if self.dtype_warning:
-                log.warning(self.dtype_warning)
+        self.choose_compute_dtype(compute_dtype)
         self.policy_path = policy_path
+        model_args = args.model
         # The backend loads each model (under ZeRO-3 every rank only ever holds its share of it); each is wrapped so
         # that one forward gives per-token outputs (models.TokenLogprobs, models.TokenScores).
-        chunk_size = args.ppo.logprob_chunk_size
-        load = self.backend.load_model
+        chunk_size, load = args.ppo.logprob_chunk_size, self.backend.load_model
         # --lora_rank: adapters on the policy and the value model, their base frozen (lora.py); peft keeps each wrapper.
         self.lora = LoraSettings.of(model_args)
         self.adapters: dict[str, PeftModel] = {}
@@ -104,39 +94,18 @@ class PPOLearner(LearnerState):
         if args.ppo.beta != 0 and self.lora is None:
             reference = ModelSpec("reference policy", policy_path, model_args.model_revision, trainable=False)
             self.ref_policy = models.TokenLogprobs(load(reference), chunk_size)
-        self.reward_model = None
-        if args.reward.reward_model_multiplier != 0:
-            if model_args.reward_model_path is None:
-                raise ValueError("--reward_model_multiplier is non-zero but no --reward_model_path was given.")
-            check_same_vocab(
-                tokenizer, load_tokenizer(model_args.reward_model_path), policy_path, model_args.reward_model_path
-            )
-            reward = ModelSpec("reward model", model_args.reward_model_path, model_args.reward_model_revision,
-                               trainable=False, scalar_head=True, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-            self.reward_model = models.TokenScores(load(reward))
-        self.value_model = self.value_trainer = None
-        if self.uses_value_model:
-            value_path = model_args.value_model_path or model_args.reward_model_path or policy_path
-            value = ModelSpec("value model", value_path, scalar_head=True, pad_token_id=tokenizer.pad_token_id,
-                              num_layers=model_args.value_model_num_layers)  # fmt: skip
-            value_model = load(value)
-            if self.lora is not None:  # its score head trains in full
-                self.adapters["value_model"] = lora.add_adapters(value_model, self.lora, args.run.seed + 1, True)
-            self.value_model = models.TokenScores(value_model)
-        self.initial_weight_norm = weight_norm(self.policy, self.backend)  # the divergence guard's yardstick
+        self.reward_model = self.load_reward_model()
+        self.critic = Critic(args, tokenizer, policy_path, self.backend, self.lora) if self.uses_value_model else None
+        self.initial_weight_norm = models.weight_norm(self.policy, self.backend)  # the divergence guard's yardstick
         if model_args.gradient_checkpointing:
-            enable_gradient_checkpointing(self.policy.hf_model)
+            models.enable_gradient_checkpointing(self.policy.hf_model)
         self.policy.train()
         self.policy_trainer = self.backend.trainable(self.policy, self.optimizer_settings(args.ppo.learning_rate))
         # From here on forward passes go through what the backend built (a DeepSpeed engine, or the module itself).
         self.policy = self.policy_trainer.model
-        if self.value_model is not None:
-            if model_args.gradient_checkpointing:
-                enable_gradient_checkpointing(self.value_model.hf_model)
-            self.value_model.train()
+        if self.critic is not None:
             value_lr = args.ppo.value_learning_rate or args.ppo.learning_rate
-            self.value_trainer = self.backend.trainable(self.value_model, self.optimizer_settings(value_lr))
-            self.value_model = self.value_trainer.model
+            self.critic.make_trainable(self.backend, self.optimizer_settings(value_lr))
         if self.ref_policy is not None:
             self.ref_policy = self.backend.frozen(self.ref_policy)
         elif args.ppo.beta != 0:  # LoRA: through the policy's engine (under ZeRO-3 it gathers the base's shards)
@@ -149,6 +118,44 @@ class PPOLearner(LearnerState):
         if self.backend.rank == 0:
             peak, source = devices.peak_flops_per_second(self.device, self.compute_dtype)
             log.info(f"[learner] peak {peak / 1e12:.3g} TFLOP/s a device ({source}): the FLOPs utilization's yardstick")
+
+    def choose_compute_dtype(self, compute_dtype: tuple[torch.dtype, str] | None) -> None:
+        """The dtype this learner computes in (`compute_dtype`, else chosen now), the same on every rank, said once."""
+        args = self.args
+        if compute_dtype is None:
+            compute_dtype = devices.learner_compute_dtype(args.model.learner_compute_dtype, self.device)
+        self.compute_dtype, why = compute_dtype
+        # Each rank probed its own CPU; they must compute alike (one process: the sum is its own choice).
+        self.compute_dtype, why = devices.compute_dtype_of_all_ranks(self.compute_dtype, why, self.backend.all_sum)
+        self.compute_dtype_reason = why  # said by the driver (a Ray rank's own output goes to the Ray logs)
+        self.dtype_warning = engine_dtype_mismatch(args, self.compute_dtype, self.device)
+        if self.backend.rank == 0:
+            log.info(f"[learner] {self.device.type}: computing in {why}")
+            if args.ppo.old_logprobs_from == "auto":
+                log.info(f"[learner] old logprobs (--old_logprobs_from auto): {self.old_logprobs_choice[2]}")
+            if self.dtype_warning:
+                log.warning(self.dtype_warning)
+
+    def load_reward_model(self) -> models.TokenScores | None:
+        """The frozen reward model, with --reward_model_multiplier non-zero (its tokenizer must be the policy's)."""
+        model_args = self.args.model
+        if self.args.reward.reward_model_multiplier == 0:
+            return None
+        if model_args.reward_model_path is None:
+            raise ValueError("--reward_model_multiplier is non-zero but no --reward_model_path was given.")
+        check_same_vocab(self.tokenizer, load_tokenizer(model_args.reward_model_path), self.policy_path,
+                         model_args.reward_model_path)  # fmt: skip
+        reward = ModelSpec("reward model", model_args.reward_model_path, model_args.reward_model_revision,
+                           trainable=False, scalar_head=True, pad_token_id=self.tokenizer.pad_token_id)  # fmt: skip
+        return models.TokenScores(self.backend.load_model(reward))
+
+    @property
+    def value_model(self):  # None: no critic (GRPO)
+        return None if self.critic is None else self.critic.model
+
+    @property
+    def value_trainer(self):
+        return None if self.critic is None else self.critic.trainer
 
     def optimizer_settings(self, learning_rate: float) -> OptimizerSettings:
         ppo = self.args.ppo
@@ -366,12 +373,7 @@ class PPOLearner(LearnerState):
         exp.return_; returns metrics. `score` [batch] and `completions` are what other algorithms use instead."""
         ppo = self.args.ppo
         with timed(timings, "time/value_forward"):
-            exp.value = self.forward_on_all_rows(
-                lambda qr, am: models.response_values(self.value_model, qr, am, exp.context_length),
-                exp.query_response, exp.attention_mask,
-                packed_fn=lambda packed: models.packed_response_values(self.value_model, packed),
-                context_length=exp.context_length,
-            )  # fmt: skip
+            exp.value = self.critic.rollout_values(exp, self.forward_on_all_rows)
         if ppo.whiten_rewards:
             reward = rl.masked_whiten(reward, exp.response_mask, shift_mean=False)
         exp.advantage, exp.return_ = rl.compute_gae(reward, exp.value, exp.response_mask, ppo.gamma, ppo.lam)
@@ -402,36 +404,12 @@ class PPOLearner(LearnerState):
             for index, minibatch in enumerate(order.tensor_split(ppo.num_mini_batches)):
                 if len(minibatch) == 0:
                     continue
-                finite_losses = True
                 # Before the first update the policy is still the one the batch was made with: its logprobs here are
                 # the learner's old ones, which make_experience did not compute with --old_logprobs_from vllm.
                 check_agreement = epoch == 0 and index == 0 and experience.engine_logprob_to_check is not None
-                first_logprobs = torch.zeros(len(minibatch), experience.response_mask.shape[1], device=self.device)
-                plan = micro_batches(
-                    experience, minibatch, ppo.per_device_train_batch_size, ppo.max_tokens_per_micro_batch,
-                    self.backend.rank, self.backend.world_size,
-                )  # fmt: skip
-                for number, micro in enumerate(plan):
-                    finite, new_logprob = self.train_micro_batch(experience, micro, number == len(plan) - 1, record)
-                    finite_losses &= finite
-                    if check_agreement:
-                        first_logprobs[micro.positions] = new_logprob
-                    work["perf/real_tokens"] += micro.real_tokens
-                    work["perf/token_slots"] += micro.token_slots
-                if check_agreement:  # summed over ranks: each rank filled its rows of the minibatch
-                    learner_logprob = self.backend.all_sum(first_logprobs)
-                    agreement = agreement_metrics(
-                        learner_logprob, experience.engine_logprob_to_check[minibatch], experience.response_mask[minibatch]
-                    )
-                    check_engine_matches_learner(agreement, self.args.gen.max_vllm_logprob_diff)  # before the update
-                # A non-finite loss or gradient norm is never applied to the weights (see AdamWTrainer.step).
-                applied = [trainer.step(apply=finite_losses) for trainer in self.trainers]
-                if not all(applied) and not self.args.run.skip_nonfinite_updates:
-                    raise checkpoint.NonFiniteError(
-                        f"non-finite {'loss' if not finite_losses else 'gradient'} in a PPO minibatch; the update was "
-                        "not applied. Lower the learning rate, or pass --skip_nonfinite_updates true to skip such updates."
-                    )
-                skipped_updates += not all(applied)
+                applied, checked = self.train_minibatch(experience, minibatch, check_agreement, record, work)
+                agreement.update(checked)
+                skipped_updates += not applied
 
         # Means over every micro-batch of every rank: [key, (sum, weight)] summed over ranks (a micro-batch's value is
         # its part of its minibatch's mean, its weight its share of the minibatch: a minibatch's weights sum to 1).
@@ -442,10 +420,8 @@ class PPOLearner(LearnerState):
         def mean(key: str) -> float:
             return global_mean[key]
 
-        value_metrics = {}
-        if self.value_model is not None:
-            value_metrics = {"loss/value_avg": mean("vf_loss"), "val/clipfrac_avg": mean("vf_clipfrac")}
-        norm = weight_norm(self.policy, self.backend)  # for the trainer's divergence guard (run/divergence.py)
+        value_metrics = self.critic.metrics(mean) if self.critic is not None else {}
+        norm = models.weight_norm(self.policy, self.backend)  # for the trainer's divergence guard (run/divergence.py)
         value_metrics["policy/weight_norm_vs_start"] = norm / self.initial_weight_norm
         # perf/*: see run/flops.py; the slots the micro-batches (padded or packed) computed on, per epoch
         self.add_training_work(experience, int(work_totals[1]) // ppo.num_epochs)
@@ -466,6 +442,42 @@ class PPOLearner(LearnerState):
             **self.perf_metrics(),
         }
 
+    def train_minibatch(
+        self, exp: Experience, minibatch: torch.Tensor, check_agreement: bool, record, work: dict[str, int]
+    ) -> tuple[bool, dict[str, float]]:
+        """One minibatch (`minibatch`: its rows of `exp`): this rank's micro-batches of it, then one optimizer step of
+        each trained model. Returns whether the step was applied, and with `check_agreement` the engine-vs-learner
+        agreement of its logprobs (checked before the update)."""
+        ppo = self.args.ppo
+        finite_losses = True
+        agreement: dict[str, float] = {}
+        first_logprobs = torch.zeros(len(minibatch), exp.response_mask.shape[1], device=self.device)
+        plan = micro_batches(
+            exp, minibatch, ppo.per_device_train_batch_size, ppo.max_tokens_per_micro_batch,
+            self.backend.rank, self.backend.world_size,
+        )  # fmt: skip
+        for number, micro in enumerate(plan):
+            finite, new_logprob = self.train_micro_batch(exp, micro, number == len(plan) - 1, record)
+            finite_losses &= finite
+            if check_agreement:
+                first_logprobs[micro.positions] = new_logprob
+            work["perf/real_tokens"] += micro.real_tokens
+            work["perf/token_slots"] += micro.token_slots
+        if check_agreement:  # summed over ranks: each rank filled its rows of the minibatch
+            learner_logprob = self.backend.all_sum(first_logprobs)
+            agreement = agreement_metrics(
+                learner_logprob, exp.engine_logprob_to_check[minibatch], exp.response_mask[minibatch]
+            )
+            check_engine_matches_learner(agreement, self.args.gen.max_vllm_logprob_diff)  # before the update
+        # A non-finite loss or gradient norm is never applied to the weights (see AdamWTrainer.step).
+        applied = [trainer.step(apply=finite_losses) for trainer in self.trainers]
+        if not all(applied) and not self.args.run.skip_nonfinite_updates:
+            raise checkpoint.NonFiniteError(
+                f"non-finite {'loss' if not finite_losses else 'gradient'} in a PPO minibatch; the update was "
+                "not applied. Lower the learning rate, or pass --skip_nonfinite_updates true to skip such updates."
+            )
+        return all(applied), agreement
+
     def train_micro_batch(
         self, exp: Experience, micro: MicroBatch, last: bool, record
     ) -> tuple[bool, torch.Tensor]:
@@ -473,9 +485,9 @@ class PPOLearner(LearnerState):
         weight. Returns whether its loss is finite, and its new logprobs [rows, response_len] (detached)."""
         ppo, temperature, rows = self.args.ppo, self.args.gen.temperature, micro.rows
         mask = exp.response_mask[rows]
-        qr, am = exp.query_response[rows], exp.attention_mask[rows]
         with devices.autocast(self.device, self.compute_dtype):
             if micro.packed is None:
+                qr, am = exp.query_response[rows], exp.attention_mask[rows]
                 new_logprob, entropy = models.response_logprobs(
                     self.policy, qr, am, exp.context_length, temperature, with_entropy=True
                 )
@@ -495,61 +507,13 @@ class PPOLearner(LearnerState):
             )
         loss = policy_objective.detach()
         self.policy_trainer.backward(policy_objective, last)
-        if self.value_model is not None:
-            with devices.autocast(self.device, self.compute_dtype):
-                if micro.packed is None:
-                    new_value = models.response_values(self.value_model, qr, am, exp.context_length)
-                else:
-                    new_value = models.packed_response_values(self.value_model, micro.packed)
-            vf_loss, vf_clipfrac = rl.value_loss(
-                new_value.float(), exp.value[rows], exp.return_[rows], mask, ppo.cliprange_value, whole=micro.whole
-            )
-            # The two models share no parameter: separate backward passes give the gradients of the sum.
-            self.value_trainer.backward(ppo.vf_coef * vf_loss, last)
-            loss = loss + ppo.vf_coef * vf_loss.detach()  # vf_loss is logged unweighted
-            record(micro.weight, vf_loss=vf_loss, vf_clipfrac=vf_clipfrac)
+        if self.critic is not None:  # the two models share no parameter: separate backward passes give the sum's
+            loss = loss + self.critic.train_micro_batch(exp, micro, last, record, self.device, self.compute_dtype)
         # Of each position's distribution, computed beside the logprobs.
         entropy = rl.masked_aggregate(entropy, mask, "token", micro.whole)
         record(micro.weight, pg_loss=pg_loss, loss=loss, pg_clipfrac=pg_clipfrac, approxkl=approxkl, ratio=ratio,
                entropy=entropy)  # fmt: skip
         return bool(torch.isfinite(loss)), new_logprob.detach()
-
-    # ---- the learner's work: tokens, padding and useful FLOPs of a step (the perf/* metrics, run/flops.py) ----
-
-    def flops_of_models(self) -> dict[str, ModelFlops]:
-        """The FLOP-count shape of each model this learner runs, by role."""
-        config_of = lambda model: self.backend.hf_model(model).config  # noqa: E731
-        models_by_role = {
-            "policy": (self.policy, True), "reference policy": (self.ref_policy, True),
-            "reward model": (self.reward_model, False), "value model": (self.value_model, False),
-        }  # fmt: skip
-        return {role: ModelFlops.of_config(role, config_of(model), causal_lm)
-                for role, (model, causal_lm) in models_by_role.items() if model is not None}  # fmt: skip
-
-    def experience_work(self, rollout: RolloutTensors, ran_policy_forward: bool) -> LearnerWork:
-        """make_experience's forward passes over the whole rollout (every rank counts the whole batch): the policy's
-        (when its old logprobs were computed), the reference's, the reward model's and the value model's."""
-        work = LearnerWork(real_tokens=int(rollout.attention_mask.sum()))
-        # Packed (--max_tokens_per_micro_batch), the forwards compute on the real tokens alone.
-        slots = work.real_tokens if self.args.ppo.max_tokens_per_micro_batch else None
-        for role, model in self.model_flops.items():
-            if role != "policy" or ran_policy_forward:
-                work.add_pass(model, rollout.attention_mask, rollout.response_mask, backward=False, token_slots=slots)
-        return work
-
-    def add_training_work(self, exp: Experience, token_slots_per_epoch: int | None = None) -> None:
-        """train's passes: each epoch, every row through each trained model forward and backward.
-        `token_slots_per_epoch`: the slots the epoch's micro-batches computed; None: padded rows, as wide as the
-        batch (a packed micro-batch plan passes its own count)."""
-        trained = [self.model_flops[role] for role in ("policy", "value model") if role in self.model_flops]
-        for _ in range(self.args.ppo.num_epochs):
-            for model in trained:
-                self.work.add_pass(model, exp.attention_mask, exp.response_mask, True, token_slots_per_epoch)
-
-    def perf_metrics(self) -> dict[str, float]:
-        """The step's perf/* metrics: useful work over the learner's seconds, against the peak of all its devices."""
-        peak, _ = devices.peak_flops_per_second(self.device, self.compute_dtype)  # measured once per process
-        return self.work.metrics(peak, self.backend.world_size)
 
     def initial_weights(self):
         """The run's initial policy weights by name (`.get(name)`), for the rounding report: read one tensor at a
@@ -565,7 +529,7 @@ class PPOLearner(LearnerState):
 
     @property
     def trainers(self) -> tuple:
-        return (self.policy_trainer,) if self.value_trainer is None else (self.policy_trainer, self.value_trainer)
+        return (self.policy_trainer,) if self.critic is None else (self.policy_trainer, self.critic.trainer)
 
     def save(self, output_dir: str, extra_files: dict[str, dict] | None = None) -> SavedModel | None:
         """Save the policy as an HF folder in `--save_dtype` (default fp32: exactly the trained master weights), in
@@ -584,48 +548,3 @@ class PPOLearner(LearnerState):
         initial = self.initial_weights() if dtype.itemsize < 4 else None
         return saving.save_hf_folder(self.backend.hf_model(self.policy), self.tokenizer, output_dir, weights, dtype,
                                      extra_files, initial, write_more=write_more)  # fmt: skip
-
-
-def enable_gradient_checkpointing(hf_model) -> None:
-    """Recompute activations in backward. With LoRA the embedding is frozen: its output must require grad, or the
-    checkpointed layers' recomputation would have nothing to backpropagate into (the adapters would get no gradient)."""
-    hf_model.gradient_checkpointing_enable()
-    if not all(param.requires_grad for param in hf_model.parameters()):
-        hf_model.enable_input_require_grads()
-
-
-def engine_dtype_mismatch(args, compute_dtype: torch.dtype, device: torch.device) -> str | None:
-    """A warning when PPO's ratio would divide a bf16 learner's probabilities by an fp32 CPU engine's: with
-    --old_logprobs_from vllm the rounding gap enters every ratio (docs/speed.md, "Learner dtype": two CPU runs in
-    three collapsed). CPU learners only: a GPU learner's engines are on GPUs, in their own dtype."""
-    if device.type != "cpu" or args.ppo.old_logprobs_from != "vllm":
-        return None
-    engine = engine_dtype(args.gen.vllm_dtype)
-    learner = devices.dtype_name(compute_dtype)
-    if engine == learner:
-        return None
-    return (f"[learner] warning: the learner computes in {learner} and the engine in {engine}, and "
-            "--old_logprobs_from vllm puts that rounding gap into every PPO ratio (on the CPU recipe it grew until "
-            "two runs in three collapsed; docs/speed.md, \"Learner dtype\"): pass --learner_compute_dtype "
-            f"{engine} or --old_logprobs_from learner.")  # fmt: skip
-
-
-def weight_norm(model, backend) -> float:
-    """The global L2 norm of a model's weights (the divergence guard's yardstick). Under ZeRO-3 each rank holds only
-    its partition of a partitioned tensor: each sums the squares of its own share and the ranks add them up (a
-    collective: every rank calls it); a tensor every rank holds whole (LoRA's adapters before DeepSpeed partitions
-    them) counts once."""
-    sharded, whole, partitioned = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64), False
-    with torch.no_grad():
-        for param in backend.hf_model(model).parameters():
-            if hasattr(param, "ds_tensor"):
-                partitioned = True
-                share = param.ds_tensor.reshape(-1)
-                start = backend.rank * share.numel()  # a rank's flat range; the last one ends in padding
-                share = share[: max(0, min(share.numel(), param.ds_numel - start))]
-                sharded += torch.linalg.vector_norm(share, dtype=torch.float32).double().cpu() ** 2  # no copy of share
-            else:
-                whole += torch.linalg.vector_norm(param, dtype=torch.float32).double().cpu() ** 2
-    if partitioned:
-        sharded = backend.all_sum(sharded)
-    return float((sharded + whole).sqrt())

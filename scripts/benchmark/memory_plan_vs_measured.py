@@ -194,7 +194,7 @@ def case_flags(model: str, ranks: int, stage: int) -> list[str]:
 def predict(model_dir: str, flags: list[str]):
     """The plan of a rank on a CPU, from the configs alone (as the trainer's driver computes it)."""
     from open_instruct.run.args import parse_args
-    from open_instruct.run.memory_plan import plan_memory
+    from open_instruct.run.memory_budget import plan_memory
     from open_instruct.run.model_shapes import run_model_shapes
 
     args = parse_args(["--model_name_or_path", model_dir, *flags])

@@ -8,7 +8,7 @@ check's bound GAP_BOUND_STALE_WEIGHTS stands on.
 Each run is 3 PPO steps of configs/train_configs/ppo_arithmetic_gpu.yaml (its epochs, minibatches, schedule and
 temperature) with a smaller rollout (8 prompts x 4), fp32 engine and learner (so a synced engine agrees to rounding),
 --async_mode false (the engine samples with the weights the learner computes with: any gap past rounding is the
-sync's), the gap's guard off (--max_vllm_logprob_diff 0). "stale" runs tests/inject_fault.py skip_weight_sync: the engine
+sync's), the gap's guard off (--max_vllm_logprob_diff 0). "stale" runs tests/support/inject_fault.py skip_weight_sync: the engine
 keeps its start weights while the learner trains. Prints `debug/vllm_vs_learner_logprob_diff_mean` per step.
 """
 
@@ -32,7 +32,7 @@ def gaps_of_run(stale: bool, learning_rate: str, folder: str) -> tuple[list[floa
     """The run's gap per step, and how it ended ("exit 0", or the last line of a run its own guards stopped: a stale
     engine at a high learning rate trips the divergence guard once its gap is logged)."""
     output = os.path.join(folder, f"{'stale' if stale else 'synced'}_{learning_rate}")
-    entry = [os.path.join(REPO, "tests", "inject_fault.py"), "skip_weight_sync"] if stale else \
+    entry = [os.path.join(REPO, "tests", "support", "inject_fault.py"), "skip_weight_sync"] if stale else \
         ["-m", "open_instruct.ppo_vllm_thread_ray_gtrl"]  # fmt: skip
     command = [sys.executable, *entry, *SETTINGS, "--learning_rate", learning_rate, "--output_dir", output]
     env = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}

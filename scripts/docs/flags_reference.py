@@ -1,8 +1,10 @@
 """Write docs/flags.md, the reference of every trainer flag, from the places each fact is declared once:
 
-- help text, default and choices: the argument dataclasses (`open_instruct/run/args.py` and the groups it collects:
-  `ARG_GROUPS`), with the defaults `--algorithm grpo` changes (`ALGORITHM_DEFAULTS`);
-- the accepted range: the table `validate_flags` checks before any model loads (`run/validation.py`, `_flag_rules`);
+- help text, default and choices: the argument dataclasses (`open_instruct/run/flags.py` and the other groups that
+  `open_instruct/run/args.py` collects: `ARG_GROUPS`), with the defaults `--algorithm grpo` changes
+  (`ALGORITHM_DEFAULTS`);
+- the accepted range: each flag's `check=`, declared beside it, which is what the start-up check applies before any
+  model loads (`run/validation.py`, `check_values`);
 - whether a flag may differ on `--resume`: its type, `MayChangeOnResume[...]` (`open_instruct/__init__.py`), which is
   also what the resume check reads (`run/checkpoint.py`; every other flag must equal the checkpoint's).
 
@@ -21,8 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from open_instruct.run.args import ALGORITHM_DEFAULTS, ARG_GROUPS, Args, flags_that_may_change_on_resume  # noqa: E402
-from open_instruct.run.validation import _flag_rules  # noqa: E402
+from open_instruct.run.args import ALGORITHM_DEFAULTS, ARG_GROUPS, flags_that_may_change_on_resume  # noqa: E402
 
 PAGE = REPO / "docs" / "flags.md"
 
@@ -79,13 +80,15 @@ def cell(text: str) -> str:
     return re.sub(r"\bdocs/(\w+)\.md\b", r"[\1](\1.md)", text)
 
 
-def accepted_values() -> dict[str, str]:
-    defaults = Args(*(group() for group in ARG_GROUPS))
-    return {flag: expected for flag, _, (_, expected) in _flag_rules(defaults)}
+def accepted(field) -> str:
+    """What the start-up check accepts: argparse's choices, or the words of the flag's `check=` ("" for any value)."""
+    choices, check = field.metadata.get("choices"), field.metadata.get("check")
+    if choices:
+        return " | ".join(f"`{choice}`" for choice in choices)
+    return check.describe() if check is not None else ""
 
 
 def render() -> str:
-    accepted = accepted_values()
     may_change_on_resume = flags_that_may_change_on_resume()
     grpo_defaults = ALGORITHM_DEFAULTS["grpo"]
     lines = [HEADER]
@@ -100,13 +103,11 @@ def render() -> str:
             default = f"`{show(default_value(field))}`"
             if field.name in grpo_defaults:
                 default += f"; grpo: `{show(grpo_defaults[field.name])}`"
-            choices = field.metadata.get("choices")
-            allowed = " | ".join(f"`{choice}`" for choice in choices) if choices else accepted.get(field.name, "")
             aliases = field.metadata.get("aliases", [])
             name = f"`--{field.name}`" + "".join(f" (alias `{alias}`)" for alias in aliases)
             on_resume = "may change" if field.name in may_change_on_resume else ""
             lines.append(
-                f"| {name} | {cell(default)} | {cell(allowed)} | {on_resume} | {cell(field.metadata.get('help', ''))} |"
+                f"| {name} | {cell(default)} | {cell(accepted(field))} | {on_resume} | {cell(field.metadata.get('help', ''))} |"
             )
         lines.append("")
     return "\n".join(lines)

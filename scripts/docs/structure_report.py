@@ -10,9 +10,10 @@
 - argv's path: the trainer started on the default flags (the embedded task, one process) and traced from `main`
   until the first call into the learner or the engine (every flag, data and model check is done by then, before a
   weight loads). Each is counted once per edge of the path (caller line -> function), not per call, so that a check run
-  on every dataset row counts once: "entries" are the edges into run/validation.py from outside it; "returns up" are
-  the edges, of our functions that received the flags (argv, the `Args` dataclasses), to a caller on a higher layer
-  (the flags' own dataclass methods, such as `args.dist.uses_ray`, read a flag: not counted).
+  on every dataset row counts once: "entries" are the edges into run/validation.py (and the flag combinations it runs,
+  run/flag_combinations.py) from outside them; "returns up" are the edges, of our functions that received the flags
+  (argv, the `Args` dataclasses), to a caller on a higher layer (the flags' own dataclass methods, such as
+  `args.dist.uses_ray`, read a flag: not counted).
 """
 
 import argparse
@@ -92,7 +93,8 @@ def argv_path(argv: list[str]) -> dict[str, int]:
 
     from open_instruct import ppo_vllm_thread_ray_gtrl as trainer
 
-    flag_modules = {"open_instruct.run.args", "open_instruct.data.dataset_args", "open_instruct.rewards.config"}
+    flag_modules = {"open_instruct.run.args", "open_instruct.run.flags", "open_instruct.data.dataset_args",
+                    "open_instruct.rewards.config"}  # fmt: skip
 
     def holds_flags(value) -> bool:
         if value is argv:
@@ -104,7 +106,7 @@ def argv_path(argv: list[str]) -> dict[str, int]:
         return name if name.startswith("open_instruct") else None
 
     entries, returns_up = set(), set()
-    validation = "open_instruct.run.validation"
+    validation = {"open_instruct.run.validation", "open_instruct.run.flag_combinations"}
 
     def edge(caller, frame) -> str:
         where = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "?"
@@ -126,7 +128,7 @@ def argv_path(argv: list[str]) -> dict[str, int]:
             raise _Stop
         caller = frame.f_back
         caller_module = module_of(caller) if caller is not None else None
-        if module == validation and caller_module not in (None, validation):
+        if module in validation and caller_module is not None and caller_module not in validation:
             entries.add(edge(caller, frame))
         code = frame.f_code
         if module in flag_modules and code.co_argcount and code.co_varnames[0] == "self":

@@ -7,7 +7,7 @@ keeps one *zygote*: a process started once, with the environment the runs get, t
 child becomes the run: it takes the run's working folder, environment
 (the zygote's, which the imports may have added to, as in a new process), argv, standard output and error (files),
 prints what the imports of `PRELOAD_AT_START` printed, and runs the entry module as `__main__` (or the script, for
-tests/inject_fault.py and the engine scripts) as `python -m` would, through the interpreter's normal exit. The
+tests/support/inject_fault.py and the engine scripts) as `python -m` would, through the interpreter's normal exit. The
 imports it finds done are the difference; tests/test_forked_runs.py compares a forked script with a new interpreter,
 and test_never_lose_a_run.py's `same_command_twice` a forked trainer run with a `python -m` one (the same metrics and
 weights, bit for bit).

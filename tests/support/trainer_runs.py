@@ -174,7 +174,7 @@ def assert_saved_weights_are_the_learners(output_dir: Path) -> None:
 def fresh_engine_greedy(model_dir: Path, eval_file: Path, rows: list[dict], workdir: Path,
                         adapter_dir: Path | None = None) -> tuple[list, list]:  # fmt: skip
     """(prompts, greedy completion ids) of `rows`' eval questions from a fresh vLLM engine on `model_dir`, in the
-    learner's dtype, run in a subprocess (tests/vllm_greedy.py); with `adapter_dir`, `model_dir` is the base and the
+    learner's dtype, run in a subprocess (tests/support/vllm_greedy.py); with `adapter_dir`, `model_dir` is the base and the
     engine serves that LoRA adapter (vLLM's `LoRARequest`)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     messages = eval_messages(eval_file)
@@ -185,7 +185,7 @@ def fresh_engine_greedy(model_dir: Path, eval_file: Path, rows: list[dict], work
     prompts_path = workdir / "prompts.json"
     prompts_path.write_text(json.dumps(prompts))
     process = run_to_completion(
-        [sys.executable, str(TESTS_DIR / "vllm_greedy.py"), str(model_dir), str(prompts_path), str(RESPONSE_LENGTH),
+        [sys.executable, str(TESTS_DIR / "support" / "vllm_greedy.py"), str(model_dir), str(prompts_path), str(RESPONSE_LENGTH),
          engine_dtype(), *([str(adapter_dir)] if adapter_dir is not None else [])],
         cwd=workdir,
     )  # fmt: skip

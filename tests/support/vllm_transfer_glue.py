@@ -7,7 +7,7 @@ tensors it maps (the NCCL one with those it receives). Everything around it is t
 EngineConfig with our worker extension and `weight_transfer_config`, weight_transfer.join's checksum wrapper around
 `load_weights`, start_update / vLLM's update_weights / finish_update (vLLM's layer-wise reload) and the report.
 
-    python tests/vllm_transfer_glue.py MODEL_DIR
+    python tests/support/vllm_transfer_glue.py MODEL_DIR
 """
 
 import json

@@ -1,6 +1,6 @@
 """Run the PPO trainer with one fault injected; everything else, the vLLM engine included, is real.
 
-    python tests/inject_fault.py FAULT [trainer flags ...]
+    python tests/support/inject_fault.py FAULT [trainer flags ...]
 
 Faults:
 - `generation_crash`: the second time the generation thread runs a batch to its end (`EngineBatches.run_until_complete`)

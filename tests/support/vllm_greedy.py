@@ -1,6 +1,6 @@
 """Greedy completions of a saved model folder by a fresh vLLM engine, printed as JSON on the last stdout line.
 
-    python tests/vllm_greedy.py MODEL_DIR PROMPTS_JSON MAX_TOKENS DTYPE [ADAPTER_DIR]
+    python tests/support/vllm_greedy.py MODEL_DIR PROMPTS_JSON MAX_TOKENS DTYPE [ADAPTER_DIR]
 
 PROMPTS_JSON is a file holding a list of prompt token-id lists; the output is one list of completion token ids
 per prompt, in order. With ADAPTER_DIR (a LoRA adapter in peft's format, e.g. a LoRA run's `model/adapter`) the engine
