@@ -16,8 +16,7 @@ import torch
 
 from open_instruct import rl
 from open_instruct.learner import models
-from tests.support.learner_steps import assert_same_gradients, recorded_gradients
-from tests.test_packing import learner_with_experience
+from tests.support.learner_steps import assert_same_gradients, learner_with_experience, recorded_gradients
 
 # Minibatches of 4 rows (EQUIVALENCE_FLAGS: 8 responses, 2 minibatches, 2 epochs): how each is split.
 SPLITS = {

@@ -249,7 +249,7 @@ def test_a_learner_step_holds_no_more_vocabulary_logits_than_a_chunk(tiny_model_
     """Watched op by op (TorchDispatchMode): with --logprob_chunk_size C no fp32 [..., vocab] tensor of more than C
     positions is created in make_experience or train (the logprob and entropy passes and their backward); with 0 the
     whole micro-batch's logits exist, which shows the watch sees them."""
-    from tests.test_rl_math import LargestVocabTensor
+    from tests.support.vocab_watch import LargestVocabTensor
 
     prompts, completions = rollout
     learner, reward_manager = build_learner(tiny_model_dir, "--logprob_chunk_size", str(chunk_size))

@@ -25,7 +25,7 @@ from open_instruct.rewards.manager import RewardConfig, RewardManager
 from open_instruct.run import summary
 from open_instruct.run.preemption import LAST_WORDS_S, WAIT_SHARE, Preempted, StopRequest
 from open_instruct.run.tracking import MetricsLogger
-from tests.test_async_schedule import ScriptedEngine, start_requests
+from tests.support.scripted_engine import ScriptedEngine, start_requests
 
 # ---- the learner's side of a step given up ---------------------------------------------------------------------------
 

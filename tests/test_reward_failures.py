@@ -22,8 +22,8 @@ from open_instruct.rewards import ifeval_checks
 from open_instruct.rewards.failures import RewardFailures
 from open_instruct.rewards.manager import RewardConfig, RewardManager, VerifiedScores
 from open_instruct.sandbox import isolation_problem
+from tests.support.scripted_engine import ScriptedEngine, start_requests
 from tests.support.trainer_runs import run_command
-from tests.test_async_schedule import ScriptedEngine, start_requests
 
 SANDBOX_PROBLEM = isolation_problem()
 needs_sandbox = pytest.mark.skipif(SANDBOX_PROBLEM is not None, reason=f"isolation impossible here: {SANDBOX_PROBLEM}")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from open_instruct import rl
+from tests.support.vocab_watch import LargestVocabTensor
 
 GARBAGE = (1e9, float("nan"), float("inf"))
 
@@ -596,24 +597,6 @@ def test_projected_logprobs_in_chunks_equal_the_whole_logits_with_their_gradient
     # The reference itself: log_softmax of logits / temperature at each label.
     reference = torch.log_softmax(head(hidden).detach() / temperature, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(whole.detach(), reference, atol=1e-6, rtol=0)
-
-
-class LargestVocabTensor(torch.utils._python_dispatch.TorchDispatchMode):
-    """Watches every tensor an op creates; records the most positions of a [..., vocab] float32 one."""
-
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.vocab, self.most_positions = vocab, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.is_view:  # a view allocates nothing (e.g. the head's weight transposed)
-            return out
-        for tensor in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.dim() >= 2:
-                if tensor.shape[-1] == self.vocab:
-                    self.most_positions = max(self.most_positions, tensor.numel() // self.vocab)
-        return out
 
 
 def test_projected_logprobs_never_hold_more_than_a_chunk_of_vocabulary_logits():

@@ -6,6 +6,7 @@ import torch
 from open_instruct.data.batches import PromptBatch
 from open_instruct.data.tokenizer import load_tokenizer, stop_token_ids_for
 from open_instruct.generation.vllm_engine import Completion
+from open_instruct.learner.grpo import GRPOLearner
 from open_instruct.learner.ppo import PPOLearner
 from open_instruct.rewards.manager import RewardManager
 from open_instruct.run.args import compute_batch_sizes, parse_args
@@ -93,3 +94,35 @@ def assert_same_gradients(got: dict, expected: dict, what: str, atol: float = 1e
     for name, gradient in expected.items():
         where = f"{what}, {name}"
         torch.testing.assert_close(got[name], gradient, rtol=0, atol=atol, msg=lambda m, where=where: f"{where}: {m}")
+
+
+# Two responses per prompt: a few tokens, or a sentence of 25-35; stopped, or cut off.
+MIXED_RESPONSES = [
+    ("3", "stop"),
+    ("The answer is 3, because one plus two makes three, and I checked it twice by counting: one, two, three.", "stop"),
+    ("7", "stop"), ("It is 8", "length"), ("4", "stop"),
+    ("2 + 2 is 5, I think, but let me count again slowly to be sure of it: two and two make four, so", "length"),
+    ("6", "length"), ("The sum of 5 and 1 is 6.", "stop"),
+]  # fmt: skip
+
+
+def mixed_length_rollout(tokenizer):
+    prompts, _ = fixed_rollout(tokenizer)
+    completions = []
+    for row, (text, finish_reason) in enumerate(MIXED_RESPONSES):
+        ids = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if finish_reason == "stop" else [])
+        completions.append(Completion(prompt_index=row // 2, token_ids=ids, text=text, finish_reason=finish_reason))
+    return prompts, completions
+
+
+def learner_with_experience(model_dir: str, algorithm: str, *flags: str):
+    """A fresh learner and its experience of the fixed mixed-length rollout; (learner, experience, its metrics)."""
+    args = parse_args(["--model_name_or_path", model_dir, *EQUIVALENCE_FLAGS, "--response_length", "48", *flags],
+                      algorithm=algorithm)  # fmt: skip
+    tokenizer = load_tokenizer(model_dir)
+    torch.manual_seed(args.run.seed)  # the value head's init: the same in every learner of a test
+    cls = GRPOLearner if algorithm == "grpo" else PPOLearner
+    learner = cls(args, compute_batch_sizes(args), tokenizer, model_dir, stop_token_ids_for(tokenizer, "eos"))
+    prompts, completions = mixed_length_rollout(tokenizer)
+    exp, experience_metrics, _ = learner.make_experience(prompts, completions, RewardManager(args.reward))
+    return learner, exp, experience_metrics
